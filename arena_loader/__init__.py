@@ -1,0 +1,29 @@
+"""arena_loader: a DataLoader with torch's interface whose workers write batches in place
+into one preallocated POSIX shared-memory slab."""
+
+from ._worker import WorkerInfo, get_worker_info
+from .errors import (
+    ArenaLoaderError,
+    LayoutError,
+    LoaderClosedError,
+    LoaderTimeoutError,
+    ShmCapacityError,
+    SlotsExhaustedError,
+    WorkerCrashedError,
+)
+from .loader import ArenaLoader
+
+__all__ = [
+    "ArenaLoader",
+    "ArenaLoaderError",
+    "LayoutError",
+    "LoaderClosedError",
+    "LoaderTimeoutError",
+    "ShmCapacityError",
+    "SlotsExhaustedError",
+    "WorkerCrashedError",
+    "WorkerInfo",
+    "get_worker_info",
+]
+
+__version__ = "0.1.0"

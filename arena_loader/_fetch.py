@@ -1,0 +1,75 @@
+"""Fetching a batch's samples and writing them into a slot: shared by workers and the
+in-process (``num_workers=0``) path, so both behave identically."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._layout import BatchLayout
+
+
+@dataclass
+class Fetched:
+    """What the dataset (and collate_fn) produced for one batch, before it is written."""
+
+    rows: int
+    samples: list | None  # default collation: the samples, written row by row
+    batch: Any = None  # custom collate_fn or batch_size=None: the whole batch
+
+
+class BatchFiller:
+    def __init__(self, dataset: Any, collate_fn: Callable | None, auto_collation: bool,
+                 batch_size: int | None):
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.auto_collation = auto_collation
+        self.batch_size = batch_size
+        self._getitems = getattr(dataset, "__getitems__", None)
+
+    def fetch(self, indices: Any) -> Fetched:
+        if not self.auto_collation:
+            sample = self.dataset[indices]
+            if self.collate_fn is not None:
+                sample = self.collate_fn(sample)
+            return Fetched(rows=1, samples=None, batch=sample)
+        if self._getitems is not None:
+            samples = self._getitems(list(indices))
+            if len(samples) != len(indices):
+                raise ValueError(
+                    f"dataset.__getitems__ returned {len(samples)} samples for {len(indices)} "
+                    f"indices {list(indices)!r}; it must return one sample per index, in order"
+                )
+        else:
+            dataset = self.dataset
+            samples = [dataset[i] for i in indices]
+        if self.collate_fn is None:
+            return Fetched(rows=len(samples), samples=samples)
+        return Fetched(rows=len(samples), samples=None, batch=self.collate_fn(samples))
+
+    def layout_for(self, fetched: Fetched, indices: Any) -> BatchLayout:
+        if fetched.samples is not None:
+            return BatchLayout.from_sample(fetched.samples[0], self.batch_size, indices[0])
+        if not self.auto_collation:
+            return BatchLayout.from_batch(fetched.batch, None, None, _label(self, indices))
+        return BatchLayout.from_batch(fetched.batch, self.batch_size, fetched.rows,
+                                      _label(self, indices))
+
+    def write(self, layout: BatchLayout, arrays: list[np.ndarray], fetched: Fetched,
+              indices: Any) -> tuple[int, tuple[int, ...] | None, list | None]:
+        """Write ``fetched`` into a slot's field arrays: (rows, lengths, objects)."""
+        if fetched.samples is not None:
+            objects = layout.write_samples(arrays, fetched.samples, indices)
+            return fetched.rows, None, objects or None
+        lengths, objects = layout.write_batch(arrays, fetched.batch, _label(self, indices))
+        return fetched.rows, lengths, objects or None
+
+
+def _label(filler: BatchFiller, indices: Any) -> str:
+    if not filler.auto_collation:
+        what = "collate_fn output for " if filler.collate_fn is not None else ""
+        return f"{what}dataset[{indices!r}]"
+    return f"collate_fn output for indices {list(indices)!r}"

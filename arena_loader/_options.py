@@ -1,0 +1,134 @@
+"""Loader options: torch's names and defaults, validated once, frozen afterwards."""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_PREFETCH_FACTOR = 2
+
+
+def is_iterable_dataset(dataset: Any) -> bool:
+    """True for iterable-style datasets (torch's ``IterableDataset`` or ``__iter__`` only)."""
+    try:
+        from torch.utils.data import IterableDataset
+    except ImportError:  # torch is optional
+        IterableDataset = ()  # noqa: N806
+    if IterableDataset and isinstance(dataset, IterableDataset):
+        return True
+    return hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")
+
+
+def _resolve_context(value: Any) -> multiprocessing.context.BaseContext:
+    if value is None:
+        return multiprocessing.get_context("fork" if "fork" in _start_methods() else None)
+    if isinstance(value, str):
+        if value not in _start_methods():
+            raise ValueError(
+                f"multiprocessing_context must be a valid start method in {_start_methods()!r}, "
+                f"got {value!r}"
+            )
+        return multiprocessing.get_context(value)
+    if isinstance(value, multiprocessing.context.BaseContext):
+        return value
+    raise TypeError(
+        "multiprocessing_context must be a start method name or a multiprocessing context "
+        f"object, got {type(value).__name__}"
+    )
+
+
+def _start_methods() -> list[str]:
+    return multiprocessing.get_all_start_methods()
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """Every ``ArenaLoader`` option; ``__post_init__`` rejects what torch rejects, and more."""
+
+    batch_size: int | None = 1
+    shuffle: bool | None = None
+    sampler: Any = None
+    batch_sampler: Any = None
+    num_workers: int = 0
+    collate_fn: Callable[[list], Any] | None = None
+    pin_memory: bool = False
+    drop_last: bool = False
+    timeout: float = 0
+    worker_init_fn: Callable[[int], None] | None = None
+    multiprocessing_context: Any = None
+    generator: Any = None
+    prefetch_factor: int | None = None
+    persistent_workers: bool = False
+    in_order: bool = True
+    slots: int = 16
+
+    def __post_init__(self) -> None:
+        _check_int("num_workers", self.num_workers, minimum=0,
+                   fix="use num_workers=0 to load in the main process")
+        if not isinstance(self.timeout, (int, float)) or self.timeout < 0:
+            raise ValueError(f"timeout must be a non-negative number of seconds, got {self.timeout!r}")
+        if self.batch_size is not None:
+            _check_int("batch_size", self.batch_size, minimum=1,
+                       fix="use batch_size=None to disable automatic batching")
+        if self.num_workers == 0:
+            if self.prefetch_factor is not None:
+                raise ValueError(
+                    "prefetch_factor option could only be specified in multiprocessing: "
+                    f"got prefetch_factor={self.prefetch_factor!r} with num_workers=0; "
+                    "let num_workers > 0 or set prefetch_factor=None"
+                )
+            if self.persistent_workers:
+                raise ValueError("persistent_workers option needs num_workers > 0, got num_workers=0")
+        elif self.prefetch_factor is not None:
+            _check_int("prefetch_factor", self.prefetch_factor, minimum=1,
+                       fix="use prefetch_factor=None for the default of 2")
+        if self.sampler is not None and self.shuffle:
+            raise ValueError("sampler option is mutually exclusive with shuffle; got shuffle=True")
+        if self.batch_sampler is not None and (
+            self.batch_size != 1 or self.shuffle or self.sampler is not None or self.drop_last
+        ):
+            raise ValueError(
+                "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
+                "and drop_last; leave those at their defaults when passing batch_sampler"
+            )
+        if self.batch_size is None and self.batch_sampler is None and self.drop_last:
+            raise ValueError(
+                "batch_size=None option disables auto-batching and is mutually exclusive with "
+                "drop_last; got drop_last=True"
+            )
+        _check_int("slots", self.slots, minimum=self.min_slots,
+                   fix=f"pass slots={self.min_slots} or more"
+                   + (", or lower prefetch_factor" if self.num_workers else ""))
+        # Validates the start method now, at construction, as torch does.
+        object.__setattr__(self, "context", _resolve_context(self.multiprocessing_context)
+                           if self.num_workers > 0 else None)
+
+    @property
+    def effective_prefetch_factor(self) -> int:
+        if self.num_workers == 0:
+            return 0
+        return DEFAULT_PREFETCH_FACTOR if self.prefetch_factor is None else self.prefetch_factor
+
+    @property
+    def max_in_flight(self) -> int:
+        """Batches handed to workers and not yet received: torch's prefetch bound."""
+        return self.effective_prefetch_factor * self.num_workers
+
+    @property
+    def min_slots(self) -> int:
+        # One slot for the batch the consumer holds while asking for the next one (a `for`
+        # loop keeps its previous batch alive during `next()`), the rest for prefetching.
+        return max(2, self.max_in_flight + 1)
+
+    @property
+    def auto_collation(self) -> bool:
+        return self.batch_sampler is not None or self.batch_size is not None
+
+
+def _check_int(name: str, value: Any, *, minimum: int, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}; {fix}")

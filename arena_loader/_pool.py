@@ -1,0 +1,161 @@
+"""Slot ownership: the one place that knows which slot is where in its lifecycle.
+
+``FREE -> ASSIGNED`` (a task names it) ``-> FILLED`` (its worker reported it) ``-> LEASED``
+(handed to the consumer) ``-> FREE`` once every view of the batch has been garbage-collected.
+A slot whose task failed or was abandoned goes ``ASSIGNED/FILLED -> FREE`` by ``reclaim``.
+Any other transition is a bug and raises (docs/design.md, "Slot lifecycle").
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+import weakref
+from collections import deque
+
+import numpy as np
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    ASSIGNED = "assigned"
+    FILLED = "filled"
+    LEASED = "leased"
+
+
+class SlotLease:
+    """The consumer's claim on one slot: the ``.base`` of every array view of a batch.
+
+    When the last view dies, this object dies and a ``weakref.finalize`` returns the slot.
+    """
+
+    __slots__ = ("__weakref__", "_bytes", "slot")
+
+    def __init__(self, slot: int, slot_bytes: np.ndarray):
+        self.slot = slot
+        self._bytes = slot_bytes  # keeps the slab mapping alive while any view exists
+
+    @property
+    def __array_interface__(self) -> dict:
+        return self._bytes.__array_interface__
+
+    def __repr__(self) -> str:
+        return f"SlotLease(slot={self.slot})"
+
+
+class Waker:
+    """A self-pipe: lets any thread (even a finalizer inside GC) wake a ``wait()`` loop."""
+
+    def __init__(self) -> None:
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        os.set_blocking(self._read_fd, False)
+        # Re-entrant: a finalizer may run inside GC while this thread already holds it.
+        self._lock = threading.RLock()
+
+    def fileno(self) -> int:
+        return self._read_fd
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._write_fd >= 0:
+                try:
+                    os.write(self._write_fd, b"\0")
+                except BlockingIOError:
+                    pass  # already full of wake-ups: the reader will wake anyway
+
+    def drain(self) -> None:
+        try:
+            while os.read(self._read_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in (self._read_fd, self._write_fd):
+                if fd >= 0:
+                    os.close(fd)
+            self._read_fd = self._write_fd = -1
+
+
+class SlotPool:
+    """Owns the slot states of one slab. Thread-safe; ``release`` is lock-free for finalizers."""
+
+    def __init__(self, slab_array: np.ndarray, slot_nbytes: int, slots: int):
+        self._slab_array = slab_array
+        self.slot_nbytes = slot_nbytes
+        self.slots = slots
+        self._states = [SlotState.FREE] * slots
+        self._free: deque[int] = deque(range(slots))
+        # Appended to by finalizers in whatever thread drops the last view; deque.append is
+        # atomic, so releasing a slot never takes a lock that the same thread might hold.
+        self._released: deque[int] = deque()
+        self._lock = threading.Lock()
+        self.waker: Waker | None = None  # set by whoever waits for free slots
+
+    def acquire(self) -> int | None:
+        """A free slot, now ASSIGNED; None when every slot is in use."""
+        with self._lock:
+            self._collect_released()
+            if not self._free:
+                return None
+            slot = self._free.popleft()
+            self._move(slot, SlotState.FREE, SlotState.ASSIGNED)
+            return slot
+
+    def mark_filled(self, slot: int) -> None:
+        with self._lock:
+            self._move(slot, SlotState.ASSIGNED, SlotState.FILLED)
+
+    def lease(self, slot: int) -> SlotLease:
+        with self._lock:
+            self._move(slot, SlotState.FILLED, SlotState.LEASED)
+        start = slot * self.slot_nbytes
+        lease = SlotLease(slot, self._slab_array[start: start + self.slot_nbytes])
+        finalizer = weakref.finalize(lease, self._release, slot)
+        finalizer.atexit = False
+        return lease
+
+    def reclaim(self, slot: int) -> None:
+        """Return an ASSIGNED or FILLED slot whose batch will never reach the consumer."""
+        with self._lock:
+            state = self._states[slot]
+            if state not in (SlotState.ASSIGNED, SlotState.FILLED):
+                raise RuntimeError(f"slot {slot} cannot be reclaimed from state {state.value}")
+            self._states[slot] = SlotState.FREE
+            self._free.append(slot)
+
+    def counts(self) -> dict[SlotState, int]:
+        with self._lock:
+            self._collect_released()
+            result = dict.fromkeys(SlotState, 0)
+            for state in self._states:
+                result[state] += 1
+            return result
+
+    def state(self, slot: int) -> SlotState:
+        with self._lock:
+            self._collect_released()
+            return self._states[slot]
+
+    def _release(self, slot: int) -> None:
+        self._released.append(slot)
+        waker = self.waker
+        if waker is not None:
+            waker.wake()
+
+    def _collect_released(self) -> None:
+        while self._released:
+            slot = self._released.popleft()
+            self._move(slot, SlotState.LEASED, SlotState.FREE)
+            self._free.append(slot)
+
+    def _move(self, slot: int, expected: SlotState, new: SlotState) -> None:
+        if self._states[slot] is not expected:
+            raise RuntimeError(
+                f"slot {slot} is {self._states[slot].value}, expected {expected.value} "
+                f"before becoming {new.value} (arena_loader bug: please report it)"
+            )
+        self._states[slot] = new

@@ -1,0 +1,123 @@
+"""Worker process management: start, message channels, liveness, and bounded shutdown."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ._messages import Stop
+from ._worker import WorkerSetup, worker_main
+from .errors import WorkerCrashedError
+
+JOIN_TIMEOUT_S = 2.0  # per escalation step: join, then terminate, then kill
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {exitcode}"
+
+
+class WorkerGroup:
+    """``num_workers`` processes, each with a private task pipe and result pipe."""
+
+    def __init__(self, context: Any, setups: list[WorkerSetup]):
+        self.processes: list[Any] = []
+        self.task_conns: list[Connection] = []
+        self.result_conns: list[Connection] = []
+        self._closed = False
+        try:
+            for setup in setups:
+                task_reader, task_writer = context.Pipe(duplex=False)
+                result_reader, result_writer = context.Pipe(duplex=False)
+                process = context.Process(
+                    target=worker_main, args=(setup, task_reader, result_writer),
+                    name=f"arena_loader-worker-{setup.worker_id}", daemon=True,
+                )
+                process.start()
+                # Close the child's ends here, before the next fork copies them: a dead
+                # worker's result pipe then reads EOF at once.
+                task_reader.close()
+                result_writer.close()
+                self.processes.append(process)
+                self.task_conns.append(task_writer)
+                self.result_conns.append(result_reader)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.pids = [p.pid for p in self.processes]
+        self._sentinels = {p.sentinel: worker_id for worker_id, p in enumerate(self.processes)}
+        self._conn_ids = {id(conn): worker_id for worker_id, conn in enumerate(self.result_conns)}
+
+    def __len__(self) -> int:
+        return len(self.processes)
+
+    @property
+    def waitables(self) -> list:
+        return [*self.result_conns, *self._sentinels]
+
+    def worker_of(self, waitable: Any) -> tuple[int, bool]:
+        """(worker id, is it the result pipe) for an object returned by ``wait``."""
+        if isinstance(waitable, int):
+            return self._sentinels[waitable], False
+        return self._conn_ids[id(waitable)], True
+
+    def send(self, worker_id: int, message: Any) -> None:
+        self.task_conns[worker_id].send(message)
+
+    def crash_error(self, worker_id: int) -> WorkerCrashedError:
+        process = self.processes[worker_id]
+        process.join(timeout=JOIN_TIMEOUT_S)  # the pipe can close a moment before the exit
+        exitcode = process.exitcode
+        message = (f"DataLoader worker {worker_id} (pid {process.pid}) "
+                   f"{describe_exit(exitcode)} while the loader was running")
+        if exitcode == -signal.SIGBUS:
+            message += (". A SIGBUS in a worker usually means shared memory ran out: check free "
+                        "space in /dev/shm (docker run --shm-size=...) or lower `slots`")
+        return WorkerCrashedError(message, worker_id=worker_id, pid=process.pid,
+                                  exitcode=exitcode)
+
+    def first_dead(self) -> int | None:
+        for worker_id, process in enumerate(self.processes):
+            if process.exitcode is not None:
+                return worker_id
+        return None
+
+    def shutdown(self) -> None:
+        """Stop every worker: ask, join, terminate, kill; each step bounded. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self.task_conns:
+            try:
+                conn.send(Stop())
+            except (OSError, ValueError):
+                pass  # that worker is already gone
+        for escalate in (None, "terminate", "kill"):
+            alive = [p for p in self.processes if p.is_alive()]
+            if not alive:
+                break
+            if escalate is not None:
+                for process in alive:
+                    getattr(process, escalate)()
+            deadline = time.monotonic() + JOIN_TIMEOUT_S
+            for process in alive:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for conn in (*self.task_conns, *self.result_conns):
+            conn.close()
+        for process in self.processes:
+            if process.exitcode is not None:
+                process.close()
+
+
+def is_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()

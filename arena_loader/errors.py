@@ -1,0 +1,56 @@
+"""Exceptions raised by arena_loader.
+
+Two families are kept apart on purpose (docs/design.md, "Errors"):
+"you closed it" (:class:`LoaderClosedError`) and "it broke" (:class:`WorkerCrashedError`,
+:class:`LoaderTimeoutError`, a re-raised worker exception). Capacity and layout errors are
+``ValueError``/``OSError`` subclasses so that code catching torch's error types keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArenaLoaderError",
+    "LayoutError",
+    "LoaderClosedError",
+    "LoaderTimeoutError",
+    "ShmCapacityError",
+    "SlotsExhaustedError",
+    "WorkerCrashedError",
+]
+
+
+class ArenaLoaderError(Exception):
+    """Base class of every error this package defines."""
+
+
+class LoaderClosedError(ArenaLoaderError, RuntimeError):
+    """The loader or iterator was closed by its owner and cannot produce batches."""
+
+
+class WorkerCrashedError(ArenaLoaderError, RuntimeError):
+    """A worker process exited while it still owed batches (killed, segfault, ``os._exit``).
+
+    ``pid``, ``worker_id`` and ``exitcode`` (negative: the signal number) are attributes.
+    """
+
+    def __init__(self, message: str, *, worker_id: int, pid: int | None, exitcode: int | None):
+        super().__init__(message)
+        self.worker_id = worker_id
+        self.pid = pid
+        self.exitcode = exitcode
+
+
+class LoaderTimeoutError(ArenaLoaderError, RuntimeError):
+    """No batch arrived within ``timeout`` seconds (torch raises ``RuntimeError`` here too)."""
+
+
+class SlotsExhaustedError(ArenaLoaderError, RuntimeError):
+    """The consumer still references every slot, so no batch can be produced."""
+
+
+class LayoutError(ArenaLoaderError, ValueError):
+    """A sample or collated batch does not fit the batch layout inferred from the first one."""
+
+
+class ShmCapacityError(ArenaLoaderError, OSError):
+    """``/dev/shm`` has too little space for the slab."""

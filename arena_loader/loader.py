@@ -1,0 +1,159 @@
+"""``ArenaLoader``: torch's DataLoader interface wired to the shared-memory slab engine.
+
+This module only wires parts together; see docs/design.md for how they fit.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from ._fetch import BatchFiller
+from ._iterators import ArenaSource, InProcessIterator, MultiProcessIterator
+from ._options import LoaderOptions, is_iterable_dataset
+from .errors import LoaderClosedError
+from .samplers import BatchSampler, RandomSampler, SequentialSampler, as_numpy_generator
+
+
+class ArenaLoader:
+    """Iterate over ``dataset`` in batches that workers write straight into shared memory.
+
+    The options are ``torch.utils.data.DataLoader``'s, with the same defaults and meanings;
+    ``slots`` (keyword-only) is how many batches the slab holds: those being loaded, those
+    loaded and waiting, and those your code still references. Batches are numpy arrays that
+    view the slab; a slot is reused only after every view of its batch is gone.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        in_order: bool = True,
+        slots: int = 16,
+    ) -> None:
+        if is_iterable_dataset(dataset):
+            raise TypeError(
+                "dataset must be map-style (define __getitem__ and __len__); iterable-style "
+                f"datasets ({type(dataset).__name__}) are not supported by ArenaLoader yet"
+            )
+        self.options = LoaderOptions(
+            batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
+            num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
+            drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context, generator=generator,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+            in_order=in_order, slots=slots,
+        )
+        if pin_memory:
+            warnings.warn("pin_memory=True has no effect yet: batches stay in host shared "
+                          "memory", stacklevel=2)
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.num_workers = num_workers
+        self.generator = generator
+        if sampler is None:
+            sampler = (RandomSampler(dataset, generator=generator) if shuffle
+                       else SequentialSampler(dataset))
+        if batch_size is not None and batch_sampler is None:
+            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        self._seed_rng = (as_numpy_generator(generator)
+                          if generator is None or isinstance(generator, (int, np.integer))
+                          else None)
+        # Rows per slot: batch_size, or the user batch_sampler's largest batch.
+        rows = batch_size if batch_size is not None else getattr(batch_sampler, "batch_size",
+                                                                 None)
+        self._filler = BatchFiller(dataset, collate_fn, self.options.auto_collation, rows)
+        self._source = ArenaSource(slots)
+        self._persistent: MultiProcessIterator | None = None
+        self._live: weakref.WeakSet = weakref.WeakSet()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _close_all, self._source, self._live)
+
+    def __len__(self) -> int:
+        if self.options.auto_collation:
+            return len(self.batch_sampler)
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._closed:
+            raise LoaderClosedError("this ArenaLoader was closed; create a new one")
+        batches = self._epoch_batches()
+        options = self.options
+        if options.num_workers == 0:
+            iterator: Any = InProcessIterator(options, self._filler, self._source, batches)
+        elif options.persistent_workers and self._persistent is not None \
+                and not self._persistent.broken:
+            self._persistent.reset(batches)
+            return self._persistent
+        else:
+            if self._persistent is not None:
+                self._persistent.close()
+            iterator = MultiProcessIterator(options, self._filler, self._source, batches,
+                                            self._draw_base_seed())
+            if options.persistent_workers:
+                self._persistent = iterator
+        self._live.add(iterator)
+        return iterator
+
+    def _epoch_batches(self) -> Iterator[Any]:
+        if not self.options.auto_collation:
+            return iter(self.sampler)
+        batches = iter(self.batch_sampler)
+        if self._filler.batch_size is None:
+            # A batch_sampler that does not say its batch size: size the slots from this
+            # epoch's largest batch.
+            batch_list = [list(b) for b in batches]
+            self._filler.batch_size = max((len(b) for b in batch_list), default=1)
+            batches = iter(batch_list)
+        return batches
+
+    def _draw_base_seed(self) -> int:
+        """The epoch's worker base seed, drawn from ``generator`` like torch does."""
+        rng = self._seed_rng if self._seed_rng is not None else as_numpy_generator(self.generator)
+        return int(rng.integers(2**63))
+
+    def close(self) -> None:
+        """Stop every worker of this loader and release its slab. Idempotent.
+
+        Batches you still hold stay valid: their memory is unmapped when the last one dies.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._persistent is not None:
+            self._persistent.close()
+            self._persistent = None
+        self._finalizer()
+
+    def __enter__(self) -> ArenaLoader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _close_all(source: ArenaSource, live: weakref.WeakSet) -> None:
+    for iterator in list(live):
+        iterator.close()
+    source.close()
