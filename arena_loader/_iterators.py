@@ -11,7 +11,6 @@ so an abandoned iterator is garbage-collected and its ``weakref.finalize`` shuts
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import time
 import weakref
@@ -248,7 +247,7 @@ class _Session:
             WorkerSetup(worker_id=i, num_workers=options.num_workers, filler=self._filler,
                         layout=arena.layout, slab=arena.slab.handle(), slots=arena.slots,
                         base_seed=self._base_seed, worker_init_fn=options.worker_init_fn,
-                        parent_pid=os.getpid(), arm_parent_death_signal=is_main_thread())
+                        arm_parent_death_signal=is_main_thread())
             for i in range(options.num_workers)
         ]
         return WorkerGroup(options.context, setups)

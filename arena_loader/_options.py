@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -12,11 +13,10 @@ DEFAULT_PREFETCH_FACTOR = 2
 
 def is_iterable_dataset(dataset: Any) -> bool:
     """True for iterable-style datasets (torch's ``IterableDataset`` or ``__iter__`` only)."""
-    try:
-        from torch.utils.data import IterableDataset
-    except ImportError:  # torch is optional
-        IterableDataset = ()  # noqa: N806
-    if IterableDataset and isinstance(dataset, IterableDataset):
+    # Only look at torch if the program already imported it: importing it here would cost
+    # a second, and a dataset cannot be a torch IterableDataset without it.
+    torch_data = sys.modules.get("torch.utils.data")
+    if torch_data is not None and isinstance(dataset, torch_data.IterableDataset):
         return True
     return hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")
 

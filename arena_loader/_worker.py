@@ -59,7 +59,6 @@ class WorkerSetup:
     slots: int
     base_seed: int
     worker_init_fn: Callable[[int], None] | None
-    parent_pid: int
     arm_parent_death_signal: bool
 
 
@@ -77,9 +76,11 @@ def seed_worker(base_seed: int, worker_id: int) -> int:
 def worker_main(setup: WorkerSetup, task_conn: Connection, result_conn: Connection) -> None:
     # Ctrl-C reaches the whole process group; the main process handles it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Our parent is the main process (fork, spawn) or the forkserver, which exits with it.
+    parent_pid = os.getppid()
     if setup.arm_parent_death_signal:
         _arm_parent_death_signal()
-    if os.getppid() != setup.parent_pid:
+    if parent_pid == 1 or not _alive(parent_pid):
         return  # the parent died before the signal was armed
     global _worker_info
     try:
@@ -95,16 +96,26 @@ def worker_main(setup: WorkerSetup, task_conn: Connection, result_conn: Connecti
     except Exception as exc:
         result_conn.send(WorkerFailed(setup.worker_id, RemoteError.capture(exc)))
         return
-    _serve(setup, slot_arrays, task_conn, result_conn)
+    _serve(setup, slot_arrays, task_conn, result_conn, parent_pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _serve(setup: WorkerSetup, slot_arrays: list, task_conn: Connection,
-           result_conn: Connection) -> None:
+           result_conn: Connection, parent_pid: int) -> None:
     filler, layout = setup.filler, setup.layout
     while True:
         if not task_conn.poll(PARENT_CHECK_S):
-            if os.getppid() != setup.parent_pid:
-                return
+            if os.getppid() != parent_pid:
+                return  # reparented: the parent is gone
             continue
         try:
             task = task_conn.recv()

@@ -81,8 +81,8 @@ class ArenaLoader:
                           if generator is None or isinstance(generator, (int, np.integer))
                           else None)
         # Rows per slot: batch_size, or the user batch_sampler's largest batch.
-        rows = batch_size if batch_size is not None else getattr(batch_sampler, "batch_size",
-                                                                 None)
+        user_batch_sampler = self.options.batch_sampler is not None
+        rows = getattr(batch_sampler, "batch_size", None) if user_batch_sampler else batch_size
         self._filler = BatchFiller(dataset, collate_fn, self.options.auto_collation, rows)
         self._source = ArenaSource(slots)
         self._persistent: MultiProcessIterator | None = None

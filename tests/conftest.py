@@ -1,0 +1,68 @@
+"""Fixtures shared by every test: each test must leave no process, thread, shared-memory
+object or slab mapping of ours behind."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+
+import psutil
+import pytest
+
+from arena_loader._slab import NAME_PREFIX, SHM_DIR
+
+
+def our_shm_objects() -> list[str]:
+    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(NAME_PREFIX))
+
+
+def our_slab_mappings() -> list[str]:
+    with open("/proc/self/maps") as maps:
+        return [line.strip() for line in maps if f"{SHM_DIR}/{NAME_PREFIX}" in line]
+
+
+# Helpers that the standard library starts once per interpreter (for spawn / forkserver) and
+# keeps for its lifetime; they are not ours.
+_STDLIB_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def live_children() -> list[psutil.Process]:
+    alive = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cmdline = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if not any(helper in cmdline for helper in _STDLIB_HELPERS):
+            alive.append(child)
+    return alive
+
+
+def our_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("arena_loader")]
+
+
+def wait_until(predicate, timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """After the test: no child process, dispatch thread, /dev/shm object or slab mapping."""
+    yield
+    gc.collect()
+    assert wait_until(lambda: not live_children()), (
+        f"child processes survived the test: {[(p.pid, p.name()) for p in live_children()]}")
+    assert wait_until(lambda: not our_threads()), f"threads survived: {our_threads()}"
+    assert not our_shm_objects(), f"shared-memory objects leaked: {our_shm_objects()}"
+    gc.collect()
+    assert not our_slab_mappings(), f"slab still mapped: {our_slab_mappings()}"

@@ -1,0 +1,140 @@
+"""Module-level datasets (so spawn and forkserver workers can import them) and the
+in-process reference that every loader batch is compared with."""
+
+from __future__ import annotations
+
+import collections
+import faulthandler
+import os
+import signal
+from typing import Any
+
+import numpy as np
+
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+def make_array(index: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A deterministic array whose every element depends on ``index``."""
+    count = int(np.prod(shape))
+    values = (np.arange(count, dtype=np.int64) * 7 + index * 1000003) % 251
+    if np.dtype(dtype).kind == "b":
+        return (values % 2 == 1).reshape(shape)
+    return values.astype(dtype).reshape(shape)
+
+
+class ImageDataset:
+    """Plain arrays: ``dataset[i]`` is an array of ``shape`` and ``dtype``."""
+
+    def __init__(self, n: int, shape: tuple[int, ...] = (3, 8, 8), dtype: Any = np.uint8):
+        self.n, self.shape, self.dtype = n, shape, dtype
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if not 0 <= index < self.n:
+            raise IndexError(f"index {index} out of range for {self.n} samples")
+        return make_array(index, self.shape, self.dtype)
+
+
+class NestedDataset:
+    """Dict / tuple / namedtuple samples with several dtypes, Python numbers and strings."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict:
+        return {
+            "image": make_array(index, (2, 5, 3), np.uint8),
+            "pair": (make_array(index, (4,), np.float32), np.int16(index)),
+            "point": Point(x=float(index) / 2, y=make_array(index, (2, 2), np.int64)),
+            "label": index,
+            "flag": index % 3 == 0,
+            "name": f"sample-{index}",
+        }
+
+
+class RaisingDataset(ImageDataset):
+    """Raises ``ValueError`` for the indices in ``bad``."""
+
+    def __init__(self, n: int, bad: set[int]):
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index in self.bad:
+            raise ValueError(f"sample {index} is corrupt")
+        return super().__getitem__(index)
+
+
+class ShapeChangingDataset(ImageDataset):
+    """Sample ``odd_index`` has a different shape (or dtype) from the others."""
+
+    def __init__(self, n: int, odd_index: int, odd_shape=None, odd_dtype=None):
+        super().__init__(n)
+        self.odd_index, self.odd_shape, self.odd_dtype = odd_index, odd_shape, odd_dtype
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index == self.odd_index:
+            return make_array(index, self.odd_shape or self.shape, self.odd_dtype or self.dtype)
+        return super().__getitem__(index)
+
+
+class SuicidalDataset(ImageDataset):
+    """The worker that loads ``fatal_index`` kills itself with ``signum``."""
+
+    def __init__(self, n: int, fatal_index: int, signum: int = signal.SIGKILL):
+        super().__init__(n)
+        self.fatal_index, self.signum = fatal_index, signum
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index == self.fatal_index:
+            faulthandler.disable()  # pytest's handler would print this worker's stack
+            os.kill(os.getpid(), self.signum)
+        return super().__getitem__(index)
+
+
+def stack_reference(samples: list) -> Any:
+    """What default collation must give: ``np.stack`` per leaf, lists for strings."""
+    first = samples[0]
+    if isinstance(first, dict):
+        return {key: stack_reference([s[key] for s in samples]) for key in first}
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(stack_reference(list(items)) for items in zip(*samples)))
+    if isinstance(first, (tuple, list)):
+        return type(first)(stack_reference(list(items)) for items in zip(*samples))
+    if isinstance(first, str):
+        return list(samples)
+    return np.stack([np.asarray(s) for s in samples])
+
+
+def assert_batches_equal(actual: Any, expected: Any, where: str = "batch") -> None:
+    """Same nested structure, same dtypes and shapes, same values."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys(), where
+        for key in expected:
+            assert_batches_equal(actual[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, tuple):
+        assert type(actual) is type(expected) and len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_batches_equal(a, e, f"{where}[{i}]")
+    elif isinstance(expected, list):
+        assert actual == expected, where
+    else:
+        assert isinstance(actual, np.ndarray), f"{where}: {type(actual)}"
+        assert actual.dtype == expected.dtype, f"{where}: {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, f"{where}: {actual.shape} != {expected.shape}"
+        np.testing.assert_array_equal(actual, expected, err_msg=where)
+
+
+def reference_epoch(dataset: Any, batch_size: int, drop_last: bool,
+                    order: list[int] | None = None) -> list:
+    order = list(range(len(dataset))) if order is None else order
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    if drop_last and batches and len(batches[-1]) < batch_size:
+        batches.pop()
+    return [stack_reference([dataset[i] for i in b]) for b in batches]

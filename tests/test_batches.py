@@ -1,0 +1,165 @@
+"""Every batch equals the in-process reference (``np.stack`` of the same samples)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from arena_loader import ArenaLoader
+
+from .datasets import (
+    ImageDataset,
+    NestedDataset,
+    assert_batches_equal,
+    reference_epoch,
+    stack_reference,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2, 3])
+@pytest.mark.parametrize("n, batch_size, drop_last", [
+    (1, 1, False), (7, 3, False), (7, 3, True), (12, 4, False), (12, 4, True),
+    (5, 8, False), (5, 8, True), (33, 5, False),
+])
+def test_batches_match_stacked_reference(num_workers, n, batch_size, drop_last):
+    """Sizes, partial last batch and drop_last give exactly the stacked samples."""
+    dataset = ImageDataset(n, shape=(3, 4, 5), dtype=np.float32)
+    expected = reference_epoch(dataset, batch_size, drop_last)
+    with ArenaLoader(dataset, batch_size=batch_size, drop_last=drop_last,
+                     num_workers=num_workers) as loader:
+        assert len(loader) == len(expected)
+        for epoch in range(2):
+            batches = list(loader)
+            assert len(batches) == len(expected), f"epoch {epoch}"
+            for i, (actual, ref) in enumerate(zip(batches, expected)):
+                assert_batches_equal(actual, ref, f"epoch {epoch} batch {i}")
+            del batches
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_nested_samples_keep_structure_and_dtypes(num_workers):
+    """Dict, tuple and namedtuple samples with numpy, Python and string leaves."""
+    dataset = NestedDataset(11)
+    expected = reference_epoch(dataset, 4, False)
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers) as loader:
+        batches = list(loader)
+    assert len(batches) == 3
+    for i, (actual, ref) in enumerate(zip(batches, expected)):
+        assert_batches_equal(actual, ref, f"batch {i}")
+    assert batches[0]["label"].dtype == np.int64
+    assert batches[0]["point"].x.dtype == np.float64
+    assert batches[0]["flag"].dtype == np.bool_
+    assert batches[2]["name"] == ["sample-8", "sample-9", "sample-10"]
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int32, np.int64, np.float16,
+                                   np.float64, np.complex64, np.bool_])
+def test_dtypes_round_trip(dtype):
+    """Every numeric dtype arrives bit-exact through worker processes."""
+    dataset = ImageDataset(9, shape=(5, 3), dtype=dtype)
+    with ArenaLoader(dataset, batch_size=4, num_workers=2) as loader:
+        for actual, ref in zip(loader, reference_epoch(dataset, 4, False)):
+            assert_batches_equal(actual, ref)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_shuffle_with_seed_is_a_reproducible_permutation(num_workers):
+    """shuffle=True covers every sample once; the same generator seed gives the same order."""
+    dataset = ImageDataset(30, shape=(1,), dtype=np.int64)
+
+    def epoch_order(seed):
+        with ArenaLoader(dataset, batch_size=4, shuffle=True, generator=seed,
+                         num_workers=num_workers) as loader:
+            return [[int(v) for v in batch[:, 0]] for batch in loader]
+
+    first, again, other = epoch_order(7), epoch_order(7), epoch_order(8)
+    flat = [v for batch in first for v in batch]
+    assert sorted(flat) == sorted(int(dataset[i][0]) for i in range(30))
+    assert first == again
+    assert first != other
+
+
+def test_out_of_order_delivery_yields_every_batch_once():
+    """in_order=False delivers all batches, each exactly once, with correct contents."""
+    dataset = ImageDataset(40, shape=(2,), dtype=np.int64)
+    expected = {int(b[0, 0]): b for b in reference_epoch(dataset, 3, False)}
+    with ArenaLoader(dataset, batch_size=3, num_workers=3, in_order=False) as loader:
+        seen = {}
+        for batch in loader:
+            key = int(batch[0, 0])
+            assert key not in seen
+            seen[key] = np.array(batch)
+    assert seen.keys() == expected.keys()
+    for key, batch in seen.items():
+        np.testing.assert_array_equal(batch, expected[key])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_custom_collate_fn_output_is_copied_into_the_slot(num_workers):
+    """A collate_fn's arrays arrive intact; the partial last batch keeps its true length."""
+    dataset = ImageDataset(10, shape=(3,), dtype=np.int32)
+
+    def collate(samples):
+        stacked = np.stack(samples)
+        return {"sum": stacked.sum(axis=1), "doubled": stacked * 2, "count": len(samples)}
+
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers,
+                     collate_fn=collate) as loader:
+        batches = list(loader)
+    refs = [collate([dataset[i] for i in range(s, min(s + 4, 10))]) for s in (0, 4, 8)]
+    for actual, ref in zip(batches, refs):
+        np.testing.assert_array_equal(actual["sum"], ref["sum"])
+        np.testing.assert_array_equal(actual["doubled"], ref["doubled"])
+        assert int(actual["count"]) == ref["count"]
+    assert batches[-1]["doubled"].shape == (2, 3)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batch_size_none_yields_single_samples(num_workers):
+    """batch_size=None: no batch axis, each sample is one item, as in torch."""
+    dataset = ImageDataset(5, shape=(2, 3), dtype=np.float32)
+    with ArenaLoader(dataset, batch_size=None, num_workers=num_workers) as loader:
+        items = list(loader)
+        assert len(loader) == 5
+    assert len(items) == 5
+    for i, item in enumerate(items):
+        assert_batches_equal(item, dataset[i], f"item {i}")
+
+
+def test_batch_sampler_without_batch_size_attribute_sizes_slots_from_its_batches():
+    """A plain list of index lists works as batch_sampler, batches of any length."""
+    dataset = ImageDataset(20, shape=(2,), dtype=np.int64)
+    batch_sampler = [[3, 1], [0, 5, 7, 9, 11], [2]]
+    with ArenaLoader(dataset, batch_sampler=batch_sampler, num_workers=2) as loader:
+        batches = list(loader)
+    for actual, indices in zip(batches, batch_sampler):
+        np.testing.assert_array_equal(actual, stack_reference([dataset[i] for i in indices]))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(1, 40),
+    batch_size=st.integers(1, 9),
+    drop_last=st.booleans(),
+    num_workers=st.sampled_from([0, 1, 2, 3]),
+    dtype=st.sampled_from([np.uint8, np.int16, np.float32, np.float64]),
+    shape=st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple),
+    nested=st.booleans(),
+)
+def test_property_any_configuration_matches_reference(n, batch_size, drop_last, num_workers,
+                                                      dtype, shape, nested):
+    """Hypothesis: any size, batch size, drop_last, worker count, dtype and shape."""
+    dataset = NestedDataset(n) if nested else ImageDataset(n, shape=shape, dtype=dtype)
+    expected = reference_epoch(dataset, batch_size, drop_last)
+    count = 0
+    with ArenaLoader(dataset, batch_size=batch_size, drop_last=drop_last,
+                     num_workers=num_workers) as loader:
+        # Compared as they arrive: an epoch may have more batches than slots.
+        for i, actual in enumerate(loader):
+            assert_batches_equal(actual, expected[i], f"batch {i}")
+            count += 1
+    assert count == len(expected)

@@ -1,0 +1,134 @@
+"""Errors that name what went wrong: worker exceptions, layout mismatches, dead workers."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from arena_loader import ArenaLoader, LayoutError, LoaderTimeoutError, WorkerCrashedError
+
+from .datasets import (
+    ImageDataset,
+    RaisingDataset,
+    ShapeChangingDataset,
+    SuicidalDataset,
+    reference_epoch,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_worker_exception_keeps_type_and_iteration_continues(num_workers):
+    """A ValueError in __getitem__ is re-raised as ValueError naming worker, idx and indices;
+    the next next() yields the following batch, as in torch."""
+    dataset = RaisingDataset(12, bad={5})
+    expected = reference_epoch(ImageDataset(12), 2, False)
+    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers) as loader:
+        iterator = iter(loader)
+        for i in range(2):
+            np.testing.assert_array_equal(next(iterator), expected[i])
+        with pytest.raises(ValueError, match="sample 5 is corrupt") as info:
+            next(iterator)
+        if num_workers:
+            message = str(info.value)
+            assert "worker 0" in message and "idx=2" in message and "[4, 5]" in message
+            assert "Traceback" in message and "__getitem__" in message
+            assert isinstance(info.value.__cause__, ValueError)
+        for i in range(3, 6):
+            np.testing.assert_array_equal(next(iterator), expected[i])
+        del iterator
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("odd_shape, odd_dtype, expected", [
+    ((3, 8, 9), None, r"uint8\[3, 8, 8\].*got uint8\[3, 8, 9\]"),
+    (None, np.float32, r"uint8\[3, 8, 8\].*got float32\[3, 8, 8\]"),
+])
+def test_mismatched_sample_names_index_field_and_shapes(num_workers, odd_shape, odd_dtype,
+                                                        expected):
+    """A sample unlike the first raises LayoutError with its index, field, expected/actual."""
+    dataset = ShapeChangingDataset(12, odd_index=7, odd_shape=odd_shape, odd_dtype=odd_dtype)
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers) as loader:
+        with pytest.raises(LayoutError, match=rf"sample 7: field sample must be {expected}"):
+            for _ in loader:
+                pass
+
+
+def test_nested_structure_mismatch_names_the_path():
+    """A missing key in a later dict sample is reported with the sample index and path."""
+    class Dataset:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            sample = {"a": np.zeros(2), "b": {"c": np.ones(1), "d": i}}
+            if i == 3:
+                del sample["b"]["d"]
+            return sample
+
+    with ArenaLoader(Dataset(), batch_size=2) as loader:
+        with pytest.raises(LayoutError, match=r"sample 3: sample\['b'\] must be a mapping "
+                                              r"with keys \['c', 'd'\].*got keys \['c'\]"):
+            list(loader)
+
+
+def test_object_dtype_and_none_samples_are_rejected_clearly():
+    """Object arrays and None samples get a LayoutError that says what to do."""
+    class ObjectArrays:
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return np.array([None, 1], dtype=object)
+
+    class NoneSamples(ImageDataset):
+        def __getitem__(self, i):
+            return None if i == 1 else super().__getitem__(i)
+
+    with pytest.raises(LayoutError, match="object-dtype"):
+        list(ArenaLoader(ObjectArrays(), batch_size=2))
+    with pytest.raises(LayoutError, match=r"dataset\[1\] returned None"):
+        for _ in ArenaLoader(NoneSamples(4), batch_size=2, num_workers=1):
+            pass
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSEGV])
+def test_killed_worker_raises_with_pid_and_signal_promptly(signum):
+    """A worker killed by a signal surfaces as WorkerCrashedError naming pid and signal,
+    well under a second after it dies, and the other workers are stopped."""
+    dataset = SuicidalDataset(40, fatal_index=9, signum=signum)
+    with ArenaLoader(dataset, batch_size=2, num_workers=2) as loader:
+        iterator = iter(loader)
+        pids = iterator.worker_pids
+        start = time.monotonic()
+        with pytest.raises(WorkerCrashedError) as info:
+            for _ in iterator:
+                pass
+        elapsed = time.monotonic() - start
+    error = info.value
+    assert error.pid in pids and error.exitcode == -signum
+    assert f"pid {error.pid}" in str(error) and signal.Signals(signum).name in str(error)
+    assert elapsed < 1.0, f"crash took {elapsed:.2f} s to surface"
+
+
+def test_timeout_raises_runtime_error_naming_seconds():
+    """timeout=: a batch slower than the limit raises LoaderTimeoutError (a RuntimeError)."""
+    class Slow(ImageDataset):
+        def __getitem__(self, i):
+            if i >= 2:
+                time.sleep(5)
+            return super().__getitem__(i)
+
+    with ArenaLoader(Slow(8), batch_size=2, num_workers=1, timeout=0.3) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"timed out after 0.3 seconds") as info:
+            next(iterator)
+        assert isinstance(info.value, LoaderTimeoutError)
+        assert time.monotonic() - start < 2.0
+        del iterator

@@ -1,0 +1,190 @@
+"""Start-up, epochs, persistent workers and teardown: nothing survives a loader."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import psutil
+import pytest
+
+from arena_loader import ArenaLoader, LoaderClosedError
+
+from .conftest import live_children, our_slab_mappings, wait_until
+from .datasets import ImageDataset, reference_epoch
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_close_is_idempotent_and_stops_workers():
+    """close() twice is fine; workers are gone after the first."""
+    loader = ArenaLoader(ImageDataset(20), batch_size=2, num_workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    pids = iterator.worker_pids
+    assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+    loader.close()
+    loader.close()
+    assert not live_children()
+    with pytest.raises(LoaderClosedError, match="closed"):
+        next(iterator)
+    with pytest.raises(LoaderClosedError, match="create a new one"):
+        iter(loader)
+
+
+def test_context_manager_closes_after_break():
+    """Leaving a `with` block mid-epoch stops the workers and unmaps the slab."""
+    with ArenaLoader(ImageDataset(50), batch_size=2, num_workers=3) as loader:
+        for i, _batch in enumerate(loader):
+            if i == 2:
+                break
+        del _batch
+    assert not live_children()
+    gc.collect()
+    assert not our_slab_mappings()
+
+
+def test_abandoned_iterator_is_cleaned_up_by_garbage_collection():
+    """Dropping the last reference to a mid-epoch iterator joins its workers."""
+    loader = ArenaLoader(ImageDataset(50), batch_size=2, num_workers=2)
+    iterator = iter(loader)
+    batch = next(iterator)
+    pids = iterator.worker_pids
+    del iterator, batch
+    gc.collect()
+    assert wait_until(lambda: not any(psutil.pid_exists(p) for p in pids))
+    # The loader is still usable for a new epoch.
+    assert sum(1 for _ in loader) == 25
+
+
+def test_abandoned_loader_is_cleaned_up_by_garbage_collection():
+    """Dropping the loader (never closed) releases workers, slab and mapping."""
+    loader = ArenaLoader(ImageDataset(50), batch_size=2, num_workers=2,
+                         persistent_workers=True)
+    for _ in loader:
+        break
+    del loader, _
+    gc.collect()
+    assert wait_until(lambda: not live_children())
+    assert not our_slab_mappings()
+
+
+def test_break_then_new_epoch_starts_from_the_beginning():
+    """After a break, the next iter() yields the full epoch again."""
+    dataset = ImageDataset(21, shape=(2,), dtype=np.int64)
+    expected = reference_epoch(dataset, 4, False)
+    with ArenaLoader(dataset, batch_size=4, num_workers=2) as loader:
+        for i, _ in enumerate(loader):
+            if i == 1:
+                break
+        for i, batch in enumerate(loader):
+            np.testing.assert_array_equal(batch, expected[i])
+        assert i == len(expected) - 1
+
+
+@pytest.mark.parametrize("interrupt_at", [None, 1])
+def test_persistent_workers_survive_epochs(interrupt_at):
+    """persistent_workers=True keeps the same worker processes across epochs, even after a
+    break mid-epoch, and every epoch is complete and correct."""
+    dataset = ImageDataset(30, shape=(3,), dtype=np.int64)
+    expected = reference_epoch(dataset, 4, False)
+    with ArenaLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True) as loader:
+        iterator = iter(loader)
+        pids = iterator.worker_pids
+        for i, _ in enumerate(iterator):
+            if i == interrupt_at:
+                break
+        for epoch in range(3):
+            again = iter(loader)
+            assert again is iterator and again.worker_pids == pids
+            count = 0
+            for i, batch in enumerate(again):
+                np.testing.assert_array_equal(batch, expected[i], err_msg=f"epoch {epoch}")
+                count += 1
+            assert count == len(expected)
+        del batch
+
+
+def test_non_persistent_workers_exit_when_the_epoch_ends():
+    """Without persistent_workers, workers are joined as soon as the epoch is exhausted."""
+    with ArenaLoader(ImageDataset(10), batch_size=2, num_workers=2) as loader:
+        iterator = iter(loader)
+        pids = iterator.worker_pids
+        assert sum(1 for _ in iterator) == 5
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                       for p in pids)
+        with pytest.raises(StopIteration):
+            next(iterator)
+
+
+def test_empty_dataset_yields_nothing():
+    """A dataset of length 0 gives an empty epoch and starts no worker."""
+    with ArenaLoader(ImageDataset(0), batch_size=4, num_workers=2) as loader:
+        assert list(loader) == []
+        assert len(loader) == 0
+
+
+def test_two_live_iterators_of_one_loader_are_independent():
+    """A second iter() while the first is alive gets its own slab; both are correct."""
+    dataset = ImageDataset(12, shape=(2,), dtype=np.int64)
+    expected = reference_epoch(dataset, 3, False)
+    with ArenaLoader(dataset, batch_size=3, num_workers=1) as loader:
+        first, second = iter(loader), iter(loader)
+        for i, (a, b) in enumerate(zip(first, second)):
+            np.testing.assert_array_equal(a, expected[i])
+            np.testing.assert_array_equal(b, expected[i])
+        del a, b, first, second
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_spawn_and_forkserver_workers_load_correct_batches(context):
+    """Non-fork start methods receive the slab descriptor and load correct batches."""
+    dataset = ImageDataset(10, shape=(2, 2), dtype=np.float64)
+    expected = reference_epoch(dataset, 3, False)
+    with ArenaLoader(dataset, batch_size=3, num_workers=2,
+                     multiprocessing_context=context) as loader:
+        for i, batch in enumerate(loader):
+            np.testing.assert_array_equal(batch, expected[i])
+        del batch
+
+
+@pytest.mark.timeout(60)
+def test_main_process_killed_leaves_no_worker_or_shared_memory():
+    """SIGKILL of the main process: its workers exit within 2 s and nothing stays in /dev/shm."""
+    script = textwrap.dedent("""
+        import os, sys, time
+        sys.path.insert(0, %r)
+        from tests.datasets import ImageDataset
+        from arena_loader import ArenaLoader
+        loader = ArenaLoader(ImageDataset(10_000), batch_size=2, num_workers=2,
+                             persistent_workers=True)
+        it = iter(loader)
+        next(it)
+        print(" ".join(map(str, it.worker_pids)), flush=True)
+        time.sleep(60)
+    """ % os.getcwd())
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+        before = set(os.listdir("/dev/shm"))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert wait_until(lambda: not any(_running(p) for p in pids), timeout_s=2.0), \
+            "workers outlived the killed main process by more than 2 s"
+        assert not [n for n in set(os.listdir("/dev/shm")) - before if "arena" in n]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,117 @@
+"""Zero copy, slot reuse and the slots-exhausted error."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from arena_loader import ArenaLoader, SlotsExhaustedError
+from arena_loader._pool import SlotLease
+
+from .datasets import ImageDataset, reference_epoch
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def lease_of(array: np.ndarray) -> SlotLease:
+    """Walk the base chain of a batch view down to the lease that owns its slot."""
+    base = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base, SlotLease), f"base chain ends in {type(base)}"
+    return base
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batches_are_views_into_the_slab(num_workers):
+    """Yielded arrays share memory with the slab and are based on a slot lease."""
+    dataset = ImageDataset(12, shape=(4, 4), dtype=np.float32)
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers) as loader:
+        slab = loader._source._arena.slab.array if loader._source._arena else None
+        for batch in loader:
+            slab = loader._source._arena.slab.array
+            assert np.shares_memory(batch, slab)
+            lease = lease_of(batch)
+            start = lease.slot * loader._source._arena.layout.slot_nbytes
+            assert batch.__array_interface__["data"][0] == (
+                slab.__array_interface__["data"][0] + start)
+        del batch, slab
+
+
+def test_result_messages_carry_no_array_bytes():
+    """Each worker message is tiny next to the batch it announces: arrays never travel."""
+    dataset = ImageDataset(64, shape=(3, 32, 32), dtype=np.uint8)  # 3 KB a sample
+    with ArenaLoader(dataset, batch_size=16, num_workers=2) as loader:
+        iterator = iter(loader)
+        batches = 0
+        for batch in iterator:
+            assert batch.nbytes == 16 * 3 * 32 * 32
+            batches += 1
+        stats = iterator.stats
+    # Batch 0 is loaded in the main process to learn the layout; the rest come from workers.
+    assert stats["results_received"] == batches - 1 == 3
+    assert stats["result_bytes"] / stats["results_received"] < 512  # vs 49,152 array bytes
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_held_batches_keep_their_contents_while_iteration_continues(num_workers):
+    """Batches kept by the consumer are never overwritten by later batches."""
+    dataset = ImageDataset(40, shape=(6,), dtype=np.int64)
+    expected = reference_epoch(dataset, 2, False)
+    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers, slots=8) as loader:
+        kept = {}
+        for i, batch in enumerate(loader):
+            if i % 5 == 0:  # keep every fifth batch: 4 held at most, the rest recycle
+                kept[i] = batch
+            for j, held in kept.items():
+                np.testing.assert_array_equal(held, expected[j], err_msg=f"held batch {j}")
+        assert len(kept) == 4
+        del kept, batch
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_holding_every_slot_raises_and_names_slots(num_workers):
+    """Keeping `slots` batches alive makes the next next() raise, not hang; freeing resumes."""
+    dataset = ImageDataset(30, shape=(2,), dtype=np.int64)
+    slots = 5 if num_workers else 3
+    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers, slots=slots,
+                     prefetch_factor=2 if num_workers else None) as loader:
+        iterator = iter(loader)
+        held = [next(iterator) for _ in range(slots)]
+        with pytest.raises(SlotsExhaustedError, match=rf"all {slots} slots.*{slots} batches.*"
+                                                      rf"slots={slots * 2}"):
+            next(iterator)
+        # No batch was lost: after dropping one, iteration resumes where it stopped.
+        del held[0]
+        following = next(iterator)
+        np.testing.assert_array_equal(following, reference_epoch(dataset, 2, False)[slots])
+        del held, following, iterator
+
+
+def test_batches_in_reference_cycles_are_collected_before_raising():
+    """A batch reachable only through a garbage cycle does not count as held."""
+    dataset = ImageDataset(10, shape=(2,), dtype=np.int64)
+    with ArenaLoader(dataset, batch_size=1, slots=2) as loader:
+        gc.disable()
+        try:
+            for batch in loader:
+                cycle: list = [batch]
+                cycle.append(cycle)  # only the garbage collector can free this batch
+                del cycle
+        finally:
+            gc.enable()
+        del batch
+
+
+def test_batch_outlives_closed_loader_with_valid_data():
+    """A batch kept after close() still reads the right values (the mapping stays)."""
+    dataset = ImageDataset(8, shape=(3,), dtype=np.int64)
+    loader = ArenaLoader(dataset, batch_size=4, num_workers=2)
+    first = next(iter(loader))
+    loader.close()
+    gc.collect()
+    np.testing.assert_array_equal(first, reference_epoch(dataset, 4, False)[0])
+    first += 1  # still writable memory, not unmapped
+    del first
