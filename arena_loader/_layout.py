@@ -118,7 +118,7 @@ class _SpecBuilder:
         if isinstance(value, (tuple, list)):
             if _is_namedtuple(value):
                 names = type(value)._fields
-                children = tuple(self.build(v, f"{path}.{n}") for n, v in zip(names, value, strict=False))
+                children = tuple(self.build(v, f"{path}.{n}") for n, v in zip(names, value))
             else:
                 children = tuple(self.build(v, f"{path}[{i}]") for i, v in enumerate(value))
             return _SequenceNode(type(value), children, path)
@@ -219,11 +219,11 @@ class BatchLayout:
             )
         objects: list[list] = [[] for _ in self.object_paths]
         leaves: list[Any] = []
-        for row, (sample, index) in enumerate(zip(samples, indices, strict=False)):
+        for row, (sample, index) in enumerate(zip(samples, indices)):
             _reject_none(sample, f"dataset[{index!r}]")
             leaves.clear()
             self._flatten(self.spec, sample, leaves, objects, index)
-            for field, array, value in zip(self.fields, arrays, leaves, strict=False):
+            for field, array, value in zip(self.fields, arrays, leaves):
                 if (type(value) is np.ndarray and value.dtype == field.dtype
                         and value.shape == field.shape):
                     array[row] = value  # the hot path: one memcpy into the slab
@@ -239,7 +239,7 @@ class BatchLayout:
         leaves: list[Any] = []
         self._flatten(self.spec, batch, leaves, objects, label, collated=True)
         lengths = []
-        for field, array, value in zip(self.fields, arrays, leaves, strict=False):
+        for field, array, value in zip(self.fields, arrays, leaves):
             numeric = _as_numeric(value)
             if not field.batched:
                 array[...] = self._checked(field, value, label, first="batch")
@@ -273,14 +273,14 @@ class BatchLayout:
             if not isinstance(value, Mapping) or len(value) != len(node.keys):
                 self._structure_error(node, value, where, collated)
             try:
-                for key, child in zip(node.keys, node.children, strict=False):
+                for key, child in zip(node.keys, node.children):
                     self._flatten(child, value[key], leaves, objects, where, collated)
             except KeyError:
                 self._structure_error(node, value, where, collated)
         elif type(node) is _SequenceNode:
             if not isinstance(value, (tuple, list)) or len(value) != len(node.children):
                 self._structure_error(node, value, where, collated)
-            for child, item in zip(node.children, value, strict=False):
+            for child, item in zip(node.children, value):
                 self._flatten(child, item, leaves, objects, where, collated)
         else:  # _ObjectLeaf
             objects[node.index].append(value)
@@ -341,7 +341,7 @@ def _rebuild(node: Any, views: list, objects: list) -> Any:
     if type(node) is _ObjectLeaf:
         return objects[node.index]
     if type(node) is _MappingNode:
-        items = {k: _rebuild(c, views, objects) for k, c in zip(node.keys, node.children, strict=False)}
+        items = {k: _rebuild(c, views, objects) for k, c in zip(node.keys, node.children)}
         if node.type is dict:
             return items
         try:

@@ -68,7 +68,8 @@ class LoaderOptions:
         _check_int("num_workers", self.num_workers, minimum=0,
                    fix="use num_workers=0 to load in the main process")
         if not isinstance(self.timeout, (int, float)) or self.timeout < 0:
-            raise ValueError(f"timeout must be a non-negative number of seconds, got {self.timeout!r}")
+            raise ValueError(
+                f"timeout must be a non-negative number of seconds, got {self.timeout!r}")
         if self.batch_size is not None:
             _check_int("batch_size", self.batch_size, minimum=1,
                        fix="use batch_size=None to disable automatic batching")
@@ -80,7 +81,8 @@ class LoaderOptions:
                     "let num_workers > 0 or set prefetch_factor=None"
                 )
             if self.persistent_workers:
-                raise ValueError("persistent_workers option needs num_workers > 0, got num_workers=0")
+                raise ValueError(
+                    "persistent_workers option needs num_workers > 0, got num_workers=0")
         elif self.prefetch_factor is not None:
             _check_int("prefetch_factor", self.prefetch_factor, minimum=1,
                        fix="use prefetch_factor=None for the default of 2")

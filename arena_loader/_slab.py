@@ -77,7 +77,8 @@ class Slab:
                 os.posix_fallocate(shm.fd, 0, nbytes)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-                    raise _capacity_error(nbytes, slots, f"posix_fallocate: {exc.strerror}") from exc
+                    cause = f"posix_fallocate: {exc.strerror}"
+                    raise _capacity_error(nbytes, slots, cause) from exc
                 raise
             self._mmap = mmap.mmap(shm.fd, nbytes)
         except BaseException:

@@ -45,7 +45,7 @@ def time_epochs(make_iterable: Callable[[], Iterable], epochs: int, checksum: bo
     total = 0
     try:
         start_all = time.perf_counter()
-        for epoch in range(epochs):
+        for _ in range(epochs):
             epoch_bytes = 0
             start = time.perf_counter()
             for batch in loader:

@@ -156,9 +156,9 @@ def test_spawn_and_forkserver_workers_load_correct_batches(context):
 @pytest.mark.timeout(60)
 def test_main_process_killed_leaves_no_worker_or_shared_memory():
     """SIGKILL of the main process: its workers exit within 2 s and nothing stays in /dev/shm."""
-    script = textwrap.dedent("""
+    script = textwrap.dedent(f"""
         import os, sys, time
-        sys.path.insert(0, %r)
+        sys.path.insert(0, {os.getcwd()!r})
         from tests.datasets import ImageDataset
         from arena_loader import ArenaLoader
         loader = ArenaLoader(ImageDataset(10_000), batch_size=2, num_workers=2,
@@ -167,7 +167,7 @@ def test_main_process_killed_leaves_no_worker_or_shared_memory():
         next(it)
         print(" ".join(map(str, it.worker_pids)), flush=True)
         time.sleep(60)
-    """ % os.getcwd())
+    """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]

@@ -1,0 +1,82 @@
+"""Option validation: torch's errors for torch's bad combinations, plus ours."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from arena_loader import ArenaLoader
+from arena_loader.samplers import BatchSampler, RandomSampler, SequentialSampler
+
+from .datasets import ImageDataset
+
+DATA = ImageDataset(10)
+
+
+@pytest.mark.parametrize("kwargs, error, pattern", [
+    (dict(num_workers=-1), ValueError, r"num_workers must be >= 0, got -1"),
+    (dict(num_workers=1.5), TypeError, r"num_workers must be an int"),
+    (dict(timeout=-1), ValueError, r"timeout must be a non-negative number.*-1"),
+    (dict(batch_size=0), ValueError, r"batch_size must be >= 1, got 0; use batch_size=None"),
+    (dict(prefetch_factor=2), ValueError, r"prefetch_factor option could only be specified "
+                                          r"in multiprocessing"),
+    (dict(num_workers=1, prefetch_factor=0), ValueError, r"prefetch_factor must be >= 1"),
+    (dict(persistent_workers=True), ValueError, r"persistent_workers option needs "
+                                                r"num_workers > 0"),
+    (dict(sampler=[0, 1], shuffle=True), ValueError, r"sampler option is mutually exclusive "
+                                                     r"with shuffle"),
+    (dict(batch_sampler=[[0]], batch_size=2), ValueError, r"batch_sampler option is mutually "
+                                                          r"exclusive"),
+    (dict(batch_sampler=[[0]], drop_last=True), ValueError, r"batch_sampler option"),
+    (dict(batch_sampler=[[0]], sampler=[0]), ValueError, r"batch_sampler option"),
+    (dict(batch_size=None, drop_last=True), ValueError, r"batch_size=None option disables "
+                                                        r"auto-batching"),
+    (dict(num_workers=1, multiprocessing_context="threads"), ValueError,
+     r"multiprocessing_context must be a valid start method .*got 'threads'"),
+    (dict(num_workers=1, multiprocessing_context=3), TypeError, r"multiprocessing_context"),
+    (dict(slots=1), ValueError, r"slots must be >= 2, got 1; pass slots=2 or more"),
+    (dict(num_workers=4, prefetch_factor=4, slots=16), ValueError,
+     r"slots must be >= 17, got 16; pass slots=17 or more, or lower prefetch_factor"),
+    (dict(generator="seed"), TypeError, r"generator must be None, an int seed"),
+])
+def test_invalid_options_raise_named_errors(kwargs, error, pattern):
+    """Each bad option or combination raises at construction, naming the parameter."""
+    with pytest.raises(error, match=pattern):
+        ArenaLoader(DATA, **({"shuffle": True} if "generator" in kwargs else {}), **kwargs)
+
+
+def test_iterable_dataset_is_rejected_with_a_clear_error():
+    """An iterable-style dataset is refused at construction, not mid-epoch."""
+    class Stream:
+        def __iter__(self):
+            yield np.zeros(2)
+
+    with pytest.raises(TypeError, match=r"dataset must be map-style.*Stream"):
+        ArenaLoader(Stream())
+
+
+def test_torch_defaults_and_attributes():
+    """Attributes a torch user reads are there with torch's defaults."""
+    loader = ArenaLoader(DATA)
+    assert loader.batch_size == 1 and loader.num_workers == 0 and not loader.drop_last
+    assert isinstance(loader.sampler, SequentialSampler)
+    assert isinstance(loader.batch_sampler, BatchSampler)
+    assert len(loader) == 10
+    shuffled = ArenaLoader(DATA, batch_size=3, shuffle=True, drop_last=True)
+    assert isinstance(shuffled.sampler, RandomSampler) and len(shuffled) == 3
+
+
+def test_pin_memory_warns_until_the_gpu_path_exists():
+    """pin_memory=True is accepted with a warning, as torch does without an accelerator."""
+    with pytest.warns(UserWarning, match="pin_memory"):
+        ArenaLoader(DATA, pin_memory=True)
+
+
+def test_random_sampler_replacement_and_num_samples():
+    """RandomSampler draws num_samples indices in range, reproducibly for a seed."""
+    sampler = RandomSampler(DATA, replacement=True, num_samples=25, generator=3)
+    drawn = list(sampler)
+    assert len(drawn) == len(sampler) == 25 and all(0 <= i < 10 for i in drawn)
+    assert drawn == list(RandomSampler(DATA, replacement=True, num_samples=25, generator=3))
+    longer = list(RandomSampler(DATA, num_samples=23, generator=1))
+    assert len(longer) == 23 and sorted(longer[:20]) == sorted(list(range(10)) * 2)

@@ -1,0 +1,81 @@
+"""The slab (shared memory) and the slot pool (ownership), on their own."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+from arena_loader import ShmCapacityError
+from arena_loader._pool import SlotPool, SlotState
+from arena_loader._slab import NAME_PREFIX, Slab, shm_available_bytes
+
+
+def test_slab_is_unlinked_at_once_and_preallocated():
+    """No /dev/shm name exists after construction, yet the memory is allocated and shared."""
+    before = os.statvfs("/dev/shm").f_bfree
+    slab = Slab(64 * 4096)
+    try:
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(NAME_PREFIX)]
+        assert before - os.statvfs("/dev/shm").f_bfree >= 64  # fallocate reserved the pages
+        handle = slab.handle()
+        other = np.frombuffer(handle.map(), dtype=np.uint8)
+        slab.array[:4] = [1, 2, 3, 4]
+        assert other[:4].tolist() == [1, 2, 3, 4]
+        del other
+    finally:
+        slab.close()
+        slab.close()  # idempotent
+
+
+def test_slab_larger_than_dev_shm_fails_at_construction():
+    """Asking for more than /dev/shm holds raises ShmCapacityError naming bytes and fixes."""
+    too_big = shm_available_bytes() * 2 + 4096
+    with pytest.raises(ShmCapacityError, match=rf"needs {too_big:,} bytes .*available.*"
+                                               r"--shm-size.*fewer `slots`"):
+        Slab(too_big, slots=8)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(NAME_PREFIX)]
+
+
+def test_fallocate_failure_is_a_capacity_error(monkeypatch):
+    """ENOSPC from posix_fallocate (space taken after the check) is ShmCapacityError too."""
+    def no_space(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(ShmCapacityError, match="posix_fallocate: No space left on device"):
+        Slab(4096)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(NAME_PREFIX)]
+
+
+def test_pool_enforces_the_slot_lifecycle():
+    """free -> assigned -> filled -> leased -> free only after the lease dies."""
+    slab = np.zeros(3 * 128, dtype=np.uint8)
+    pool = SlotPool(slab, 128, 3)
+    slot = pool.acquire()
+    assert pool.state(slot) is SlotState.ASSIGNED
+    with pytest.raises(RuntimeError, match="expected filled"):
+        pool.lease(slot)
+    pool.mark_filled(slot)
+    lease = pool.lease(slot)
+    view = np.asarray(lease)
+    assert view.base is lease and np.shares_memory(view, slab)
+    assert pool.state(slot) is SlotState.LEASED
+    with pytest.raises(RuntimeError, match="cannot be reclaimed"):
+        pool.reclaim(slot)
+    del lease
+    assert pool.state(slot) is SlotState.LEASED  # the view still holds it
+    del view
+    gc.collect()
+    assert pool.state(slot) is SlotState.FREE
+
+
+def test_pool_hands_out_each_slot_once_until_released():
+    """acquire() returns None when every slot is taken, and reclaim() frees one."""
+    pool = SlotPool(np.zeros(2 * 64, np.uint8), 64, 2)
+    first, second = pool.acquire(), pool.acquire()
+    assert {first, second} == {0, 1} and pool.acquire() is None
+    pool.reclaim(second)
+    assert pool.acquire() == second
