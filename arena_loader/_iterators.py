@@ -34,6 +34,7 @@ from .errors import LoaderClosedError, LoaderTimeoutError
 THREAD_POLL_S = 1.0
 # The consumer's longest sleep between checks that the dispatch thread is alive.
 CONSUMER_POLL_S = 0.5
+THREAD_JOIN_TIMEOUT_S = 10.0
 
 
 class ArenaSource:
@@ -112,12 +113,12 @@ def rebuild_worker_error(failure: BatchFailed | WorkerFailed, indices: Any = Non
                f"Original traceback in the worker:\n{error.traceback}")
     original = error.original()
     exc_type = type(original) if original is not None else RuntimeError
+    if issubclass(exc_type, KeyError):
+        message = _ReadableMessage(message)  # KeyError's str() is the repr of its argument
     try:
         exc = exc_type(message)
     except Exception:  # an exception type whose constructor wants other arguments
         exc = RuntimeError(message)
-    if isinstance(exc, KeyError):  # KeyError's str() is the repr of its argument
-        exc = RuntimeError(message) if exc_type is KeyError else exc
     exc.__cause__ = original
     exc.worker_id = failure.worker_id  # type: ignore[attr-defined]
     exc.batch_idx = idx  # type: ignore[attr-defined]
@@ -125,18 +126,30 @@ def rebuild_worker_error(failure: BatchFailed | WorkerFailed, indices: Any = Non
     return exc
 
 
+class _ReadableMessage(str):
+    """A str whose repr is itself, so ``str(KeyError(msg))`` shows the traceback readably."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
 class InProcessIterator:
     """``num_workers=0``: the consumer's thread fetches and writes each batch into a slot."""
 
-    def __init__(self, options: LoaderOptions, filler: BatchFiller, source: ArenaSource,
+    def __init__(self, owner: Any, filler: BatchFiller, source: ArenaSource,
                  batches: Iterator):
+        self._owner = owner  # the loader: `for b in ArenaLoader(...)` must keep it alive
         self._filler = filler
         self._batches = batches
-        self._arena, self._first, _ = start_epoch(filler, source, batches)
+        self._arena, first, _ = start_epoch(filler, source, batches)
+        # Batch 0 when this iterator loaded it and has not delivered it yet; the finalizer
+        # reclaims its slot if the iterator is abandoned first.
+        self._undelivered: list[BatchReady] = [first] if first is not None else []
         self._done = self._arena is None
         self._pending: Any = None  # the next batch's indices, taken before its slot
-        self._finalizer = (weakref.finalize(self, source.unclaim, self._arena)
-                           if self._arena is not None else None)
+        self._finalizer = (
+            weakref.finalize(self, _release_in_process, source, self._arena, self._undelivered)
+            if self._arena is not None else None)
 
     def __iter__(self) -> InProcessIterator:
         return self
@@ -145,8 +158,8 @@ class InProcessIterator:
         if self._done:
             raise StopIteration
         arena = self._arena
-        if self._first is not None:
-            first, self._first = self._first, None
+        if self._undelivered:
+            first = self._undelivered.pop()
             return arena.deliver(first.slot, first.rows, first.lengths, first.objects)
         # Indices first, so the end of the epoch is StopIteration even while the consumer holds
         # every slot; kept in _pending if no slot is free, so no batch is lost.
@@ -170,11 +183,14 @@ class InProcessIterator:
 
     def close(self) -> None:
         self._done = True
-        if self._first is not None:
-            self._arena.pool.reclaim(self._first.slot)
-            self._first = None
         if self._finalizer is not None:
             self._finalizer()
+
+
+def _release_in_process(source: ArenaSource, arena: Arena, undelivered: list) -> None:
+    while undelivered:
+        arena.pool.reclaim(undelivered.pop().slot)
+    source.unclaim(arena)
 
 
 class _Session:
@@ -260,24 +276,41 @@ class _Session:
         with self._cv:
             self._stop_requested = True
         self._waker.wake()
-        thread.join()
-        self._thread = None
-        if self._in_flight and self.workers is not None and self._fatal is None:
+        self._join_thread()
+        if self._in_flight and self.workers is not None:
             self._drain_in_flight()
         with self._cv:
             for msg in self._done.values():
                 if isinstance(msg, BatchReady):
                     self.arena.pool.reclaim(msg.slot)
             self._done.clear()
+        if self.workers is not None and self.workers.closed:
+            self.workers = None  # killed after a crash or a stuck drain: start afresh
+
+    def _join_thread(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None or thread is threading.current_thread():
+            return
+        # The thread wakes within THREAD_POLL_S; only a sampler stuck in user code holds it.
+        thread.join(timeout=THREAD_JOIN_TIMEOUT_S)
+        if thread.is_alive():
+            raise RuntimeError(
+                f"the arena_loader dispatch thread did not stop within {THREAD_JOIN_TIMEOUT_S} s; "
+                "it is probably blocked inside the sampler or batch_sampler")
 
     def _drain_in_flight(self) -> None:
-        """Persistent workers: wait out the old epoch's tasks so their slots can be reused."""
+        """Persistent workers: wait out the old epoch's tasks so their slots can be reused.
+
+        A worker that dies or does not answer in time gets the whole group stopped, after
+        which its slots are safe to reuse.
+        """
         deadline = time.monotonic() + max(JOIN_TIMEOUT_S, self._options.timeout or 0) * 5
         while self._in_flight and time.monotonic() < deadline:
             for ready in wait(self.workers.waitables, timeout=THREAD_POLL_S):
                 if self._receive(ready) is not None:
-                    return  # a worker died: close() will deal with the group
-        if self._in_flight:  # workers that will not answer cannot be trusted with slots
+                    self._kill_workers()
+                    return
+        if self._in_flight:
             self._kill_workers()
 
     # -- the dispatch thread --------------------------------------------------------------
@@ -305,10 +338,11 @@ class _Session:
                     if failed:
                         self._kill_workers()
                         return
-        except BaseException as exc:  # a bug or a sampler error: never leave next() waiting
+        except BaseException as exc:  # a dead worker, a sampler error or a bug
             with self._cv:
-                self._fatal = exc
-                self._cv.notify_all()
+                self._fatal = self._fatal or exc
+                self._cv.notify_all()  # never leave next() waiting
+            self._kill_workers()
         finally:
             with self._cv:
                 self._cv.notify_all()
@@ -332,10 +366,14 @@ class _Session:
             # Round-robin as torch does, so which worker (and so which seed) loads a batch
             # is reproducible.
             worker_id = idx % options.num_workers
+            try:
+                self.workers.send(worker_id, Task(idx, slot, indices))
+            except OSError:  # its task pipe is closed: the worker is dead
+                pool.reclaim(slot)
+                raise self.workers.crash_error(worker_id) from None
             self._in_flight[idx] = (worker_id, slot, indices)
             self._indices[idx] = indices
             self._send_idx += 1
-            self.workers.send(worker_id, Task(idx, slot, indices))
 
     def _receive(self, ready: Any) -> BaseException | None:
         """Handle one readable object from ``wait``; returns an error if a worker died."""
@@ -409,7 +447,7 @@ class _Session:
                 if deadline is not None:
                     wait_s = min(wait_s, deadline - time.monotonic())
                     if wait_s <= 0:
-                        raise LoaderTimeoutError(f"DataLoader timed out after {timeout} seconds")
+                        raise LoaderTimeoutError(self._timeout_message(timeout))
                 if not self._cv.wait(wait_s) and not self._thread_alive():
                     if self._fatal is None and not (self._exhausted and not self._in_flight):
                         raise RuntimeError("the arena_loader dispatch thread stopped unexpectedly")
@@ -418,6 +456,16 @@ class _Session:
                                        message.idx)
         self._indices.pop(message.idx, None)
         return self.arena.deliver(message.slot, message.rows, message.lengths, message.objects)
+
+    def _timeout_message(self, timeout: float) -> str:
+        message = f"DataLoader timed out after {timeout} seconds"
+        owed = self._in_flight.get(self._rcvd_idx) if self._options.in_order else None
+        if owed is not None and self.workers is not None:
+            worker_id, _, indices = owed
+            message += (f" waiting for batch idx={self._rcvd_idx} (indices {indices!r}) from "
+                        f"worker {worker_id} (pid {self.workers.pids[worker_id]}), which is "
+                        "still running; raise `timeout` if loading is this slow")
+        return message
 
     def _take_locked(self) -> BatchReady | BatchFailed | None:
         if self._options.in_order:
@@ -461,8 +509,12 @@ class _Session:
             self._stop_requested = True
             self._cv.notify_all()
         self._waker.wake()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=JOIN_TIMEOUT_S * 4)
+        try:
+            self._join_thread()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         if self.workers is not None:
             self.workers.shutdown()
         if self.arena is not None:
@@ -482,8 +534,9 @@ class _Session:
 class MultiProcessIterator:
     """What ``iter(loader)`` returns when ``num_workers > 0``."""
 
-    def __init__(self, options: LoaderOptions, filler: BatchFiller, source: ArenaSource,
-                 batches: Iterator, base_seed: int):
+    def __init__(self, owner: Any, options: LoaderOptions, filler: BatchFiller,
+                 source: ArenaSource, batches: Iterator, base_seed: int):
+        self._owner = owner  # the loader: `for b in ArenaLoader(...)` must keep it alive
         self._persistent = options.persistent_workers
         self._session = _Session(options, filler, source, base_seed)
         self._finalizer = weakref.finalize(self, self._session.close)

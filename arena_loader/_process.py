@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import select
 import signal
 import threading
 import time
@@ -13,6 +15,9 @@ from ._worker import WorkerSetup, worker_main
 from .errors import WorkerCrashedError
 
 JOIN_TIMEOUT_S = 2.0  # per escalation step: join, then terminate, then kill
+# Pipe buffers are raised from Linux's 64 KiB so that a task with a very long index list, or a
+# result with many object leaves, does not block one side while the other is also writing.
+PIPE_NBYTES = 1 << 20
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -39,6 +44,8 @@ class WorkerGroup:
             for setup in setups:
                 task_reader, task_writer = context.Pipe(duplex=False)
                 result_reader, result_writer = context.Pipe(duplex=False)
+                _enlarge_pipe(task_writer)
+                _enlarge_pipe(result_writer)
                 process = context.Process(
                     target=worker_main, args=(setup, task_reader, result_writer),
                     name=f"arena_loader-worker-{setup.worker_id}", daemon=True,
@@ -60,6 +67,10 @@ class WorkerGroup:
 
     def __len__(self) -> int:
         return len(self.processes)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def waitables(self) -> list:
@@ -86,12 +97,6 @@ class WorkerGroup:
         return WorkerCrashedError(message, worker_id=worker_id, pid=process.pid,
                                   exitcode=exitcode)
 
-    def first_dead(self) -> int | None:
-        for worker_id, process in enumerate(self.processes):
-            if process.exitcode is not None:
-                return worker_id
-        return None
-
     def shutdown(self) -> None:
         """Stop every worker: ask, join, terminate, kill; each step bounded. Idempotent."""
         if self._closed:
@@ -99,7 +104,9 @@ class WorkerGroup:
         self._closed = True
         for conn in self.task_conns:
             try:
-                conn.send(Stop())
+                # Only if it cannot block: a worker that is not reading is terminated below.
+                if select.select([], [conn.fileno()], [], 0)[1]:
+                    conn.send(Stop())
             except (OSError, ValueError):
                 pass  # that worker is already gone
         for escalate in (None, "terminate", "kill"):
@@ -117,6 +124,13 @@ class WorkerGroup:
         for process in self.processes:
             if process.exitcode is not None:
                 process.close()
+
+
+def _enlarge_pipe(conn: Connection) -> None:
+    try:
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, PIPE_NBYTES)
+    except (OSError, AttributeError):
+        pass  # not Linux, or above /proc/sys/fs/pipe-max-size: keep the default size
 
 
 def is_main_thread() -> bool:

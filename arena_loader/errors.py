@@ -28,7 +28,7 @@ class LoaderClosedError(ArenaLoaderError, RuntimeError):
 
 
 class WorkerCrashedError(ArenaLoaderError, RuntimeError):
-    """A worker process exited while it still owed batches (killed, segfault, ``os._exit``).
+    """A worker process died while the loader was running (killed, segfault, ``os._exit``).
 
     ``pid``, ``worker_id`` and ``exitcode`` (negative: the signal number) are attributes.
     """

@@ -101,7 +101,7 @@ class ArenaLoader:
         batches = self._epoch_batches()
         options = self.options
         if options.num_workers == 0:
-            iterator: Any = InProcessIterator(options, self._filler, self._source, batches)
+            iterator: Any = InProcessIterator(self, self._filler, self._source, batches)
         elif options.persistent_workers and self._persistent is not None \
                 and not self._persistent.broken:
             self._persistent.reset(batches)
@@ -109,7 +109,7 @@ class ArenaLoader:
         else:
             if self._persistent is not None:
                 self._persistent.close()
-            iterator = MultiProcessIterator(options, self._filler, self._source, batches,
+            iterator = MultiProcessIterator(self, options, self._filler, self._source, batches,
                                             self._draw_base_seed())
             if options.persistent_workers:
                 self._persistent = iterator

@@ -132,3 +132,34 @@ def test_timeout_raises_runtime_error_naming_seconds():
         assert isinstance(info.value, LoaderTimeoutError)
         assert time.monotonic() - start < 2.0
         del iterator
+
+
+def test_key_error_from_worker_stays_a_readable_key_error():
+    """KeyError keeps its type, and its message shows the worker traceback, not a repr."""
+    class Missing(ImageDataset):
+        def __getitem__(self, i):
+            return {}["missing"] if i == 3 else super().__getitem__(i)
+
+    with ArenaLoader(Missing(6), batch_size=2, num_workers=1) as loader:
+        with pytest.raises(KeyError) as info:
+            list(loader)
+    text = str(info.value)
+    assert "Caught builtins.KeyError in DataLoader worker 0" in text and "\\n" not in text
+
+
+def test_timeout_message_names_the_worker_and_pid():
+    """The timeout error says which batch, worker and pid it was waiting for."""
+    class Stuck(ImageDataset):
+        def __getitem__(self, i):
+            if i == 2:
+                time.sleep(5)
+            return super().__getitem__(i)
+
+    with ArenaLoader(Stuck(6), batch_size=2, num_workers=1, timeout=0.2) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        pid = iterator.worker_pids[0]
+        with pytest.raises(LoaderTimeoutError, match=rf"idx=1 \(indices \[2, 3\]\) from worker 0 "
+                                                     rf"\(pid {pid}\)"):
+            next(iterator)
+        del iterator

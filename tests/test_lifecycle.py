@@ -13,7 +13,8 @@ import numpy as np
 import psutil
 import pytest
 
-from arena_loader import ArenaLoader, LoaderClosedError
+from arena_loader import ArenaLoader, LoaderClosedError, WorkerCrashedError
+from arena_loader._pool import SlotState
 
 from .conftest import live_children, our_slab_mappings, wait_until
 from .datasets import ImageDataset, reference_epoch
@@ -188,3 +189,59 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_used_as_a_temporary_in_a_for_loop(num_workers):
+    """`for b in ArenaLoader(...)` keeps the loader alive for the whole loop."""
+    dataset = ImageDataset(9, shape=(2,), dtype=np.int64)
+    expected = reference_epoch(dataset, 2, False)
+    count = 0
+    for i, batch in enumerate(ArenaLoader(dataset, batch_size=2, num_workers=num_workers)):
+        gc.collect()
+        np.testing.assert_array_equal(batch, expected[i])
+        count += 1
+    assert count == len(expected)
+    del batch
+
+
+def test_abandoned_first_iterator_returns_its_preloaded_slot():
+    """An iterator dropped before delivering its preloaded batch 0 gives that slot back."""
+    loader = ArenaLoader(ImageDataset(10), batch_size=2, slots=2)
+    iterator = iter(loader)  # loads batch 0 in process to learn the layout
+    del iterator
+    gc.collect()
+    counts = loader._source._arena.pool.counts()
+    assert counts[SlotState.FREE] == 2, counts
+    assert sum(1 for _ in loader) == 5
+    loader.close()
+
+
+@pytest.mark.parametrize("break_first", [False, True])
+def test_persistent_loader_recovers_after_a_worker_is_killed_between_epochs(break_first):
+    """A worker SIGKILLed between epochs: the next epoch raises WorkerCrashedError (or, if
+    the previous epoch was interrupted, replaces the workers), and the loader then delivers
+    complete epochs again with no slot lost."""
+    dataset = ImageDataset(24, shape=(2,), dtype=np.int64)
+    expected = reference_epoch(dataset, 2, False)
+    with ArenaLoader(dataset, batch_size=2, num_workers=2, persistent_workers=True,
+                     slots=6) as loader:
+        iterator = iter(loader)
+        for i, _ in enumerate(iterator):
+            if break_first and i == 0:
+                break
+        victim = iterator.worker_pids[1]
+        os.kill(victim, signal.SIGKILL)
+        assert wait_until(lambda: not _running(victim))
+        try:
+            for _ in loader:
+                pass
+        except WorkerCrashedError as error:
+            assert error.exitcode == -signal.SIGKILL
+        for _epoch in range(2):
+            for i, batch in enumerate(loader):
+                np.testing.assert_array_equal(batch, expected[i])
+            assert i == len(expected) - 1
+        del batch, iterator, _
+        gc.collect()
+        assert loader._source._arena.pool.counts()[SlotState.FREE] == 6
