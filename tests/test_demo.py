@@ -20,10 +20,11 @@ def test_demo_reports_arena_and_torch_throughput():
     assert result.returncode == 0, result.stderr
     rows = {}
     for line in result.stdout.splitlines():
-        match = re.match(r"(arena_loader\.ArenaLoader|torch DataLoader)\s+([\d.]+)\s+([\d.]+)",
-                         line)
+        match = re.match(r"(arena_loader\.ArenaLoader|torch DataLoader|copy limit \(1 thread\))"
+                         r"\s+([\d.]+)\s+([\d.]+)", line)
         if match:
             rows[match.group(1)] = float(match.group(2))
-    assert set(rows) == {"arena_loader.ArenaLoader", "torch DataLoader"}, result.stdout
+    assert set(rows) == {"arena_loader.ArenaLoader", "torch DataLoader",
+                         "copy limit (1 thread)"}, result.stdout
     assert all(gbps > 0 for gbps in rows.values())
     assert re.search(r"ArenaLoader / torch DataLoader, steady state: [\d.]+x", result.stdout)
