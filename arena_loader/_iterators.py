@@ -370,7 +370,7 @@ class _Session:
                 self.workers.send(worker_id, Task(idx, slot, indices))
             except OSError:  # its task pipe is closed: the worker is dead
                 pool.reclaim(slot)
-                raise self.workers.crash_error(worker_id) from None
+                raise self._crash_error(worker_id) from None
             self._in_flight[idx] = (worker_id, slot, indices)
             self._indices[idx] = indices
             self._send_idx += 1
@@ -379,11 +379,26 @@ class _Session:
         """Handle one readable object from ``wait``; returns an error if a worker died."""
         worker_id, is_pipe = self.workers.worker_of(ready)
         if not is_pipe:
-            return self.workers.crash_error(worker_id)
+            return self._crash_error(worker_id)
         try:
             payload = ready.recv_bytes()
         except (EOFError, OSError):
-            return self.workers.crash_error(worker_id)
+            return self._crash_error(worker_id)
+        self._handle(payload)
+        return None
+
+    def _crash_error(self, worker_id: int) -> BaseException:
+        """The error for a dead worker, after taking in what it sent before dying: its last
+        results, or the ``WorkerFailed`` that explains the exit (which then wins)."""
+        conn = self.workers.result_conns[worker_id]
+        try:
+            while conn.poll(0):
+                self._handle(conn.recv_bytes())
+        except (EOFError, OSError):
+            pass
+        return self._fatal or self.workers.crash_error(worker_id)
+
+    def _handle(self, payload: bytes) -> None:
         message = ForkingPickler.loads(payload)
         with self._cv:
             self.result_bytes += len(payload)
@@ -402,7 +417,6 @@ class _Session:
                 elif isinstance(message, BatchReady):
                     self.arena.pool.reclaim(message.slot)
             self._cv.notify_all()
-        return None
 
     def _kill_workers(self) -> None:
         """After a crash: stop the group, then every slot it held is safe to reuse."""

@@ -138,3 +138,32 @@ def reference_epoch(dataset: Any, batch_size: int, drop_last: bool,
     if drop_last and batches and len(batches[-1]) < batch_size:
         batches.pop()
     return [stack_reference([dataset[i] for i in b]) for b in batches]
+
+
+class WorkerProbeDataset:
+    """Each sample records the loading worker's id and a draw from numpy's global RNG."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict:
+        from arena_loader import get_worker_info
+
+        info = get_worker_info()
+        return {"worker": -1 if info is None else info.id,
+                "num_workers": 0 if info is None else info.num_workers,
+                "draw": np.random.randint(0, 2**31)}
+
+
+class BatchedFetchDataset(ImageDataset):
+    """Implements ``__getitems__`` and marks samples fetched through it."""
+
+    def __getitems__(self, indices: list[int]) -> list[np.ndarray]:
+        return [self[i] + 1 for i in indices]
+
+
+def fail_init(worker_id: int) -> None:
+    raise OSError(f"cannot open shard for worker {worker_id}")

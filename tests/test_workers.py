@@ -1,0 +1,59 @@
+"""What runs inside workers: worker info, seeding, worker_init_fn, batched fetch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from arena_loader import ArenaLoader, get_worker_info
+
+from .datasets import BatchedFetchDataset, ImageDataset, WorkerProbeDataset, fail_init
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_worker_info_names_the_loading_worker():
+    """get_worker_info() is None in the main process and names the worker inside one."""
+    assert get_worker_info() is None
+    with ArenaLoader(WorkerProbeDataset(24), batch_size=2, num_workers=3) as loader:
+        batches = [(b["worker"].tolist(), b["num_workers"].tolist()) for b in loader]
+    # Batch 0 is loaded in the main process to learn the layout; the rest go round-robin.
+    assert batches[0] == ([-1, -1], [0, 0])
+    for idx, (workers, counts) in enumerate(batches[1:], start=1):
+        assert workers == [idx % 3] * 2 and counts == [3, 3]
+
+
+def test_workers_draw_different_random_numbers_and_seeds_reproduce():
+    """numpy draws differ between workers; a generator seed reproduces them exactly."""
+    def draws(seed):
+        with ArenaLoader(WorkerProbeDataset(40), batch_size=4, num_workers=2,
+                         generator=seed) as loader:
+            return {int(w): d for b in loader
+                    for w, d in zip(b["worker"].tolist(), b["draw"].tolist()) if w >= 0}
+
+    first, again, other = draws(5), draws(5), draws(6)
+    assert first.keys() == {0, 1} and first[0] != first[1]
+    assert first == again
+    assert first != other
+
+
+def test_worker_init_fn_error_is_raised_with_its_type():
+    """An exception in worker_init_fn reaches next() with its type and worker id."""
+    with ArenaLoader(ImageDataset(8), batch_size=2, num_workers=2,
+                     worker_init_fn=fail_init) as loader:
+        iterator = iter(loader)
+        with pytest.raises(OSError, match=r"(?s)Caught builtins.OSError in DataLoader worker \d "
+                                          r"while starting.*cannot open shard"):
+            for _ in iterator:
+                pass
+        del iterator
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataset_getitems_is_used_for_batched_fetch(num_workers):
+    """A dataset with __getitems__ is fetched a batch at a time, as torch does."""
+    dataset = BatchedFetchDataset(10, shape=(2,), dtype=np.int64)
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers) as loader:
+        for start, batch in zip(range(0, 10, 4), loader):
+            expected = np.stack([dataset[i] + 1 for i in range(start, min(start + 4, 10))])
+            np.testing.assert_array_equal(batch, expected)
