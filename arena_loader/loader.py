@@ -65,11 +65,21 @@ class ArenaLoader:
         if pin_memory:
             warnings.warn("pin_memory=True has no effect yet: batches stay in host shared "
                           "memory", stacklevel=2)
+        # The attributes torch's DataLoader exposes, read-only by convention.
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.num_workers = num_workers
+        self.collate_fn = collate_fn
+        self.pin_memory = pin_memory
+        self.timeout = timeout
+        self.worker_init_fn = worker_init_fn
+        self.multiprocessing_context = multiprocessing_context
         self.generator = generator
+        self.prefetch_factor = prefetch_factor
+        self.persistent_workers = persistent_workers
+        self.in_order = in_order
+        self.slots = slots
         if sampler is None:
             sampler = (RandomSampler(dataset, generator=generator) if shuffle
                        else SequentialSampler(dataset))

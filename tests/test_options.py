@@ -62,6 +62,8 @@ def test_torch_defaults_and_attributes():
     assert isinstance(loader.sampler, SequentialSampler)
     assert isinstance(loader.batch_sampler, BatchSampler)
     assert len(loader) == 10
+    assert loader.collate_fn is None and loader.timeout == 0 and loader.prefetch_factor is None
+    assert not loader.persistent_workers and loader.in_order and loader.slots == 16
     shuffled = ArenaLoader(DATA, batch_size=3, shuffle=True, drop_last=True)
     assert isinstance(shuffled.sampler, RandomSampler) and len(shuffled) == 3
 
