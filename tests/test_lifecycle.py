@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import psutil
@@ -245,3 +246,67 @@ def test_persistent_loader_recovers_after_a_worker_is_killed_between_epochs(brea
         del batch, iterator, _
         gc.collect()
         assert loader._source._arena.pool.counts()[SlotState.FREE] == 6
+
+
+@pytest.mark.parametrize("persistent, context", [(True, "fork"), (False, "fork"),
+                                                 (False, "spawn")])
+def test_interpreter_exit_mid_epoch_is_clean(persistent, context):
+    """A script that exits mid-epoch without close() ends promptly, silently, and its
+    workers are gone."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.getcwd()!r})
+        from tests.datasets import ImageDataset
+        from arena_loader import ArenaLoader
+        if __name__ == "__main__":
+            loader = ArenaLoader(ImageDataset(1000), batch_size=2, num_workers=2,
+                                 persistent_workers={persistent},
+                                 multiprocessing_context={context!r})
+            iterator = iter(loader)
+            batch = next(iterator)
+            print(" ".join(map(str, iterator.worker_pids)), flush=True)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=30, check=False)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    pids = [int(p) for p in result.stdout.split()]
+    assert len(pids) == 2
+    assert wait_until(lambda: not any(_running(p) for p in pids), timeout_s=2.0)
+
+
+def test_ctrl_c_while_waiting_for_a_batch_interrupts_and_cleans_up():
+    """SIGINT to the main process while next() waits raises KeyboardInterrupt there; the
+    workers (which ignore SIGINT) are then stopped by close()."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {os.getcwd()!r})
+        from tests.datasets import ImageDataset
+        from arena_loader import ArenaLoader
+
+        class Slow(ImageDataset):
+            def __getitem__(self, i):
+                if i >= 2:
+                    time.sleep(30)
+                return super().__getitem__(i)
+
+        loader = ArenaLoader(Slow(100), batch_size=2, num_workers=2)
+        iterator = iter(loader)
+        next(iterator)
+        print(" ".join(map(str, iterator.worker_pids)), flush=True)
+        try:
+            next(iterator)
+        except KeyboardInterrupt:
+            loader.close()
+            print("interrupted", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=15)
+        assert proc.returncode == 0 and "interrupted" in out
+        assert not any(_running(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
