@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,3 +29,15 @@ def test_demo_reports_arena_and_torch_throughput():
                          "copy limit (1 thread)"}, result.stdout
     assert all(gbps > 0 for gbps in rows.values())
     assert re.search(r"ArenaLoader / torch DataLoader, steady state: [\d.]+x", result.stdout)
+
+
+@pytest.mark.timeout(60)
+def test_readme_quick_start_runs(tmp_path):
+    """The README's quick-start block runs as written."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.DOTALL).group(1)
+    script = tmp_path / "quick_start.py"
+    script.write_text(code)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=50, check=False)
+    assert result.returncode == 0, result.stderr
