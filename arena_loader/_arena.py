@@ -1,16 +1,32 @@
-"""An arena: one layout, the slab sized for it, and the pool that owns its slots."""
+"""An arena: one layout, the slab sized for it, and the pool that owns its slots; plus the
+loader-level source that keeps one arena across epochs."""
 
 from __future__ import annotations
 
 import gc
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ._fetch import BatchFiller, Fetched
 from ._layout import BatchLayout
 from ._pool import SlotPool, SlotState
 from ._slab import Slab
 from .errors import SlotsExhaustedError
+
+
+@dataclass(frozen=True)
+class Filled:
+    """A slot the main process filled itself (``num_workers=0``, or the first batch)."""
+
+    slot: int
+    indices: Any
+    rows: int
+    lengths: tuple[int, ...] | None
+    objects: list | None
 
 
 class Arena:
@@ -20,13 +36,6 @@ class Arena:
         self.slab = Slab(slots * layout.slot_nbytes, slots=slots)
         self.pool = SlotPool(self.slab.array, layout.slot_nbytes, slots)
         self._main_arrays: dict[int, list[np.ndarray]] = {}
-
-    def arrays(self, slot: int) -> list[np.ndarray]:
-        """The field arrays of ``slot`` for writing from the main process."""
-        arrays = self._main_arrays.get(slot)
-        if arrays is None:
-            arrays = self._main_arrays[slot] = self.layout.slot_arrays(self.slab.array, slot)
-        return arrays
 
     def acquire_or_raise(self) -> int:
         """A free slot; if the consumer holds them all, collect garbage once, then raise."""
@@ -47,6 +56,19 @@ class Arena:
             "np.array(batch) if you need one)"
         )
 
+    def fill(self, slot: int, filler: BatchFiller, fetched: Fetched, indices: Any) -> Filled:
+        """Write ``fetched`` into an ASSIGNED ``slot`` from the main process."""
+        arrays = self._main_arrays.get(slot)
+        if arrays is None:
+            arrays = self._main_arrays[slot] = self.layout.slot_arrays(self.slab.array, slot)
+        try:
+            rows, lengths, objects = filler.write(self.layout, arrays, fetched, indices)
+        except BaseException:
+            self.pool.reclaim(slot)
+            raise
+        self.pool.mark_filled(slot)
+        return Filled(slot, indices, rows, lengths, objects)
+
     def deliver(self, slot: int, rows: int, lengths: tuple[int, ...] | None,
                 objects: list | None) -> Any:
         """Lease a FILLED slot to the consumer and return the batch as views of it."""
@@ -54,5 +76,66 @@ class Arena:
         return self.layout.assemble(np.asarray(lease), rows, lengths, objects)
 
     def close(self) -> None:
+        """No new batch can be made; the mapping lives on only in views still referenced."""
         self._main_arrays.clear()
+        self.pool.close()
         self.slab.close()
+
+
+class ArenaSource:
+    """The loader's arena, made from the first batch's layout and kept across epochs.
+
+    One iterator at a time uses it; a second live iterator of the same loader gets a private
+    arena of its own, closed when that iterator gives it back.
+    """
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.layout: BatchLayout | None = None
+        self._arena: Arena | None = None
+        self._claimed = False
+        self._lock = threading.Lock()
+
+    def claim(self, layout: BatchLayout) -> Arena:
+        with self._lock:
+            if self._arena is None:
+                self._arena, self.layout = Arena(layout, self.slots), layout
+            if not self._claimed:
+                self._claimed = True
+                return self._arena
+        return Arena(layout, self.slots)
+
+    def unclaim(self, arena: Arena) -> None:
+        with self._lock:
+            if arena is self._arena:
+                self._claimed = False
+                return
+        arena.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
+
+
+def claim_arena(filler: BatchFiller, source: ArenaSource,
+                batches: Iterator) -> tuple[Arena | None, Filled | None]:
+    """Claim an arena for an epoch. On a loader's first epoch no layout is known, so the next
+    batch is loaded here, in the main process, to learn it (docs/design.md, "Data flow").
+
+    Returns (arena, the batch loaded here or None); (None, None) for an empty first epoch.
+    Errors loading that batch propagate; the caller counts the batch as consumed.
+    """
+    if source.layout is not None:
+        return source.claim(source.layout), None
+    indices = next(batches, None)
+    if indices is None:
+        return None, None
+    fetched = filler.fetch(indices)
+    arena = source.claim(filler.layout_for(fetched, indices))
+    try:
+        return arena, arena.fill(arena.acquire_or_raise(), filler, fetched, indices)
+    except BaseException:
+        source.unclaim(arena)
+        raise

@@ -31,6 +31,14 @@ class BatchFiller:
         self._getitems = getattr(dataset, "__getitems__", None)
 
     def fetch(self, indices: Any) -> Fetched:
+        try:
+            return self._fetch(indices)
+        except StopIteration as exc:  # escaping from __next__ it would end the epoch silently
+            raise RuntimeError(f"the dataset or collate_fn raised StopIteration while loading "
+                               f"indices {indices!r}; raise IndexError or another error "
+                               "instead") from exc
+
+    def _fetch(self, indices: Any) -> Fetched:
         if not self.auto_collation:
             sample = self.dataset[indices]
             if self.collate_fn is not None:

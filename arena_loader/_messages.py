@@ -27,15 +27,16 @@ class BatchReady:
     """Worker -> main: ``slot`` now holds batch ``idx``.
 
     ``rows`` is the batch's true row count; ``lengths`` the leading size of each batched field
-    when a collate_fn produced the batch (None: all equal to ``rows``); ``objects`` the values
-    of non-numeric leaves, one list (or collated object) per leaf.
+    when a collate_fn produced the batch (None: all equal to ``rows``); ``objects`` the
+    pickled values of non-numeric leaves, unpickled by the consumer so that a value that fails
+    to rebuild is that batch's error, not the dispatch thread's.
     """
 
     idx: int
     slot: int
     rows: int
     lengths: tuple[int, ...] | None
-    objects: list | None
+    objects: bytes | None
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,6 @@ class RemoteError:
     """An exception raised in a worker, carried with its type and formatted traceback."""
 
     type_name: str
-    message: str
     traceback: str
     pickled: bytes | None  # the exception itself, when it pickles
 
@@ -56,7 +56,6 @@ class RemoteError:
             pickled = None
         return cls(
             type_name=f"{type(exc).__module__}.{type(exc).__qualname__}",
-            message=str(exc),
             traceback="".join(traceback.format_exception(exc)),
             pickled=pickled,
         )
@@ -86,3 +85,40 @@ class WorkerFailed:
 
     worker_id: int
     error: RemoteError
+
+
+class _ReadableMessage(str):
+    """A str whose repr is itself, so ``str(KeyError(msg))`` shows the traceback readably."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def rebuild_worker_error(failure: BatchFailed | WorkerFailed, indices: Any = None,
+                         idx: int | None = None) -> BaseException:
+    """The worker's exception, re-created with its type, tagged with worker, idx and indices.
+
+    Falls back to ``RuntimeError`` when the exception did not survive pickling or its type
+    cannot be built from one message, and for ``StopIteration``, which would otherwise end
+    the epoch silently.
+    """
+    error = failure.error
+    where = (f"while loading batch idx={idx} (indices {indices!r})" if idx is not None
+             else "while starting (slab attach, seeding or worker_init_fn)")
+    message = (f"Caught {error.type_name} in DataLoader worker {failure.worker_id} {where}.\n"
+               f"Original traceback in the worker:\n{error.traceback}")
+    original = error.original()
+    exc_type = type(original) if original is not None else RuntimeError
+    if issubclass(exc_type, StopIteration):
+        exc_type = RuntimeError
+    if issubclass(exc_type, KeyError):
+        message = _ReadableMessage(message)  # KeyError's str() is the repr of its argument
+    try:
+        exc = exc_type(message)
+    except Exception:  # an exception type whose constructor wants other arguments
+        exc = RuntimeError(message)
+    exc.__cause__ = original
+    exc.worker_id = failure.worker_id  # type: ignore[attr-defined]
+    exc.batch_idx = idx  # type: ignore[attr-defined]
+    exc.indices = indices  # type: ignore[attr-defined]
+    return exc

@@ -94,13 +94,21 @@ class SlotPool:
         self._released: deque[int] = deque()
         self._lock = threading.Lock()
         self.waker: Waker | None = None  # set by whoever waits for free slots
+        # Set while a waiter found no free slot: only then does a release write to the waker.
+        self._wanted = False
 
     def acquire(self) -> int | None:
         """A free slot, now ASSIGNED; None when every slot is in use."""
         with self._lock:
             self._collect_released()
             if not self._free:
-                return None
+                # Flag first, then look again: a release that appended after the first look
+                # either shows up now or sees the flag and wakes the waiter.
+                self._wanted = True
+                self._collect_released()
+                if not self._free:
+                    return None
+            self._wanted = False
             slot = self._free.popleft()
             self._move(slot, SlotState.FREE, SlotState.ASSIGNED)
             return slot
@@ -111,12 +119,19 @@ class SlotPool:
 
     def lease(self, slot: int) -> SlotLease:
         with self._lock:
+            if self._slab_array is None:
+                raise RuntimeError("the arena was closed")
             self._move(slot, SlotState.FILLED, SlotState.LEASED)
         start = slot * self.slot_nbytes
         lease = SlotLease(slot, self._slab_array[start: start + self.slot_nbytes])
         finalizer = weakref.finalize(lease, self._release, slot)
         finalizer.atexit = False
         return lease
+
+    def close(self) -> None:
+        """Drop the slab reference: leases already given keep their own."""
+        with self._lock:
+            self._slab_array = None  # type: ignore[assignment]
 
     def reclaim(self, slot: int) -> None:
         """Return an ASSIGNED or FILLED slot whose batch will never reach the consumer."""
@@ -143,7 +158,7 @@ class SlotPool:
     def _release(self, slot: int) -> None:
         self._released.append(slot)
         waker = self.waker
-        if waker is not None:
+        if waker is not None and self._wanted:
             waker.wake()
 
     def _collect_released(self) -> None:

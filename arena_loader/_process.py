@@ -65,9 +65,6 @@ class WorkerGroup:
         self._sentinels = {p.sentinel: worker_id for worker_id, p in enumerate(self.processes)}
         self._conn_ids = {id(conn): worker_id for worker_id, conn in enumerate(self.result_conns)}
 
-    def __len__(self) -> int:
-        return len(self.processes)
-
     @property
     def closed(self) -> bool:
         return self._closed
@@ -85,31 +82,39 @@ class WorkerGroup:
     def send(self, worker_id: int, message: Any) -> None:
         self.task_conns[worker_id].send(message)
 
-    def crash_error(self, worker_id: int) -> WorkerCrashedError:
+    def crash_error(self, worker_id: int, owed: list[tuple[int, Any]]) -> WorkerCrashedError:
+        """The error for a dead worker; ``owed``: (idx, indices) of the batches it had."""
         process = self.processes[worker_id]
         process.join(timeout=JOIN_TIMEOUT_S)  # the pipe can close a moment before the exit
         exitcode = process.exitcode
+        loading = (" while loading " + ", ".join(f"batch idx={idx} (indices {indices!r})"
+                                                  for idx, indices in owed)
+                   if owed else " while idle")
         message = (f"DataLoader worker {worker_id} (pid {process.pid}) "
-                   f"{describe_exit(exitcode)} while the loader was running")
+                   f"{describe_exit(exitcode)}{loading}; to see the failing sample's error, "
+                   "load those indices with num_workers=0")
         if exitcode == -signal.SIGBUS:
             message += (". A SIGBUS in a worker usually means shared memory ran out: check free "
                         "space in /dev/shm (docker run --shm-size=...) or lower `slots`")
         return WorkerCrashedError(message, worker_id=worker_id, pid=process.pid,
                                   exitcode=exitcode)
 
-    def shutdown(self) -> None:
-        """Stop every worker: ask, join, terminate, kill; each step bounded. Idempotent."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop every worker: ask, join, terminate, kill; each step bounded. Idempotent.
+
+        ``graceful=False`` (after a crash, when their work is discarded anyway) skips asking.
+        """
         if self._closed:
             return
         self._closed = True
-        for conn in self.task_conns:
+        for conn in self.task_conns if graceful else ():
             try:
                 # Only if it cannot block: a worker that is not reading is terminated below.
                 if select.select([], [conn.fileno()], [], 0)[1]:
                     conn.send(Stop())
             except (OSError, ValueError):
                 pass  # that worker is already gone
-        for escalate in (None, "terminate", "kill"):
+        for escalate in (None, "terminate", "kill") if graceful else ("terminate", "kill"):
             alive = [p for p in self.processes if p.is_alive()]
             if not alive:
                 break

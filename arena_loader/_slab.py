@@ -87,7 +87,6 @@ class Slab:
         finally:
             # Nothing else opens the slab by name: unlinking now means no crash can leak it.
             shm.unlink()
-        self.name = name
         self.nbytes = nbytes
         self._fd = shm.fd
         # Leases and consumer views keep this array (and so the mapping) alive.
@@ -111,7 +110,9 @@ class Slab:
         # lets the last view unmap it. Closing it under a live view would turn reads into
         # segfaults.
         self.array = None  # type: ignore[assignment]
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass
+        mapping, self._mmap = self._mmap, None
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                pass  # views remain: they hold the mmap, which unmaps when the last one dies

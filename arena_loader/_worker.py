@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pickle
 import random
 import signal
 import sys
@@ -130,7 +131,9 @@ def _serve(setup: WorkerSetup, slot_arrays: list, task_conn: Connection,
                                                   task.indices)
             # Pickled here, not in send(), so an object leaf that does not pickle becomes this
             # batch's error instead of killing the worker.
-            payload = ForkingPickler.dumps(BatchReady(task.idx, task.slot, rows, lengths, objects))
+            pickled_objects = None if objects is None else pickle.dumps(objects, protocol=-1)
+            payload = ForkingPickler.dumps(
+                BatchReady(task.idx, task.slot, rows, lengths, pickled_objects))
         except Exception as exc:
             payload = ForkingPickler.dumps(
                 BatchFailed(task.idx, task.slot, setup.worker_id, RemoteError.capture(exc)))

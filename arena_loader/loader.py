@@ -12,9 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from ._arena import ArenaSource
 from ._fetch import BatchFiller
-from ._iterators import ArenaSource, InProcessIterator, MultiProcessIterator
+from ._inprocess import InProcessIterator
 from ._options import LoaderOptions, is_iterable_dataset
+from ._session import MultiProcessIterator
 from .errors import LoaderClosedError
 from .samplers import BatchSampler, RandomSampler, SequentialSampler, as_numpy_generator
 

@@ -7,6 +7,7 @@ import collections
 import faulthandler
 import os
 import signal
+import time
 from typing import Any
 
 import numpy as np
@@ -85,15 +86,20 @@ class ShapeChangingDataset(ImageDataset):
 
 
 class SuicidalDataset(ImageDataset):
-    """The worker that loads ``fatal_index`` kills itself with ``signum``."""
+    """The worker that loads ``fatal_index`` kills itself with ``signum``, after writing the
+    wall-clock time of its death to ``stamp_path`` if given."""
 
-    def __init__(self, n: int, fatal_index: int, signum: int = signal.SIGKILL):
+    def __init__(self, n: int, fatal_index: int, signum: int = signal.SIGKILL,
+                 stamp_path: str | None = None):
         super().__init__(n)
-        self.fatal_index, self.signum = fatal_index, signum
+        self.fatal_index, self.signum, self.stamp_path = fatal_index, signum, stamp_path
 
     def __getitem__(self, index: int) -> np.ndarray:
         if index == self.fatal_index:
             faulthandler.disable()  # pytest's handler would print this worker's stack
+            if self.stamp_path is not None:
+                with open(self.stamp_path, "w") as stamp:
+                    stamp.write(repr(time.time()))
             os.kill(os.getpid(), self.signum)
         return super().__getitem__(index)
 

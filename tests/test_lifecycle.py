@@ -18,7 +18,7 @@ from arena_loader import ArenaLoader, LoaderClosedError, WorkerCrashedError
 from arena_loader._pool import SlotState
 
 from .conftest import live_children, our_slab_mappings, wait_until
-from .datasets import ImageDataset, reference_epoch
+from .datasets import ImageDataset, RaisingDataset, reference_epoch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,8 +97,10 @@ def test_persistent_workers_survive_epochs(interrupt_at):
     expected = reference_epoch(dataset, 4, False)
     with ArenaLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True) as loader:
         iterator = iter(loader)
+        next(iterator)  # a loader's first epoch starts its workers at the first next()
         pids = iterator.worker_pids
-        for i, _ in enumerate(iterator):
+        assert len(pids) == 2
+        for i, _ in enumerate(iterator, start=1):
             if i == interrupt_at:
                 break
         for epoch in range(3):
@@ -116,8 +118,10 @@ def test_non_persistent_workers_exit_when_the_epoch_ends():
     """Without persistent_workers, workers are joined as soon as the epoch is exhausted."""
     with ArenaLoader(ImageDataset(10), batch_size=2, num_workers=2) as loader:
         iterator = iter(loader)
+        next(iterator)
         pids = iterator.worker_pids
-        assert sum(1 for _ in iterator) == 5
+        assert len(pids) == 2
+        assert sum(1 for _ in iterator) == 4
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
                        for p in pids)
         with pytest.raises(StopIteration):
@@ -206,16 +210,23 @@ def test_loader_used_as_a_temporary_in_a_for_loop(num_workers):
     del batch
 
 
-def test_abandoned_first_iterator_returns_its_preloaded_slot():
-    """An iterator dropped before delivering its preloaded batch 0 gives that slot back."""
-    loader = ArenaLoader(ImageDataset(10), batch_size=2, slots=2)
-    iterator = iter(loader)  # loads batch 0 in process to learn the layout
-    del iterator
-    gc.collect()
-    counts = loader._source._arena.pool.counts()
-    assert counts[SlotState.FREE] == 2, counts
-    assert sum(1 for _ in loader) == 5
-    loader.close()
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_error_in_the_first_batch_is_raised_by_next_and_iteration_continues(num_workers):
+    """iter() loads nothing; a failing first batch raises at next(), and the next next()
+    yields batch 1 (the layout is learnt from it), with no slot lost."""
+    dataset = RaisingDataset(8, bad={1})
+    expected = reference_epoch(ImageDataset(8), 2, False)
+    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers, slots=5) as loader:
+        iterator = iter(loader)
+        with pytest.raises(ValueError, match="sample 1 is corrupt"):
+            next(iterator)
+        for i in range(1, 4):
+            np.testing.assert_array_equal(next(iterator), expected[i])
+        with pytest.raises(StopIteration):
+            next(iterator)
+        del iterator
+        gc.collect()
+        assert loader._source._arena.pool.counts()[SlotState.FREE] == 5
 
 
 @pytest.mark.parametrize("break_first", [False, True])

@@ -1,0 +1,489 @@
+"""The worker-process pipeline behind ``iter(loader)`` when ``num_workers > 0``.
+
+A ``_Session`` owns the workers and a dispatch thread. The thread sends
+``Task(idx, slot, indices)`` round-robin, waits on every result pipe, every worker's sentinel
+and a wake-up pipe at once, and files results by ``idx``; the consumer's ``next_batch`` takes
+them in order (or completion order) and leases the slot (docs/design.md, "Data flow").
+
+Locking: ``_cv`` guards the epoch state shared with the consumer. The thread never holds it
+while running user code (the sampler) or writing a pipe, so neither ``next()`` nor ``close()``
+can be held up by a slow sampler. ``_batches`` and ``_pending`` belong to the thread alone.
+The object user code holds (``MultiProcessIterator``) is separate from the session the thread
+references, so an abandoned iterator is collected and its ``weakref.finalize`` shuts it down.
+"""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import selectors
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from ._arena import Arena, ArenaSource, claim_arena
+from ._fetch import BatchFiller
+from ._messages import BatchFailed, BatchReady, Task, WorkerFailed, rebuild_worker_error
+from ._options import LoaderOptions
+from ._pool import SlotState, Waker
+from ._process import JOIN_TIMEOUT_S, WorkerGroup, is_main_thread
+from ._worker import WorkerSetup
+from .errors import LoaderClosedError, LoaderTimeoutError
+
+# The dispatch thread's longest sleep; results, worker exits, wanted slots and stop requests
+# all wake it at once, so this is only a backstop.
+THREAD_POLL_S = 1.0
+# The consumer's longest sleep between checks that the dispatch thread is alive.
+CONSUMER_POLL_S = 0.5
+# Only a sampler stuck in user code can keep the thread from stopping this long.
+THREAD_JOIN_TIMEOUT_S = 10.0
+
+
+class _Session:
+    def __init__(self, options: LoaderOptions, filler: BatchFiller, source: ArenaSource,
+                 base_seed: int):
+        self._options = options
+        self._filler = filler
+        self._source = source
+        self._base_seed = base_seed
+        self._cv = threading.Condition()
+        self._waker = Waker()
+        self.arena: Arena | None = None
+        self._arena_claimed = False
+        self.workers: WorkerGroup | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._finished = False  # closed because the epoch ended: next() is StopIteration
+        self.result_bytes = 0  # pickled bytes received from workers (no arrays: tests check)
+        self.results_received = 0
+        self._reset_epoch_state(iter(()))
+
+    # -- epoch lifecycle (consumer thread) ------------------------------------------------
+
+    def start_epoch(self, batches: Iterator) -> None:
+        """Prepare an epoch; workers start now if the layout is known, else at next()."""
+        if self._closed:
+            raise LoaderClosedError("this iterator was closed; call iter(loader) for a new one")
+        self._finish_epoch()
+        self._reset_epoch_state(batches)
+        if self.arena is not None or self._source.layout is not None:
+            self._begin()
+
+    def _reset_epoch_state(self, batches: Iterator) -> None:
+        self._batches = batches
+        self._pending: Any = None  # indices taken from the sampler, waiting for a slot
+        self._started = False
+        self._send_idx = 0
+        self._rcvd_idx = 0
+        self._in_flight: dict[int, tuple[int, int, Any]] = {}  # idx -> (worker, slot, indices)
+        self._done: dict[int, tuple[BatchReady | BatchFailed, Any]] = {}  # idx -> (msg, indices)
+        self._completion_order: deque[int] = deque()  # in_order=False only
+        self._exhausted = False
+        self._sampler_error: BaseException | None = None
+        self._fatal: BaseException | None = None
+        self._stop_requested = False
+
+    def _begin(self) -> None:
+        """Claim the arena (loading the first batch here on a loader's first epoch), start
+        workers if there are none, and start the dispatch thread."""
+        if self.arena is None:
+            try:
+                arena, first = claim_arena(self._filler, self._source, self._batches)
+            except BaseException:
+                # That batch is consumed: its error is this next()'s, and the next one goes on.
+                self._send_idx += 1
+                self._rcvd_idx += 1
+                raise
+            if arena is None:
+                self._started = self._exhausted = True
+                return
+            self.arena, self._arena_claimed = arena, True
+            arena.pool.waker = self._waker
+            if first is not None:
+                objects = None if first.objects is None else pickle.dumps(first.objects, -1)
+                idx = self._send_idx
+                self._done[idx] = (BatchReady(idx, first.slot, first.rows, first.lengths,
+                                              objects), first.indices)
+                self._completion_order.append(idx)
+                self._send_idx += 1
+        if self.workers is None:
+            self.workers = self._start_workers()
+        self._started = True
+        self._thread = threading.Thread(target=self._run, name="arena_loader-dispatch",
+                                        daemon=True)
+        self._thread.start()
+
+    def _start_workers(self) -> WorkerGroup:
+        options, arena = self._options, self.arena
+        setups = [
+            WorkerSetup(worker_id=i, num_workers=options.num_workers, filler=self._filler,
+                        layout=arena.layout, slab=arena.slab.handle(), slots=arena.slots,
+                        base_seed=self._base_seed, worker_init_fn=options.worker_init_fn,
+                        arm_parent_death_signal=is_main_thread())
+            for i in range(options.num_workers)
+        ]
+        return WorkerGroup(options.context, setups)
+
+    def _finish_epoch(self) -> None:
+        """Stop the thread and take back every slot the old epoch had not delivered."""
+        if self._thread is None:
+            return
+        with self._cv:
+            self._stop_requested = True
+        self._waker.wake()
+        self._join_thread(raise_on_timeout=True)
+        if self._in_flight and self.workers is not None and not self.workers.closed:
+            self._drain_in_flight()
+        self._reclaim_done()
+        if self.workers is not None and self.workers.closed:
+            self.workers = None  # stopped after a crash or a stuck drain: start afresh
+
+    def _join_thread(self, raise_on_timeout: bool) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(timeout=THREAD_JOIN_TIMEOUT_S)
+        if thread.is_alive() and raise_on_timeout:
+            raise RuntimeError(
+                f"the arena_loader dispatch thread did not stop within {THREAD_JOIN_TIMEOUT_S} s; "
+                "it is blocked inside the sampler or batch_sampler")
+
+    def _drain_in_flight(self) -> None:
+        """Persistent workers: wait out the old epoch's tasks so their slots can be reused.
+        A worker that dies or does not answer in time gets the whole group stopped, after
+        which its slots are safe to reuse."""
+        deadline = time.monotonic() + max(JOIN_TIMEOUT_S, self._options.timeout or 0) * 5
+        while self._in_flight and time.monotonic() < deadline:
+            for ready in wait(self.workers.waitables, timeout=THREAD_POLL_S):
+                if self._receive(ready) is not None:
+                    self._kill_workers()
+                    return
+        if self._in_flight:
+            self._kill_workers()
+
+    # -- the dispatch thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        try:
+            for waitable in (*self.workers.waitables, self._waker):
+                selector.register(waitable, selectors.EVENT_READ)
+            while self._dispatch():
+                for key, _ in selector.select(THREAD_POLL_S):
+                    if key.fileobj is self._waker:
+                        self._waker.drain()
+                        continue
+                    crash = self._receive(key.fileobj)
+                    if crash is not None:
+                        self._fail(crash)
+                        return
+                    if self._fatal is not None:  # a WorkerFailed
+                        self._fail(self._fatal)
+                        return
+        except BaseException as exc:  # a dead worker found while sending, or a bug
+            self._fail(exc)
+        finally:
+            selector.close()
+            with self._cv:
+                self._cv.notify_all()
+
+    def _dispatch(self) -> bool:
+        """Send tasks while the prefetch window and free slots allow. False: stop the thread
+        (asked to, failed, or every batch of the epoch has come back)."""
+        options, pool = self._options, self.arena.pool
+        while True:
+            with self._cv:
+                if self._stop_requested or self._fatal is not None:
+                    return False
+                if self._exhausted:
+                    return bool(self._in_flight)
+                if len(self._in_flight) >= options.max_in_flight:
+                    return True
+            if self._pending is None:
+                # Indices before a slot: the end of the epoch is StopIteration even while the
+                # consumer holds every slot, and indices waiting for a slot are never lost.
+                try:
+                    self._pending = next(self._batches)
+                except BaseException as exc:
+                    with self._cv:
+                        self._exhausted = True
+                        if not isinstance(exc, StopIteration):
+                            # Raised at this batch's turn, after the batches before it.
+                            self._sampler_error = exc
+                        self._cv.notify_all()
+                    continue
+            with self._cv:
+                if self._stop_requested:
+                    return False
+                slot = pool.acquire()
+                if slot is None:
+                    return True  # the waker fires when a slot comes back
+                idx, indices, self._pending = self._send_idx, self._pending, None
+                self._send_idx += 1
+                # Round-robin as torch does, so which worker (and so which seed) loads a batch
+                # is reproducible.
+                worker_id = idx % options.num_workers
+                self._in_flight[idx] = (worker_id, slot, indices)
+            try:
+                self.workers.send(worker_id, Task(idx, slot, indices))
+            except OSError:  # its task pipe is closed: the worker is dead
+                raise self._crash_error(worker_id) from None
+
+    def _receive(self, ready: Any) -> BaseException | None:
+        """Handle one readable object from a wait; returns an error if a worker died."""
+        worker_id, is_pipe = self.workers.worker_of(ready)
+        if not is_pipe:
+            return self._crash_error(worker_id)
+        try:
+            payload = ready.recv_bytes()
+        except (EOFError, OSError):
+            return self._crash_error(worker_id)
+        self._handle(payload)
+        return None
+
+    def _crash_error(self, worker_id: int) -> BaseException:
+        """The error for a dead worker, after taking in what it sent before dying: its last
+        results, or the ``WorkerFailed`` that explains the exit (which then wins)."""
+        conn = self.workers.result_conns[worker_id]
+        try:
+            while conn.poll(0):
+                self._handle(conn.recv_bytes())
+        except (EOFError, OSError):
+            pass
+        if self._fatal is not None:
+            return self._fatal
+        with self._cv:
+            owed = [(idx, indices) for idx, (worker, _, indices) in self._in_flight.items()
+                    if worker == worker_id]
+        return self.workers.crash_error(worker_id, owed)
+
+    def _handle(self, payload: bytes) -> None:
+        message = ForkingPickler.loads(payload)
+        with self._cv:
+            self.result_bytes += len(payload)
+            self.results_received += 1
+            if isinstance(message, WorkerFailed):
+                self._fatal = self._fatal or rebuild_worker_error(message)
+            else:
+                _, slot, indices = self._in_flight.pop(message.idx)
+                if isinstance(message, BatchFailed) or self._stop_requested:
+                    self.arena.pool.reclaim(slot)
+                else:
+                    self.arena.pool.mark_filled(slot)
+                if not self._stop_requested:
+                    self._done[message.idx] = (message, indices)
+                    if not self._options.in_order:
+                        self._completion_order.append(message.idx)
+            self._cv.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        """A fatal error: stop the workers, give back every slot, then wake next() with it,
+        so that when the error is raised no worker of this session is left running."""
+        with self._cv:
+            self._fatal = self._fatal or exc
+        self._kill_workers(graceful=False)
+        self._release_arena()
+        with self._cv:
+            self._cv.notify_all()
+
+    def _kill_workers(self, graceful: bool = True) -> None:
+        """Stop the group; then every slot it was writing is safe to reuse."""
+        self.workers.shutdown(graceful)
+        with self._cv:
+            for _, slot, _ in self._in_flight.values():
+                self.arena.pool.reclaim(slot)
+            self._in_flight.clear()
+
+    def _reclaim_done(self) -> None:
+        with self._cv:
+            for message, _ in self._done.values():
+                if isinstance(message, BatchReady):
+                    self.arena.pool.reclaim(message.slot)
+            self._done.clear()
+            self._completion_order.clear()
+
+    def _release_arena(self) -> None:
+        """Give the arena back to the loader (idempotent); in-flight slots must be reclaimed."""
+        with self._cv:
+            if not self._arena_claimed:
+                return
+            self._arena_claimed = False
+        self._reclaim_done()
+        self.arena.pool.waker = None
+        self._source.unclaim(self.arena)
+
+    # -- the consumer ---------------------------------------------------------------------
+
+    def next_batch(self) -> Any:
+        if not self._started and not self._closed:
+            self._begin()
+        timeout = self._options.timeout
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        collected = False
+        with self._cv:
+            while True:
+                if self._closed:
+                    if self._finished:
+                        raise StopIteration
+                    raise LoaderClosedError("this iterator was closed; call iter(loader) for "
+                                            "a new one")
+                if self._fatal is not None:
+                    raise self._fatal
+                entry = self._take_locked()
+                if entry is not None:
+                    break
+                if self._exhausted and not self._in_flight:
+                    error, self._sampler_error = self._sampler_error, None
+                    if error is not None:
+                        raise error
+                    raise StopIteration
+                if self._starved_locked():
+                    if collected:
+                        raise self.arena.exhausted_error()
+                    self._cv.release()
+                    try:
+                        gc.collect()  # batches caught in cycles release their slots here
+                    finally:
+                        self._cv.acquire()
+                    collected = True
+                    self._cv.wait(0.05)  # let the thread dispatch into freed slots
+                    continue
+                wait_s = CONSUMER_POLL_S
+                if deadline is not None:
+                    wait_s = min(wait_s, deadline - time.monotonic())
+                    if wait_s <= 0:
+                        raise LoaderTimeoutError(self._timeout_message(timeout))
+                if not self._cv.wait(wait_s) and not self._thread_alive():
+                    if self._fatal is None and not (self._exhausted and not self._in_flight):
+                        raise RuntimeError("the arena_loader dispatch thread stopped unexpectedly")
+        message, indices = entry
+        if isinstance(message, BatchFailed):
+            raise rebuild_worker_error(message, indices, message.idx)
+        objects = None
+        if message.objects is not None:
+            try:
+                objects = pickle.loads(message.objects)
+            except Exception as exc:
+                self.arena.pool.reclaim(message.slot)
+                raise RuntimeError(
+                    f"the non-array values of batch idx={message.idx} (indices {indices!r}) "
+                    f"did not unpickle in the main process: {exc!r}; return only numbers, "
+                    "arrays, str or bytes from the dataset, or objects that unpickle") from exc
+        return self.arena.deliver(message.slot, message.rows, message.lengths, objects)
+
+    def _take_locked(self) -> tuple[BatchReady | BatchFailed, Any] | None:
+        if self._options.in_order:
+            entry = self._done.pop(self._rcvd_idx, None)
+            if entry is not None:
+                self._rcvd_idx += 1
+            return entry
+        while self._completion_order:
+            entry = self._done.pop(self._completion_order.popleft(), None)
+            if entry is not None:
+                return entry
+        return None
+
+    def _starved_locked(self) -> bool:
+        """Nothing in flight or ready, batches left, and the consumer holds every slot."""
+        if self._in_flight or self._done or self._exhausted or self.arena is None:
+            return False
+        return self.arena.pool.counts()[SlotState.FREE] == 0
+
+    def _timeout_message(self, timeout: float) -> str:
+        message = f"DataLoader timed out after {timeout} seconds"
+        owed = ([self._rcvd_idx] if self._options.in_order else sorted(self._in_flight))
+        waiting = [f"batch idx={idx} (indices {self._in_flight[idx][2]!r}) from worker "
+                   f"{self._in_flight[idx][0]} (pid {self.workers.pids[self._in_flight[idx][0]]})"
+                   for idx in owed if idx in self._in_flight]
+        if waiting:
+            message += (f" waiting for {', '.join(waiting)}, which is still running; raise "
+                        "`timeout` if loading is this slow")
+        return message
+
+    def _thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def broken(self) -> bool:
+        """Closed, or a fatal error: the next epoch needs a new session."""
+        return self._closed or self._fatal is not None
+
+    # -- teardown -------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """The epoch ended and no epoch follows on these workers: shut them down."""
+        self._finished = True
+        self.close()
+
+    def close(self) -> None:
+        """Idempotent; safe from a finalizer. Workers joined, undelivered slots reclaimed."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._cv:
+            self._stop_requested = True
+            self._cv.notify_all()
+        self._waker.wake()
+        try:
+            self._join_thread(raise_on_timeout=False)
+        finally:
+            if self.workers is not None:
+                self._kill_workers()
+            if self.arena is not None:
+                self._release_arena()
+            self._waker.close()
+
+
+class MultiProcessIterator:
+    """What ``iter(loader)`` returns when ``num_workers > 0``."""
+
+    def __init__(self, owner: Any, options: LoaderOptions, filler: BatchFiller,
+                 source: ArenaSource, batches: Iterator, base_seed: int):
+        self._owner = owner  # the loader: `for b in ArenaLoader(...)` must keep it alive
+        self._persistent = options.persistent_workers
+        self._session = _Session(options, filler, source, base_seed)
+        self._finalizer = weakref.finalize(self, self._session.close)
+        try:
+            self._session.start_epoch(batches)
+        except BaseException:
+            self.close()
+            raise
+
+    def __iter__(self) -> MultiProcessIterator:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return self._session.next_batch()
+        except StopIteration:
+            if not self._persistent:
+                self._session.finish()
+            raise
+
+    def reset(self, batches: Iterator) -> None:
+        """Persistent workers: begin a new epoch on the same workers and slab."""
+        self._session.start_epoch(batches)
+
+    @property
+    def broken(self) -> bool:
+        return self._session.broken
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Pids of the workers; empty until they start (at the first next() of a loader's
+        first epoch, at iter() afterwards)."""
+        workers = self._session.workers
+        return list(workers.pids) if workers is not None else []
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"results_received": self._session.results_received,
+                "result_bytes": self._session.result_bytes}
+
+    def close(self) -> None:
+        self._finalizer()
