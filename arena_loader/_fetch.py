@@ -72,7 +72,8 @@ class BatchFiller:
         if fetched.samples is not None:
             objects = layout.write_samples(arrays, fetched.samples, indices)
             return fetched.rows, None, objects or None
-        lengths, objects = layout.write_batch(arrays, fetched.batch, _label(self, indices))
+        lengths, objects = layout.write_batch(arrays, fetched.batch,
+                                              lambda: _label(self, indices))
         return fetched.rows, lengths, objects or None
 
 

@@ -14,7 +14,7 @@ bytes, rebuilt into the sample's nested structure (docs/design.md, "Batch layout
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ _PYTHON_NUMBER_DTYPES = {bool: np.dtype(np.bool_), int: np.dtype(np.int64),
                          float: np.dtype(np.float64), complex: np.dtype(np.complex128)}
 # Which Python/numpy scalar kinds a field first seen as a Python number accepts later.
 _ACCEPTED_KINDS = {bool: "b", int: "bui", float: "buif", complex: "buifc"}
+_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,6 @@ class _FieldLeaf:
 @dataclass(frozen=True)
 class _ObjectLeaf:
     index: int
-    path: str
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class _SpecBuilder:
         numeric = _as_numeric(value)
         if numeric is None:
             self.object_paths.append(path)
-            return _ObjectLeaf(len(self.object_paths) - 1, path)
+            return _ObjectLeaf(len(self.object_paths) - 1)
         return _FieldLeaf(self._add_field(numeric, path))
 
     def _add_field(self, value: Any, path: str) -> int:
@@ -158,13 +158,10 @@ class BatchLayout:
     """Fields, object leaves and nested structure of one batch, plus its slot size."""
 
     def __init__(self, spec: Any, fields: tuple[Field, ...], object_paths: tuple[str, ...],
-                 per_sample: bool, rows_capacity: int | None):
+                 rows_capacity: int | None):
         self.spec = spec
         self.fields = fields
         self.object_paths = object_paths
-        # per_sample: the slot is filled one sample per row (default collate); otherwise a
-        # whole collated batch (custom collate_fn, or batch_size=None) is copied in.
-        self.per_sample = per_sample
         self.rows_capacity = rows_capacity  # samples a slot holds (None: one unbatched sample)
         end = max((f.offset + f.nbytes for f in fields), default=0)
         self.slot_nbytes = max(FIELD_ALIGNMENT, _align(end))
@@ -175,7 +172,7 @@ class BatchLayout:
         _reject_none(sample, f"dataset[{sample_index!r}]")
         builder = _SpecBuilder(batch_size, None, f"sample {sample_index!r}:")
         spec = builder.build(sample, "sample")
-        return cls._finish(spec, builder, per_sample=True, rows_capacity=batch_size)
+        return cls._finish(spec, builder, rows_capacity=batch_size)
 
     @classmethod
     def from_batch(cls, batch: Any, batch_size: int | None, rows: int | None,
@@ -184,17 +181,17 @@ class BatchLayout:
         _reject_none(batch, label)
         builder = _SpecBuilder(batch_size, rows, f"{label}:")
         spec = builder.build(batch, "batch")
-        return cls._finish(spec, builder, per_sample=False, rows_capacity=batch_size)
+        return cls._finish(spec, builder, rows_capacity=batch_size)
 
     @classmethod
-    def _finish(cls, spec: Any, builder: _SpecBuilder, per_sample: bool,
-                rows_capacity: int | None) -> BatchLayout:
+    def _finish(cls, spec: Any, builder: _SpecBuilder, rows_capacity: int | None
+                ) -> BatchLayout:
         fields, offset = [], 0
         for raw in builder.fields:
             field = Field(offset=offset, **raw)
             fields.append(field)
             offset = _align(offset + field.nbytes)
-        return cls(spec, tuple(fields), tuple(builder.object_paths), per_sample, rows_capacity)
+        return cls(spec, tuple(fields), tuple(builder.object_paths), rows_capacity)
 
     # -- the write side (workers, and the main process when num_workers=0) ------------------
 
@@ -220,46 +217,53 @@ class BatchLayout:
         objects: list[list] = [[] for _ in self.object_paths]
         leaves: list[Any] = []
         for row, (sample, index) in enumerate(zip(samples, indices)):
-            _reject_none(sample, f"dataset[{index!r}]")
+            if sample is None:
+                _reject_none(sample, f"dataset[{index!r}]")
             leaves.clear()
             self._flatten(self.spec, sample, leaves, objects, index)
             for field, array, value in zip(self.fields, arrays, leaves):
                 if (type(value) is np.ndarray and value.dtype == field.dtype
                         and value.shape == field.shape):
                     array[row] = value  # the hot path: one memcpy into the slab
+                elif type(value) is field.python_type is not int:
+                    array[row] = value  # a float, bool or complex like the first sample's
                 else:
                     array[row] = self._checked(field, value, f"sample {index!r}")
         return objects
 
     def write_batch(self, arrays: list[np.ndarray], batch: Any,
-                    label: str) -> tuple[tuple[int, ...], list[list]]:
-        """Copy a collated batch into the slot; returns per-field lengths and object leaves."""
-        _reject_none(batch, label)
+                    describe: Callable[[], str]) -> tuple[tuple[int, ...], list[list]]:
+        """Copy a collated batch into the slot; returns per-field lengths and object leaves.
+
+        ``describe()`` names the batch in error messages (only called to raise one).
+        """
+        if batch is None:
+            _reject_none(batch, describe())
         objects: list[list] = [[] for _ in self.object_paths]
         leaves: list[Any] = []
-        self._flatten(self.spec, batch, leaves, objects, label, collated=True)
+        self._flatten(self.spec, batch, leaves, objects, describe, collated=True)
         lengths = []
         for field, array, value in zip(self.fields, arrays, leaves):
             numeric = _as_numeric(value)
             if not field.batched:
-                array[...] = self._checked(field, value, label, first="batch")
+                array[...] = self._checked(field, value, describe(), first="batch")
                 lengths.append(1)
                 continue
             if not isinstance(numeric, np.ndarray) or numeric.ndim != len(field.shape) + 1:
                 raise LayoutError(
-                    f"{label}: field {field.path} must be an array of shape [rows, "
+                    f"{describe()}: field {field.path} must be an array of shape [rows, "
                     f"{', '.join(map(str, field.shape))}] like the first batch, got "
                     f"{_describe(numeric if numeric is not None else value)}"
                 )
             rows = numeric.shape[0]
             if rows > field.capacity or numeric.shape[1:] != field.shape:
                 raise LayoutError(
-                    f"{label}: field {field.path} has shape {list(numeric.shape)}, but the slot "
-                    f"holds at most [{field.capacity}, {', '.join(map(str, field.shape))}] "
+                    f"{describe()}: field {field.path} has shape {list(numeric.shape)}, but the "
+                    f"slot holds at most [{field.capacity}, {', '.join(map(str, field.shape))}] "
                     "(inferred from the first batch); pad collate_fn outputs to a fixed size"
                 )
             if numeric.dtype != field.dtype:
-                raise LayoutError(f"{label}: field {field.path} has dtype {numeric.dtype}, "
+                raise LayoutError(f"{describe()}: field {field.path} has dtype {numeric.dtype}, "
                                   f"expected {field.dtype} as in the first batch")
             array[:rows] = numeric
             lengths.append(rows)
@@ -294,7 +298,7 @@ class BatchLayout:
             expected = f"a {node.type.__name__} of {len(node.children)} items"
             actual = (f"a {type(value).__name__} of {len(value)} items"
                       if isinstance(value, (tuple, list)) else _describe(value))
-        subject = where if collated else f"sample {where!r}"
+        subject = where() if collated else f"sample {where!r}"
         raise LayoutError(f"{subject}: {node.path} must be {expected} like the first "
                           f"{'batch' if collated else 'sample'}, got {actual}")
 
@@ -306,6 +310,10 @@ class BatchLayout:
                 _PYTHON_NUMBER_DTYPES[type(numeric)].kind if numeric is not None else None)
             shape = getattr(numeric, "shape", ())
             if kind is not None and kind in _ACCEPTED_KINDS[field.python_type] and shape == ():
+                if field.dtype.kind == "i" and not _INT64_MIN <= int(numeric) <= _INT64_MAX:
+                    raise LayoutError(f"{subject}: field {field.path} is {int(numeric)}, outside "
+                                      f"the int64 range it is stored in; store it as a float "
+                                      "or a string instead")
                 return numeric
             expected = f"a Python {field.python_type.__name__} (stored as {field.dtype})"
         else:

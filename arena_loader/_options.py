@@ -67,7 +67,8 @@ class LoaderOptions:
     def __post_init__(self) -> None:
         _check_int("num_workers", self.num_workers, minimum=0,
                    fix="use num_workers=0 to load in the main process")
-        if not isinstance(self.timeout, (int, float)) or self.timeout < 0:
+        if (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
+                or self.timeout < 0):
             raise ValueError(
                 f"timeout must be a non-negative number of seconds, got {self.timeout!r}")
         if self.batch_size is not None:
@@ -87,7 +88,8 @@ class LoaderOptions:
             _check_int("prefetch_factor", self.prefetch_factor, minimum=1,
                        fix="use prefetch_factor=None for the default of 2")
         if self.sampler is not None and self.shuffle:
-            raise ValueError("sampler option is mutually exclusive with shuffle; got shuffle=True")
+            raise ValueError("sampler option is mutually exclusive with shuffle; got shuffle=True "
+                             "with a sampler: shuffle inside the sampler, or drop `sampler`")
         if self.batch_sampler is not None and (
             self.batch_size != 1 or self.shuffle or self.sampler is not None or self.drop_last
         ):
@@ -98,7 +100,7 @@ class LoaderOptions:
         if self.batch_size is None and self.batch_sampler is None and self.drop_last:
             raise ValueError(
                 "batch_size=None option disables auto-batching and is mutually exclusive with "
-                "drop_last; got drop_last=True"
+                "drop_last; got drop_last=True: pass a batch_size, or drop_last=False"
             )
         _check_int("slots", self.slots, minimum=self.min_slots,
                    fix=f"pass slots={self.min_slots} or more"
@@ -131,6 +133,6 @@ class LoaderOptions:
 
 def _check_int(name: str, value: Any, *, minimum: int, fix: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}; {fix}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}; {fix}")

@@ -89,8 +89,9 @@ class ArenaLoader:
             batch_sampler = BatchSampler(sampler, batch_size, drop_last)
         self.sampler = sampler
         self.batch_sampler = batch_sampler
-        self._seed_rng = (as_numpy_generator(generator)
-                          if generator is None or isinstance(generator, (int, np.integer))
+        # Also validates `generator` now rather than at the first iter().
+        seed_rng = as_numpy_generator(generator) if not _is_torch_generator(generator) else None
+        self._seed_rng = (seed_rng if generator is None or isinstance(generator, (int, np.integer))
                           else None)
         # Rows per slot: batch_size, or the user batch_sampler's largest batch.
         user_batch_sampler = self.options.batch_sampler is not None
@@ -163,6 +164,10 @@ class ArenaLoader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _is_torch_generator(generator: Any) -> bool:
+    return type(generator).__module__.startswith("torch") and hasattr(generator, "initial_seed")
 
 
 def _close_all(source: ArenaSource, live: weakref.WeakSet) -> None:

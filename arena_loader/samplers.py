@@ -76,6 +76,8 @@ class RandomSampler:
 
     def __iter__(self) -> Iterator[int]:
         n = len(self.data_source)
+        if n == 0:
+            return iter(())
         if self.replacement:
             drawn = self._rng.integers(0, n, size=self.num_samples)
         else:

@@ -87,11 +87,11 @@ def test_collated_batch_fields_must_fit_their_capacity():
     layout = BatchLayout.from_batch(first, batch_size=4, rows=4, label="collate_fn output")
     arrays = layout.slot_arrays(np.zeros(layout.slot_nbytes, np.uint8), 0)
     lengths, _ = layout.write_batch(arrays, {"x": np.ones((2, 3), np.float32), "n": np.int64(2)},
-                                    "batch 1")
+                                    lambda: "batch 1")
     assert lengths == (2, 1)
     with pytest.raises(LayoutError, match=r"batch 2: field batch\['x'\] has shape \[4, 5\]"):
         layout.write_batch(arrays, {"x": np.ones((4, 5), np.float32), "n": np.int64(4)},
-                           "batch 2")
+                           lambda: "batch 2")
 
 
 def test_strings_and_none_leaves_travel_as_lists():
@@ -104,3 +104,13 @@ def test_strings_and_none_leaves_travel_as_lists():
         arrays, [{"s": "a", "b": b"x", "o": None, "v": np.ones(1)},
                  {"s": "c", "b": b"y", "o": 3, "v": np.ones(1)}], [0, 1])
     assert objects == [["a", "c"], [b"x", b"y"], [None, 3]]
+
+
+def test_integers_outside_int64_are_a_layout_error():
+    """A Python int or uint64 too large for the int64 field names the sample and field."""
+    layout = BatchLayout.from_sample({"id": 1}, batch_size=2, sample_index=0)
+    arrays = layout.slot_arrays(np.zeros(layout.slot_nbytes, np.uint8), 0)
+    for big in (2**63, np.uint64(2**64 - 1)):
+        with pytest.raises(LayoutError, match=r"sample 5: field sample\['id'\] is \d+, outside "
+                                              r"the int64 range"):
+            layout.write_samples(arrays, [{"id": big}], [5])

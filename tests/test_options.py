@@ -38,11 +38,12 @@ DATA = ImageDataset(10)
     (dict(num_workers=4, prefetch_factor=4, slots=16), ValueError,
      r"slots must be >= 17, got 16; pass slots=17 or more, or lower prefetch_factor"),
     (dict(generator="seed"), TypeError, r"generator must be None, an int seed"),
+    (dict(timeout=True), ValueError, r"timeout must be a non-negative number of seconds"),
 ])
 def test_invalid_options_raise_named_errors(kwargs, error, pattern):
     """Each bad option or combination raises at construction, naming the parameter."""
     with pytest.raises(error, match=pattern):
-        ArenaLoader(DATA, **({"shuffle": True} if "generator" in kwargs else {}), **kwargs)
+        ArenaLoader(DATA, **kwargs)
 
 
 def test_iterable_dataset_is_rejected_with_a_clear_error():
@@ -82,3 +83,11 @@ def test_random_sampler_replacement_and_num_samples():
     assert drawn == list(RandomSampler(DATA, replacement=True, num_samples=25, generator=3))
     longer = list(RandomSampler(DATA, num_samples=23, generator=1))
     assert len(longer) == 23 and sorted(longer[:20]) == sorted(list(range(10)) * 2)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_empty_dataset_with_shuffle_yields_nothing(num_workers):
+    """shuffle=True over an empty dataset is an empty epoch, not a ZeroDivisionError."""
+    with ArenaLoader(ImageDataset(0), batch_size=2, shuffle=True,
+                     num_workers=num_workers) as loader:
+        assert list(loader) == [] and len(loader) == 0
