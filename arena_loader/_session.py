@@ -40,8 +40,11 @@ from .errors import LoaderClosedError, LoaderTimeoutError
 THREAD_POLL_S = 1.0
 # The consumer's longest sleep between checks that the dispatch thread is alive.
 CONSUMER_POLL_S = 0.5
-# Only a sampler stuck in user code can keep the thread from stopping this long.
+# Only a sampler stuck in user code can keep the thread from stopping this long. A new epoch
+# waits for it (the sampler is shared); close() waits CLOSE_JOIN_TIMEOUT_S, then leaves the
+# daemon thread to exit by itself when the sampler returns (it checks the stop flag first).
 THREAD_JOIN_TIMEOUT_S = 10.0
+CLOSE_JOIN_TIMEOUT_S = 0.5
 
 
 class _Session:
@@ -147,7 +150,7 @@ class _Session:
         thread, self._thread = self._thread, None
         if thread is None or thread is threading.current_thread():
             return
-        thread.join(timeout=THREAD_JOIN_TIMEOUT_S)
+        thread.join(timeout=THREAD_JOIN_TIMEOUT_S if raise_on_timeout else CLOSE_JOIN_TIMEOUT_S)
         if thread.is_alive() and raise_on_timeout:
             raise RuntimeError(
                 f"the arena_loader dispatch thread did not stop within {THREAD_JOIN_TIMEOUT_S} s; "

@@ -61,9 +61,13 @@ def test_nested_samples_keep_structure_and_dtypes(num_workers):
 def test_dtypes_round_trip(dtype):
     """Every numeric dtype arrives bit-exact through worker processes."""
     dataset = ImageDataset(9, shape=(5, 3), dtype=dtype)
+    expected = reference_epoch(dataset, 4, False)
     with ArenaLoader(dataset, batch_size=4, num_workers=2) as loader:
-        for actual, ref in zip(loader, reference_epoch(dataset, 4, False)):
+        count = 0
+        for actual, ref in zip(loader, expected):
             assert_batches_equal(actual, ref)
+            count += 1
+    assert count == len(expected) == 3
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -136,6 +140,7 @@ def test_batch_sampler_without_batch_size_attribute_sizes_slots_from_its_batches
     batch_sampler = [[3, 1], [0, 5, 7, 9, 11], [2]]
     with ArenaLoader(dataset, batch_sampler=batch_sampler, num_workers=2) as loader:
         batches = list(loader)
+    assert len(batches) == len(batch_sampler)
     for actual, indices in zip(batches, batch_sampler):
         np.testing.assert_array_equal(actual, stack_reference([dataset[i] for i in indices]))
 

@@ -54,6 +54,8 @@ def test_dataset_getitems_is_used_for_batched_fetch(num_workers):
     """A dataset with __getitems__ is fetched a batch at a time, as torch does."""
     dataset = BatchedFetchDataset(10, shape=(2,), dtype=np.int64)
     with ArenaLoader(dataset, batch_size=4, num_workers=num_workers) as loader:
-        for start, batch in zip(range(0, 10, 4), loader):
-            expected = np.stack([dataset[i] + 1 for i in range(start, min(start + 4, 10))])
-            np.testing.assert_array_equal(batch, expected)
+        batches = [np.array(batch) for batch in loader]
+    assert len(batches) == 3
+    for start, batch in zip(range(0, 10, 4), batches):
+        expected = np.stack([dataset[i] + 1 for i in range(start, min(start + 4, 10))])
+        np.testing.assert_array_equal(batch, expected)

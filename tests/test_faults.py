@@ -1,0 +1,238 @@
+"""Engine faults outside the dataset's arrays: samplers, pickling, threads, slow loads."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from arena_loader import ArenaLoader, LoaderClosedError, LoaderTimeoutError, WorkerCrashedError
+from arena_loader._pool import SlotState
+
+from .conftest import our_slab_mappings
+from .datasets import ImageDataset, SuicidalDataset, reference_epoch
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class SlowSampler:
+    """Yields 0..n-1, sleeping ``delay_s`` before index ``slow_at``."""
+
+    def __init__(self, n: int, slow_at: int, delay_s: float):
+        self.n, self.slow_at, self.delay_s = n, slow_at, delay_s
+
+    def __iter__(self):
+        for i in range(self.n):
+            if i == self.slow_at:
+                time.sleep(self.delay_s)
+            yield i
+
+    def __len__(self):
+        return self.n
+
+
+class FailingSampler(SlowSampler):
+    def __iter__(self):
+        for i in range(self.n):
+            if i == self.slow_at:
+                raise LookupError(f"sampler broke at {i}")
+            yield i
+
+
+def test_slow_sampler_does_not_hold_up_timeout_or_close():
+    """A sampler stuck in user code stalls the pipeline, but every next() returns or times
+    out on time, and close() returns at once."""
+    dataset = ImageDataset(40)
+    loader = ArenaLoader(dataset, batch_size=2, num_workers=1, timeout=0.3,
+                         sampler=SlowSampler(40, slow_at=12, delay_s=3.0))
+    iterator = iter(loader)
+    timed_out = False
+    for _ in range(20):
+        start = time.monotonic()
+        try:
+            next(iterator)
+        except LoaderTimeoutError:
+            timed_out = True
+        assert time.monotonic() - start < 1.5
+        if timed_out:
+            break
+    assert timed_out, "the 3 s sampler stall never surfaced as a timeout"
+    start = time.monotonic()
+    loader.close()
+    assert time.monotonic() - start < 1.5
+    del iterator
+    time.sleep(3.0)  # let the sampler's sleep end so the dispatch thread can exit
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_sampler_error_is_raised_after_the_batches_before_it(num_workers):
+    """An exception from the sampler comes after every batch sampled before it, then the
+    epoch ends."""
+    dataset = ImageDataset(40, shape=(1,), dtype=np.int64)
+    expected = reference_epoch(dataset, 2, False)
+    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers,
+                     sampler=FailingSampler(40, slow_at=21, delay_s=0)) as loader:
+        iterator = iter(loader)
+        for i in range(10):
+            np.testing.assert_array_equal(next(iterator), expected[i])
+        with pytest.raises(LookupError, match="sampler broke at 21"):
+            next(iterator)
+        with pytest.raises(StopIteration):
+            next(iterator)
+        del iterator
+
+
+def test_new_epoch_after_a_crash_reuses_the_loader_slab():
+    """After WorkerCrashedError, a new iter() gets the loader's own slab back (no second
+    one), with every slot free again."""
+    with ArenaLoader(SuicidalDataset(20, fatal_index=7), batch_size=2, num_workers=2,
+                     slots=5) as loader:
+        crashed = iter(loader)
+        with pytest.raises(WorkerCrashedError):
+            for _ in crashed:
+                pass
+        del _
+        gc.collect()
+        assert loader._source.layout is not None and not loader._source._claimed
+        assert loader._source._arena.pool.counts()[SlotState.FREE] == 5
+        loader.dataset.fatal_index = -1
+        assert sum(1 for _ in loader) == 10
+        assert len(our_slab_mappings()) == 1  # still one slab, though `crashed` is alive
+        del crashed
+
+
+class _RaisesOnLoad:
+    def __reduce__(self):
+        return (_explode, ())
+
+
+def _explode():
+    raise ValueError("cannot rebuild this object")
+
+
+@pytest.mark.parametrize("leaf, pattern", [
+    (lambda i: (lambda: i), r"(?s)Caught .*(Pickling|Attribute)Error.*idx=1"),
+    (lambda i: _RaisesOnLoad(), r"non-array values of batch idx=1 \(indices \[2, 3\]\) did "
+                                r"not unpickle"),
+])
+def test_object_leaves_that_do_not_pickle_fail_only_their_batch(leaf, pattern):
+    """An object leaf that cannot be pickled in the worker, or unpickled in the main process,
+    is that batch's error; the following batches still arrive."""
+    class Dataset(ImageDataset):
+        def __getitem__(self, i):
+            return {"x": super().__getitem__(i), "extra": leaf(i) if i == 3 else str(i)}
+
+    with ArenaLoader(Dataset(8), batch_size=2, num_workers=2) as loader:
+        iterator = iter(loader)
+        assert next(iterator)["extra"] == ["0", "1"]
+        with pytest.raises(Exception, match=pattern) as info:
+            next(iterator)
+        assert type(info.value) is not Exception
+        assert [next(iterator)["extra"] for _ in range(2)] == [["4", "5"], ["6", "7"]]
+        gc.collect()
+        assert loader._source._arena.pool.counts()[SlotState.ASSIGNED] == 0
+        del iterator
+
+
+class UnpicklableError(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a}/{b}")
+
+
+def test_exception_that_cannot_be_rebuilt_becomes_runtime_error():
+    """A worker exception whose type cannot take one message is raised as RuntimeError that
+    names the original type and keeps its traceback."""
+    class Dataset(ImageDataset):
+        def __getitem__(self, i):
+            if i == 2:
+                raise UnpicklableError("a", "b")
+            return super().__getitem__(i)
+
+    with ArenaLoader(Dataset(6), batch_size=2, num_workers=1) as loader:
+        with pytest.raises(RuntimeError, match=r"(?s)Caught .*UnpicklableError in DataLoader "
+                                               r"worker 0.*a/b"):
+            list(loader)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_getitems_returning_the_wrong_count_is_named(num_workers):
+    """__getitems__ must return one sample per index; otherwise a ValueError says so."""
+    class Dataset(ImageDataset):
+        def __getitems__(self, indices):
+            return [self[i] for i in indices[:-1]]
+
+    with ArenaLoader(Dataset(6), batch_size=3, num_workers=num_workers) as loader:
+        with pytest.raises(ValueError, match=r"__getitems__ returned 2 samples for 3 indices"):
+            list(loader)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batch_size_none_applies_collate_fn_to_each_sample(num_workers):
+    """batch_size=None with a collate_fn: it is applied to every single sample, as torch."""
+    dataset = ImageDataset(5, shape=(3,), dtype=np.int64)
+    with ArenaLoader(dataset, batch_size=None, num_workers=num_workers,
+                     collate_fn=lambda s: {"sum": s.sum(), "x": s * 2}) as loader:
+        items = [(int(item["sum"]), np.array(item["x"])) for item in loader]
+    assert len(items) == 5
+    for i, (total, doubled) in enumerate(items):
+        assert total == int(dataset[i].sum())
+        np.testing.assert_array_equal(doubled, dataset[i] * 2)
+
+
+def test_close_from_another_thread_wakes_a_waiting_next():
+    """close() from another thread makes a next() that waits for a slow batch raise
+    LoaderClosedError promptly."""
+    class Slow(ImageDataset):
+        def __getitem__(self, i):
+            if i >= 2:
+                time.sleep(5)
+            return super().__getitem__(i)
+
+    loader = ArenaLoader(Slow(10), batch_size=2, num_workers=1)
+    iterator = iter(loader)
+    next(iterator)
+    closer = threading.Timer(0.3, loader.close)
+    closer.start()
+    start = time.monotonic()
+    with pytest.raises(LoaderClosedError):
+        next(iterator)
+    assert time.monotonic() - start < 1.0
+    closer.join()
+    del iterator
+
+
+def test_batches_in_reference_cycles_are_collected_with_workers():
+    """With workers too, batches reachable only through garbage cycles do not count."""
+    with ArenaLoader(ImageDataset(30), batch_size=1, num_workers=2, slots=5) as loader:
+        gc.disable()
+        try:
+            count = 0
+            for batch in loader:
+                cycle: list = [batch]
+                cycle.append(cycle)
+                del cycle
+                count += 1
+        finally:
+            gc.enable()
+        assert count == 30
+        del batch
+
+
+def test_out_of_order_delivery_lets_fast_batches_overtake_a_slow_one():
+    """in_order=False: a slow batch is delivered after batches sent later."""
+    class SlowFirst(ImageDataset):
+        def __getitem__(self, i):
+            if i == 2:
+                time.sleep(0.5)
+            return super().__getitem__(i)
+
+    dataset = SlowFirst(16, shape=(1,), dtype=np.int64)
+    with ArenaLoader(dataset, batch_size=2, num_workers=2, in_order=False) as loader:
+        order = [int(batch[0, 0]) // 2 for batch in
+                 (np.array(b) for b in loader)]
+    starts = [int(dataset[2 * k][0]) // 2 for k in range(8)]
+    assert sorted(order) == sorted(starts)
+    assert order.index(starts[1]) > order.index(starts[2])  # batch 1 was overtaken
