@@ -88,6 +88,8 @@ class _Session:
         self._completion_order: deque[int] = deque()  # in_order=False only
         self._exhausted = False
         self._sampler_error: BaseException | None = None
+        self._worker_failure: BaseException | None = None  # a WorkerFailed, thread-side
+        self._failing = False
         self._fatal: BaseException | None = None
         self._stop_requested = False
 
@@ -181,12 +183,9 @@ class _Session:
                     if key.fileobj is self._waker:
                         self._waker.drain()
                         continue
-                    crash = self._receive(key.fileobj)
+                    crash = self._receive(key.fileobj) or self._worker_failure
                     if crash is not None:
                         self._fail(crash)
-                        return
-                    if self._fatal is not None:  # a WorkerFailed
-                        self._fail(self._fatal)
                         return
         except BaseException as exc:  # a dead worker found while sending, or a bug
             self._fail(exc)
@@ -258,8 +257,8 @@ class _Session:
                 self._handle(conn.recv_bytes())
         except (EOFError, OSError):
             pass
-        if self._fatal is not None:
-            return self._fatal
+        if self._worker_failure is not None:
+            return self._worker_failure
         with self._cv:
             owed = [(idx, indices) for idx, (worker, _, indices) in self._in_flight.items()
                     if worker == worker_id]
@@ -271,7 +270,8 @@ class _Session:
             self.result_bytes += len(payload)
             self.results_received += 1
             if isinstance(message, WorkerFailed):
-                self._fatal = self._fatal or rebuild_worker_error(message)
+                # Not _fatal yet: next() raises it only once the workers are stopped (_fail).
+                self._worker_failure = self._worker_failure or rebuild_worker_error(message)
             else:
                 _, slot, indices = self._in_flight.pop(message.idx)
                 if isinstance(message, BatchFailed) or self._stop_requested:
@@ -285,13 +285,15 @@ class _Session:
             self._cv.notify_all()
 
     def _fail(self, exc: BaseException) -> None:
-        """A fatal error: stop the workers, give back every slot, then wake next() with it,
-        so that when the error is raised no worker of this session is left running."""
+        """A fatal error: stop the workers, then hand next() the error, so that when it is
+        raised no worker of this session is left running. Batches already received are still
+        delivered first, as torch does; the arena is released when the error is raised."""
+        with self._cv:
+            self._stop_requested = True  # results still in the pipes are reclaimed, not filed
+            self._failing = True  # next() waits for _fatal instead of reading the state below
+        self._kill_workers(graceful=False)
         with self._cv:
             self._fatal = self._fatal or exc
-        self._kill_workers(graceful=False)
-        self._release_arena()
-        with self._cv:
             self._cv.notify_all()
 
     def _kill_workers(self, graceful: bool = True) -> None:
@@ -335,11 +337,15 @@ class _Session:
                         raise StopIteration
                     raise LoaderClosedError("this iterator was closed; call iter(loader) for "
                                             "a new one")
-                if self._fatal is not None:
-                    raise self._fatal
+                if self._failing and self._fatal is None:
+                    self._cv.wait(CONSUMER_POLL_S)
+                    continue
                 entry = self._take_locked()
                 if entry is not None:
                     break
+                if self._fatal is not None:
+                    self._release_arena()  # a broken session keeps no slot of the loader's
+                    raise self._fatal
                 if self._exhausted and not self._in_flight:
                     error, self._sampler_error = self._sampler_error, None
                     if error is not None:
