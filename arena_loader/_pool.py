@@ -86,7 +86,6 @@ class SlotPool:
     def __init__(self, slab_array: np.ndarray, slot_nbytes: int, slots: int):
         self._slab_array = slab_array
         self.slot_nbytes = slot_nbytes
-        self.slots = slots
         self._states = [SlotState.FREE] * slots
         self._free: deque[int] = deque(range(slots))
         # Appended to by finalizers in whatever thread drops the last view; deque.append is

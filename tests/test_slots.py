@@ -29,14 +29,16 @@ def test_batches_are_views_into_the_slab(num_workers):
     """Yielded arrays share memory with the slab and are based on a slot lease."""
     dataset = ImageDataset(12, shape=(4, 4), dtype=np.float32)
     with ArenaLoader(dataset, batch_size=4, num_workers=num_workers) as loader:
-        slab = loader._source._arena.slab.array if loader._source._arena else None
+        count = 0
         for batch in loader:
+            count += 1
             slab = loader._source._arena.slab.array
             assert np.shares_memory(batch, slab)
             lease = lease_of(batch)
             start = lease.slot * loader._source._arena.layout.slot_nbytes
             assert batch.__array_interface__["data"][0] == (
                 slab.__array_interface__["data"][0] + start)
+        assert count == 3
         del batch, slab
 
 
