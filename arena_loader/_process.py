@@ -40,6 +40,9 @@ class WorkerGroup:
         self.task_conns: list[Connection] = []
         self.result_conns: list[Connection] = []
         self._closed = False
+        # Held for a whole shutdown: a second caller (close() while the dispatch thread is
+        # stopping the group after a crash) returns only once every worker is gone.
+        self._shutdown_lock = threading.Lock()
         try:
             for setup in setups:
                 task_reader, task_writer = context.Pipe(duplex=False)
@@ -104,9 +107,15 @@ class WorkerGroup:
 
         ``graceful=False`` (after a crash, when their work is discarded anyway) skips asking.
         """
-        if self._closed:
-            return
-        self._closed = True
+        with self._shutdown_lock:
+            if self._closed:
+                return
+            try:
+                self._shutdown(graceful)
+            finally:
+                self._closed = True
+
+    def _shutdown(self, graceful: bool) -> None:
         for conn in self.task_conns if graceful else ():
             try:
                 # Only if it cannot block: a worker that is not reading is terminated below.

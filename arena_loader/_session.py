@@ -7,7 +7,8 @@ them in order (or completion order) and leases the slot (docs/design.md, "Data f
 
 Locking: ``_cv`` guards the epoch state shared with the consumer. The thread never holds it
 while running user code (the sampler) or writing a pipe, so neither ``next()`` nor ``close()``
-can be held up by a slow sampler. ``_batches`` and ``_pending`` belong to the thread alone.
+can be held up by a slow sampler. ``_batches`` and ``_pending`` belong to the thread while
+it runs (the consumer reads ``_batches`` only in ``_begin``, before starting it).
 The object user code holds (``MultiProcessIterator``) is separate from the session the thread
 references, so an abandoned iterator is collected and its ``weakref.finalize`` shuts it down.
 """
@@ -110,8 +111,17 @@ class _Session:
             self.arena, self._arena_claimed = arena, True
             arena.pool.waker = self._waker
             if first is not None:
-                objects = None if first.objects is None else pickle.dumps(first.objects, -1)
                 idx = self._send_idx
+                try:
+                    objects = None if first.objects is None else pickle.dumps(first.objects, -1)
+                except Exception as exc:
+                    arena.pool.reclaim(first.slot)
+                    self._send_idx += 1
+                    self._rcvd_idx += 1
+                    raise RuntimeError(
+                        f"the non-array values of batch idx={idx} (indices {first.indices!r}) "
+                        f"do not pickle: {exc!r}; worker processes must send them to the main "
+                        "process, so return numbers, arrays, str or bytes") from exc
                 self._done[idx] = (BatchReady(idx, first.slot, first.rows, first.lengths,
                                               objects), first.indices)
                 self._completion_order.append(idx)
@@ -141,7 +151,12 @@ class _Session:
         with self._cv:
             self._stop_requested = True
         self._waker.wake()
-        self._join_thread(raise_on_timeout=True)
+        try:
+            self._join_thread(raise_on_timeout=True)
+        except RuntimeError as exc:
+            with self._cv:  # the old thread may still dispatch: this session is done for
+                self._fatal = exc
+            raise
         if self._in_flight and self.workers is not None and not self.workers.closed:
             self._drain_in_flight()
         self._reclaim_done()

@@ -236,3 +236,22 @@ def test_out_of_order_delivery_lets_fast_batches_overtake_a_slow_one():
     starts = [int(dataset[2 * k][0]) // 2 for k in range(8)]
     assert sorted(order) == sorted(starts)
     assert order.index(starts[1]) > order.index(starts[2])  # batch 1 was overtaken
+
+
+def test_first_batch_objects_that_do_not_pickle_fail_only_that_batch():
+    """The first batch (loaded in the main process) with an unpicklable object leaf is that
+    batch's error; its slot comes back and the epoch goes on."""
+    class Dataset(ImageDataset):
+        def __getitem__(self, i):
+            return {"x": super().__getitem__(i), "tag": (lambda: i) if i == 0 else str(i)}
+
+    with ArenaLoader(Dataset(6), batch_size=2, num_workers=1, slots=3) as loader:
+        iterator = iter(loader)
+        with pytest.raises(RuntimeError, match=r"batch idx=0 \(indices \[0, 1\]\) do not pickle"):
+            next(iterator)
+        assert [next(iterator)["tag"] for _ in range(2)] == [["2", "3"], ["4", "5"]]
+        with pytest.raises(StopIteration):
+            next(iterator)
+        gc.collect()
+        assert loader._source._arena.pool.counts()[SlotState.FREE] == 3
+        del iterator
