@@ -7,14 +7,14 @@ Copies 64 rows of uint8 3x224x224 (one 9.6 MB batch) row by row into a ring of 1
 buffers, 128 batches per process, in 1 and then N concurrent processes, into anonymous memory
 and into an arena_loader slab (POSIX shared memory). Prints GB/s per process and in total.
 
-Latest results (2-core Intel Xeon VM, 2026-11-22, two runs back to back; this VM is noisy,
-so compare figures only within one run):
+Latest results (2-core Intel Xeon VM, 2026-11-22; this VM is noisy, so compare figures only
+within one run; run 3 was taken right after the demo runs in docs/benchmarks.md):
 
-    target  processes  run 1 GB/s each (total)    run 2 GB/s each (total)
-    anon    1          7.99          (7.99)       7.40          (7.40)
-    anon    2          7.97, 7.41    (15.38)      8.07, 7.34    (15.40)
-    slab    1          5.67          (5.67)       7.07          (7.07)
-    slab    2          7.46, 6.71    (14.17)      3.06, 3.05    (6.11)
+    target  processes  run 1 each (total)    run 2 each (total)    run 3 each (total)
+    anon    1          7.99        (7.99)    7.40        (7.40)    8.25        (8.25)
+    anon    2          7.97, 7.41  (15.38)   8.07, 7.34  (15.40)   7.62, 8.24  (15.87)
+    slab    1          5.67        (5.67)    7.07        (7.07)    7.27        (7.27)
+    slab    2          7.46, 6.71  (14.17)   3.06, 3.05  (6.11)    7.31, 6.47  (13.78)
 """
 
 from __future__ import annotations
