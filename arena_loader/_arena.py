@@ -15,7 +15,7 @@ from ._fetch import BatchFiller, Fetched
 from ._layout import BatchLayout
 from ._pool import SlotPool, SlotState
 from ._slab import Slab
-from .errors import SlotsExhaustedError
+from .errors import LoaderClosedError, SlotsExhaustedError
 
 
 @dataclass(frozen=True)
@@ -94,10 +94,13 @@ class ArenaSource:
         self.layout: BatchLayout | None = None
         self._arena: Arena | None = None
         self._claimed = False
+        self._closed = False
         self._lock = threading.Lock()
 
     def claim(self, layout: BatchLayout) -> Arena:
         with self._lock:
+            if self._closed:
+                raise LoaderClosedError("this ArenaLoader was closed; create a new one")
             if self._arena is None:
                 self._arena, self.layout = Arena(layout, self.slots), layout
             if not self._claimed:
@@ -114,6 +117,7 @@ class ArenaSource:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None

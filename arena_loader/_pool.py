@@ -16,6 +16,8 @@ from collections import deque
 
 import numpy as np
 
+from .errors import LoaderClosedError
+
 
 class SlotState(enum.Enum):
     FREE = "free"
@@ -48,6 +50,7 @@ class Waker:
     """A self-pipe: lets any thread (even a finalizer inside GC) wake a ``wait()`` loop."""
 
     def __init__(self) -> None:
+        self._pid = os.getpid()
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
         os.set_blocking(self._read_fd, False)
@@ -58,6 +61,8 @@ class Waker:
         return self._read_fd
 
     def wake(self) -> None:
+        if os.getpid() != self._pid:
+            return  # a lease finalizer run in a forked worker: the pipe is the parent's
         with self._lock:
             if self._write_fd >= 0:
                 try:
@@ -119,7 +124,7 @@ class SlotPool:
     def lease(self, slot: int) -> SlotLease:
         with self._lock:
             if self._slab_array is None:
-                raise RuntimeError("the arena was closed")
+                raise LoaderClosedError("the loader was closed; create a new one")
             self._move(slot, SlotState.FILLED, SlotState.LEASED)
         start = slot * self.slot_nbytes
         lease = SlotLease(slot, self._slab_array[start: start + self.slot_nbytes])
@@ -140,6 +145,9 @@ class SlotPool:
                 raise RuntimeError(f"slot {slot} cannot be reclaimed from state {state.value}")
             self._states[slot] = SlotState.FREE
             self._free.append(slot)
+            wanted = self._wanted
+        if wanted and self.waker is not None:
+            self.waker.wake()
 
     def counts(self) -> dict[SlotState, int]:
         with self._lock:

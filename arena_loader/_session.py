@@ -7,8 +7,9 @@ them in order (or completion order) and leases the slot (docs/design.md, "Data f
 
 Locking: ``_cv`` guards the epoch state shared with the consumer. The thread never holds it
 while running user code (the sampler) or writing a pipe, so neither ``next()`` nor ``close()``
-can be held up by a slow sampler. ``_batches`` and ``_pending`` belong to the thread while
-it runs (the consumer reads ``_batches`` only in ``_begin``, before starting it).
+can be held up by a slow sampler. ``_batches`` belongs to the thread while it runs (the
+consumer reads it only in ``_begin``, before starting it); ``_pending`` is written under
+``_cv`` so that ``next()`` can tell held slots from a busy sampler.
 The object user code holds (``MultiProcessIterator``) is separate from the session the thread
 references, so an abandoned iterator is collected and its ``weakref.finalize`` shuts it down.
 """
@@ -16,6 +17,7 @@ references, so an abandoned iterator is collected and its ``weakref.finalize`` s
 from __future__ import annotations
 
 import gc
+import os
 import pickle
 import selectors
 import threading
@@ -55,6 +57,7 @@ class _Session:
         self._filler = filler
         self._source = source
         self._base_seed = base_seed
+        self._pid = os.getpid()
         self._cv = threading.Condition()
         self._waker = Waker()
         self.arena: Arena | None = None
@@ -96,10 +99,16 @@ class _Session:
 
     def _begin(self) -> None:
         """Claim the arena (loading the first batch here on a loader's first epoch), start
-        workers if there are none, and start the dispatch thread."""
+        workers if there are none, and start the dispatch thread.
+
+        ``close()`` may run meanwhile on another thread: each result is published under
+        ``_cv`` only while the session is open, and undone otherwise.
+        """
         if self.arena is None:
             try:
                 arena, first = claim_arena(self._filler, self._source, self._batches)
+            except LoaderClosedError:
+                raise
             except BaseException:
                 # That batch is consumed: its error is this next()'s, and the next one goes on.
                 self._send_idx += 1
@@ -108,30 +117,51 @@ class _Session:
             if arena is None:
                 self._started = self._exhausted = True
                 return
-            self.arena, self._arena_claimed = arena, True
-            arena.pool.waker = self._waker
+            entry = None
             if first is not None:
-                idx = self._send_idx
                 try:
                     objects = None if first.objects is None else pickle.dumps(first.objects, -1)
                 except Exception as exc:
                     arena.pool.reclaim(first.slot)
+                    self._source.unclaim(arena)
                     self._send_idx += 1
                     self._rcvd_idx += 1
                     raise RuntimeError(
-                        f"the non-array values of batch idx={idx} (indices {first.indices!r}) "
-                        f"do not pickle: {exc!r}; worker processes must send them to the main "
-                        "process, so return numbers, arrays, str or bytes") from exc
-                self._done[idx] = (BatchReady(idx, first.slot, first.rows, first.lengths,
-                                              objects), first.indices)
-                self._completion_order.append(idx)
-                self._send_idx += 1
+                        f"the non-array values of batch idx={self._send_idx - 1} (indices "
+                        f"{first.indices!r}) do not pickle: {exc!r}; worker processes must send "
+                        "them to the main process, so return numbers, arrays, str or bytes"
+                    ) from exc
+                entry = (BatchReady(self._send_idx, first.slot, first.rows, first.lengths,
+                                    objects), first.indices)
+            with self._cv:
+                if not self._closed:
+                    self.arena, self._arena_claimed = arena, True
+                    arena.pool.waker = self._waker
+                    if entry is not None:
+                        self._done[self._send_idx] = entry
+                        self._completion_order.append(self._send_idx)
+                        self._send_idx += 1
+            if self.arena is not arena:  # closed while the first batch was loading
+                if first is not None:
+                    arena.pool.reclaim(first.slot)
+                self._source.unclaim(arena)
+                raise LoaderClosedError("this iterator was closed")
         if self.workers is None:
-            self.workers = self._start_workers()
-        self._started = True
-        self._thread = threading.Thread(target=self._run, name="arena_loader-dispatch",
-                                        daemon=True)
-        self._thread.start()
+            workers = self._start_workers()
+            with self._cv:
+                if not self._closed:
+                    self.workers = workers
+            if self.workers is not workers:
+                workers.shutdown(graceful=False)
+                raise LoaderClosedError("this iterator was closed")
+        thread = threading.Thread(target=self._run, name="arena_loader-dispatch", daemon=True)
+        with self._cv:
+            if self._closed:
+                raise LoaderClosedError("this iterator was closed")
+            # Started under _cv, so close() never sees a thread it cannot join yet.
+            thread.start()
+            self._thread = thread
+            self._started = True
 
     def _start_workers(self) -> WorkerGroup:
         options, arena = self._options, self.arena
@@ -147,6 +177,8 @@ class _Session:
     def _finish_epoch(self) -> None:
         """Stop the thread and take back every slot the old epoch had not delivered."""
         if self._thread is None:
+            if self.arena is not None:
+                self._reclaim_done()  # e.g. the first batch, if the workers never started
             return
         with self._cv:
             self._stop_requested = True
@@ -225,7 +257,7 @@ class _Session:
                 # Indices before a slot: the end of the epoch is StopIteration even while the
                 # consumer holds every slot, and indices waiting for a slot are never lost.
                 try:
-                    self._pending = next(self._batches)
+                    indices = next(self._batches)
                 except BaseException as exc:
                     with self._cv:
                         self._exhausted = True
@@ -234,6 +266,9 @@ class _Session:
                             self._sampler_error = exc
                         self._cv.notify_all()
                     continue
+                with self._cv:  # published: next() tells "slots held" from "sampler busy"
+                    self._pending = indices
+                    self._cv.notify_all()
             with self._cv:
                 if self._stop_requested:
                     return False
@@ -398,6 +433,9 @@ class _Session:
                     f"the non-array values of batch idx={message.idx} (indices {indices!r}) "
                     f"did not unpickle in the main process: {exc!r}; return only numbers, "
                     "arrays, str or bytes from the dataset, or objects that unpickle") from exc
+        with self._cv:
+            if self._closed:  # closed by another thread while this batch was unpickled
+                raise LoaderClosedError("this iterator was closed; call iter(loader) for a new one")
         return self.arena.deliver(message.slot, message.rows, message.lengths, objects)
 
     def _take_locked(self) -> tuple[BatchReady | BatchFailed, Any] | None:
@@ -413,8 +451,10 @@ class _Session:
         return None
 
     def _starved_locked(self) -> bool:
-        """Nothing in flight or ready, batches left, and the consumer holds every slot."""
-        if self._in_flight or self._done or self._exhausted or self.arena is None:
+        """Nothing in flight or ready, a batch's indices waiting for a slot, and the consumer
+        holds every slot. (While the sampler is still producing those indices, or ends the
+        epoch, this is not starvation.)"""
+        if self._in_flight or self._done or self._pending is None or self.arena is None:
             return False
         return self.arena.pool.counts()[SlotState.FREE] == 0
 
@@ -446,10 +486,12 @@ class _Session:
 
     def close(self) -> None:
         """Idempotent; safe from a finalizer. Workers joined, undelivered slots reclaimed."""
-        if self._closed:
-            return
-        self._closed = True
+        if os.getpid() != self._pid:
+            return  # a finalizer copied into a forked worker: this session is not its own
         with self._cv:
+            if self._closed:
+                return
+            self._closed = True
             self._stop_requested = True
             self._cv.notify_all()
         self._waker.wake()

@@ -5,6 +5,7 @@ This module only wires parts together; see docs/design.md for how they fit.
 
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -101,7 +102,8 @@ class ArenaLoader:
         self._persistent: MultiProcessIterator | None = None
         self._live: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
-        self._finalizer = weakref.finalize(self, _close_all, self._source, self._live)
+        self._finalizer = weakref.finalize(self, _close_all, self._source, self._live,
+                                           os.getpid())
 
     def __len__(self) -> int:
         if self.options.auto_collation:
@@ -170,7 +172,11 @@ def _is_torch_generator(generator: Any) -> bool:
     return type(generator).__module__.startswith("torch") and hasattr(generator, "initial_seed")
 
 
-def _close_all(source: ArenaSource, live: weakref.WeakSet) -> None:
-    for iterator in list(live):
-        iterator.close()
-    source.close()
+def _close_all(source: ArenaSource, live: weakref.WeakSet, pid: int) -> None:
+    if os.getpid() != pid:
+        return  # a finalizer copied into a forked worker: the loader is the parent's
+    try:
+        for iterator in list(live):
+            iterator.close()
+    finally:
+        source.close()

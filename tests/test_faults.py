@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 
@@ -254,4 +255,69 @@ def test_first_batch_objects_that_do_not_pickle_fail_only_that_batch():
             next(iterator)
         gc.collect()
         assert loader._source._arena.pool.counts()[SlotState.FREE] == 3
+        del iterator
+
+
+def test_close_while_the_first_batch_loads_leaves_the_loader_clean():
+    """close() from another thread while the first next() loads batch 0 in the main process:
+    next() raises LoaderClosedError, and the loader's slab is neither claimed nor holding a
+    filled slot, so the next iterator gets it back whole."""
+    class SlowStart(ImageDataset):
+        def __getitem__(self, i):
+            if i == 0:
+                time.sleep(0.4)
+            return super().__getitem__(i)
+
+    loader = ArenaLoader(SlowStart(8), batch_size=2, num_workers=1, slots=4)
+    iterator = iter(loader)
+    closer = threading.Timer(0.1, iterator.close)
+    closer.start()
+    with pytest.raises(LoaderClosedError):
+        next(iterator)
+    closer.join()
+    assert not loader._source._claimed
+    assert loader._source._arena.pool.counts()[SlotState.FREE] == 4
+    assert sum(1 for _ in loader) == 4
+    loader.close()
+    del iterator
+
+
+def test_epoch_end_is_stop_iteration_even_if_the_sampler_ends_slowly():
+    """The consumer holds every slot and the batch sampler is slow to say it is done: the
+    result is StopIteration, not SlotsExhaustedError."""
+    class SlowEnd:
+        batch_size = 2  # so the loader streams it rather than listing it up front
+
+        def __iter__(self):
+            yield [0, 1]
+            yield [2, 3]
+            yield [4, 5]
+            time.sleep(0.3)
+
+        def __len__(self):
+            return 3
+
+    with ArenaLoader(ImageDataset(6), batch_sampler=SlowEnd(), num_workers=1,
+                     prefetch_factor=1, slots=3) as loader:
+        iterator = iter(loader)
+        held = [next(iterator) for _ in range(3)]  # every slot now held by the consumer
+        with pytest.raises(StopIteration):
+            next(iterator)
+        del held, iterator
+
+
+def test_session_close_in_a_forked_child_does_not_touch_the_parents_workers():
+    """A finalizer copied into a forked process (as into a worker of another loader) must not
+    stop the parent's workers."""
+    with ArenaLoader(ImageDataset(20), batch_size=2, num_workers=2) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        child = os.fork()
+        if child == 0:
+            try:
+                iterator._session.close()
+            finally:
+                os._exit(0)
+        os.waitpid(child, 0)
+        assert sum(1 for _ in iterator) == 9
         del iterator
