@@ -253,7 +253,8 @@ class _Session:
                     return bool(self._in_flight)
                 if len(self._in_flight) >= options.max_in_flight:
                     return True
-            if self._pending is None:
+            indices = self._pending
+            if indices is None:
                 # Indices before a slot: the end of the epoch is StopIteration even while the
                 # consumer holds every slot, and indices waiting for a slot are never lost.
                 try:
@@ -266,14 +267,14 @@ class _Session:
                             self._sampler_error = exc
                         self._cv.notify_all()
                     continue
-                with self._cv:  # published: next() tells "slots held" from "sampler busy"
-                    self._pending = indices
-                    self._cv.notify_all()
             with self._cv:
                 if self._stop_requested:
                     return False
+                # Published under _cv: next() tells "slots held" from "sampler busy" by it.
+                self._pending = indices
                 slot = pool.acquire()
                 if slot is None:
+                    self._cv.notify_all()  # next() may be deciding whether it starves
                     return True  # the waker fires when a slot comes back
                 idx, indices, self._pending = self._send_idx, self._pending, None
                 self._send_idx += 1
