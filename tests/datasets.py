@@ -59,6 +59,19 @@ class NestedDataset:
         }
 
 
+class SlowDataset(ImageDataset):
+    """Sleeps ``delay_s`` before returning any sample whose index is in ``slow_indices``."""
+
+    def __init__(self, n: int, slow_indices, delay_s: float, **kwargs: Any):
+        super().__init__(n, **kwargs)
+        self.slow_indices, self.delay_s = frozenset(slow_indices), delay_s
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index in self.slow_indices:
+            time.sleep(self.delay_s)
+        return super().__getitem__(index)
+
+
 class RaisingDataset(ImageDataset):
     """Raises ``ValueError`` for the indices in ``bad``."""
 

@@ -15,6 +15,7 @@ from .datasets import (
     ImageDataset,
     RaisingDataset,
     ShapeChangingDataset,
+    SlowDataset,
     SuicidalDataset,
     reference_epoch,
 )
@@ -131,13 +132,8 @@ def _alive(pid: int) -> bool:
 
 def test_timeout_raises_runtime_error_naming_seconds():
     """timeout=: a batch slower than the limit raises LoaderTimeoutError (a RuntimeError)."""
-    class Slow(ImageDataset):
-        def __getitem__(self, i):
-            if i >= 2:
-                time.sleep(5)
-            return super().__getitem__(i)
-
-    with ArenaLoader(Slow(8), batch_size=2, num_workers=1, timeout=0.3) as loader:
+    with ArenaLoader(SlowDataset(8, range(2, 8), 5), batch_size=2, num_workers=1,
+                     timeout=0.3) as loader:
         iterator = iter(loader)
         next(iterator)
         start = time.monotonic()
@@ -163,13 +159,7 @@ def test_key_error_from_worker_stays_a_readable_key_error():
 
 def test_timeout_message_names_the_worker_and_pid():
     """The timeout error says which batch, worker and pid it was waiting for."""
-    class Stuck(ImageDataset):
-        def __getitem__(self, i):
-            if i == 2:
-                time.sleep(5)
-            return super().__getitem__(i)
-
-    with ArenaLoader(Stuck(6), batch_size=2, num_workers=1, timeout=0.2) as loader:
+    with ArenaLoader(SlowDataset(6, {2}, 5), batch_size=2, num_workers=1, timeout=0.2) as loader:
         iterator = iter(loader)
         next(iterator)
         pid = iterator.worker_pids[0]

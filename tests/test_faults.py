@@ -14,7 +14,7 @@ from arena_loader import ArenaLoader, LoaderClosedError, LoaderTimeoutError, Wor
 from arena_loader._pool import SlotState
 
 from .conftest import our_slab_mappings
-from .datasets import ImageDataset, SuicidalDataset, reference_epoch
+from .datasets import ImageDataset, SlowDataset, SuicidalDataset, reference_epoch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -186,13 +186,7 @@ def test_batch_size_none_applies_collate_fn_to_each_sample(num_workers):
 def test_close_from_another_thread_wakes_a_waiting_next():
     """close() from another thread makes a next() that waits for a slow batch raise
     LoaderClosedError promptly."""
-    class Slow(ImageDataset):
-        def __getitem__(self, i):
-            if i >= 2:
-                time.sleep(5)
-            return super().__getitem__(i)
-
-    loader = ArenaLoader(Slow(10), batch_size=2, num_workers=1)
+    loader = ArenaLoader(SlowDataset(10, range(2, 10), 5), batch_size=2, num_workers=1)
     iterator = iter(loader)
     next(iterator)
     closer = threading.Timer(0.3, loader.close)
@@ -224,13 +218,7 @@ def test_batches_in_reference_cycles_are_collected_with_workers():
 
 def test_out_of_order_delivery_lets_fast_batches_overtake_a_slow_one():
     """in_order=False: a slow batch is delivered after batches sent later."""
-    class SlowFirst(ImageDataset):
-        def __getitem__(self, i):
-            if i == 2:
-                time.sleep(0.5)
-            return super().__getitem__(i)
-
-    dataset = SlowFirst(16, shape=(1,), dtype=np.int64)
+    dataset = SlowDataset(16, {2}, 0.5, shape=(1,), dtype=np.int64)
     with ArenaLoader(dataset, batch_size=2, num_workers=2, in_order=False) as loader:
         order = [int(batch[0, 0]) // 2 for batch in
                  (np.array(b) for b in loader)]
@@ -262,13 +250,7 @@ def test_close_while_the_first_batch_loads_leaves_the_loader_clean():
     """close() from another thread while the first next() loads batch 0 in the main process:
     next() raises LoaderClosedError, and the loader's slab is neither claimed nor holding a
     filled slot, so the next iterator gets it back whole."""
-    class SlowStart(ImageDataset):
-        def __getitem__(self, i):
-            if i == 0:
-                time.sleep(0.4)
-            return super().__getitem__(i)
-
-    loader = ArenaLoader(SlowStart(8), batch_size=2, num_workers=1, slots=4)
+    loader = ArenaLoader(SlowDataset(8, {0}, 0.4), batch_size=2, num_workers=1, slots=4)
     iterator = iter(loader)
     closer = threading.Timer(0.1, iterator.close)
     closer.start()

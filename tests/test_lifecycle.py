@@ -300,16 +300,10 @@ def test_ctrl_c_while_waiting_for_a_batch_interrupts_and_cleans_up():
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {os.getcwd()!r})
-        from tests.datasets import ImageDataset
+        from tests.datasets import SlowDataset
         from arena_loader import ArenaLoader
 
-        class Slow(ImageDataset):
-            def __getitem__(self, i):
-                if i >= 2:
-                    time.sleep(30)
-                return super().__getitem__(i)
-
-        loader = ArenaLoader(Slow(100), batch_size=2, num_workers=2)
+        loader = ArenaLoader(SlowDataset(100, range(2, 100), 30), batch_size=2, num_workers=2)
         iterator = iter(loader)
         next(iterator)
         print(" ".join(map(str, iterator.worker_pids)), flush=True)
