@@ -29,7 +29,7 @@ from multiprocessing.connection import wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from ._arena import Arena, ArenaSource, claim_arena
+from ._arena import Arena, ArenaSource, Filled, claim_arena
 from ._fetch import BatchFiller
 from ._messages import BatchFailed, BatchReady, Task, WorkerFailed, rebuild_worker_error
 from ._options import LoaderOptions
@@ -122,8 +122,7 @@ class _Session:
                 try:
                     objects = None if first.objects is None else pickle.dumps(first.objects, -1)
                 except Exception as exc:
-                    arena.pool.reclaim(first.slot)
-                    self._source.unclaim(arena)
+                    self._give_back(arena, first)
                     self._send_idx += 1
                     self._rcvd_idx += 1
                     raise RuntimeError(
@@ -142,9 +141,7 @@ class _Session:
                         self._completion_order.append(self._send_idx)
                         self._send_idx += 1
             if self.arena is not arena:  # closed while the first batch was loading
-                if first is not None:
-                    arena.pool.reclaim(first.slot)
-                self._source.unclaim(arena)
+                self._give_back(arena, first)
                 raise LoaderClosedError("this iterator was closed")
         if self.workers is None:
             workers = self._start_workers()
@@ -162,6 +159,12 @@ class _Session:
             thread.start()
             self._thread = thread
             self._started = True
+
+    def _give_back(self, arena: Arena, first: Filled | None) -> None:
+        """Undo a claim that _begin could not publish: the first batch's slot, then the arena."""
+        if first is not None:
+            arena.pool.reclaim(first.slot)
+        self._source.unclaim(arena)
 
     def _start_workers(self) -> WorkerGroup:
         options, arena = self._options, self.arena

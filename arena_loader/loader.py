@@ -19,7 +19,13 @@ from ._inprocess import InProcessIterator
 from ._options import LoaderOptions, is_iterable_dataset
 from ._session import MultiProcessIterator
 from .errors import LoaderClosedError
-from .samplers import BatchSampler, RandomSampler, SequentialSampler, as_numpy_generator
+from .samplers import (
+    BatchSampler,
+    RandomSampler,
+    SequentialSampler,
+    as_numpy_generator,
+    is_torch_generator,
+)
 
 
 class ArenaLoader:
@@ -90,10 +96,10 @@ class ArenaLoader:
             batch_sampler = BatchSampler(sampler, batch_size, drop_last)
         self.sampler = sampler
         self.batch_sampler = batch_sampler
-        # Also validates `generator` now rather than at the first iter().
-        seed_rng = as_numpy_generator(generator) if not _is_torch_generator(generator) else None
-        self._seed_rng = (seed_rng if generator is None or isinstance(generator, (int, np.integer))
-                          else None)
+        if is_torch_generator(generator) or isinstance(generator, np.random.Generator):
+            self._seed_rng = None  # each epoch draws from the user's generator, as torch does
+        else:  # None or a seed: one stream for every epoch; any other type raises TypeError now
+            self._seed_rng = as_numpy_generator(generator)
         # Rows per slot: batch_size, or the user batch_sampler's largest batch.
         user_batch_sampler = self.options.batch_sampler is not None
         rows = getattr(batch_sampler, "batch_size", None) if user_batch_sampler else batch_size
@@ -166,10 +172,6 @@ class ArenaLoader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _is_torch_generator(generator: Any) -> bool:
-    return type(generator).__module__.startswith("torch") and hasattr(generator, "initial_seed")
 
 
 def _close_all(source: ArenaSource, live: weakref.WeakSet, pid: int) -> None:

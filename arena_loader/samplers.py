@@ -12,7 +12,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BatchSampler", "RandomSampler", "SequentialSampler", "as_numpy_generator"]
+__all__ = ["BatchSampler", "RandomSampler", "SequentialSampler", "as_numpy_generator",
+           "is_torch_generator"]
+
+
+def is_torch_generator(generator: Any) -> bool:
+    """True for a ``torch.Generator``, without importing torch."""
+    return type(generator).__module__.startswith("torch") and hasattr(generator, "initial_seed")
 
 
 def as_numpy_generator(generator: Any) -> np.random.Generator:
@@ -25,7 +31,7 @@ def as_numpy_generator(generator: Any) -> np.random.Generator:
         return np.random.default_rng(generator)
     if isinstance(generator, np.random.Generator):
         return generator
-    if type(generator).__module__.startswith("torch") and hasattr(generator, "initial_seed"):
+    if is_torch_generator(generator):
         import torch
 
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())

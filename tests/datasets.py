@@ -159,14 +159,8 @@ def reference_epoch(dataset: Any, batch_size: int, drop_last: bool,
     return [stack_reference([dataset[i] for i in b]) for b in batches]
 
 
-class WorkerProbeDataset:
+class WorkerProbeDataset(ImageDataset):
     """Each sample records the loading worker's id and a draw from numpy's global RNG."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
 
     def __getitem__(self, index: int) -> dict:
         from arena_loader import get_worker_info
