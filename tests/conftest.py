@@ -14,6 +14,20 @@ import pytest
 from arena_loader._slab import NAME_PREFIX, SHM_DIR
 
 
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run tests marked slow (soak and speed runs)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: pass --runslow to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def our_shm_objects() -> list[str]:
     return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(NAME_PREFIX))
 
