@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +19,7 @@ from .errors import LoaderClosedError, SlotsExhaustedError
 
 @dataclass(frozen=True)
 class Filled:
-    """A slot the main process filled itself (``num_workers=0``, or the first batch)."""
+    """A slot the main process filled itself (``num_workers=0``)."""
 
     slot: int
     indices: Any
@@ -30,10 +29,16 @@ class Filled:
 
 
 class Arena:
-    def __init__(self, layout: BatchLayout, slots: int):
+    def __init__(self, layout: BatchLayout, slots: int, slab: Slab | None = None):
+        """``slab``: a reserved slab that workers already hold, allocated here for ``layout``
+        (closed if that fails); by default a new one."""
         self.layout = layout
         self.slots = slots
-        self.slab = Slab(slots * layout.slot_nbytes, slots=slots)
+        if slab is None:
+            slab = Slab(slots * layout.slot_nbytes, slots=slots)
+        else:
+            slab.allocate(slots * layout.slot_nbytes, slots=slots)
+        self.slab = slab
         self.pool = SlotPool(self.slab.array, layout.slot_nbytes, slots)
         self._main_arrays: dict[int, list[np.ndarray]] = {}
 
@@ -97,16 +102,22 @@ class ArenaSource:
         self._closed = False
         self._lock = threading.Lock()
 
-    def claim(self, layout: BatchLayout) -> Arena:
+    def claim(self, layout: BatchLayout, slab: Slab | None = None) -> Arena:
+        """The loader's arena, or a private one if it is in use. ``slab``: the reserved slab
+        the caller's workers hold, which the arena must then use."""
         with self._lock:
             if self._closed:
+                if slab is not None:
+                    slab.close()
                 raise LoaderClosedError("this ArenaLoader was closed; create a new one")
             if self._arena is None:
-                self._arena, self.layout = Arena(layout, self.slots), layout
-            if not self._claimed:
+                self._arena, self.layout = Arena(layout, self.slots, slab), layout
                 self._claimed = True
                 return self._arena
-        return Arena(layout, self.slots)
+            if not self._claimed and slab is None:
+                self._claimed = True
+                return self._arena
+        return Arena(layout, self.slots, slab)
 
     def unclaim(self, arena: Arena) -> None:
         with self._lock:
@@ -121,25 +132,3 @@ class ArenaSource:
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
-
-
-def claim_arena(filler: BatchFiller, source: ArenaSource,
-                batches: Iterator) -> tuple[Arena | None, Filled | None]:
-    """Claim an arena for an epoch. On a loader's first epoch no layout is known, so the next
-    batch is loaded here, in the main process, to learn it (docs/design.md, "Data flow").
-
-    Returns (arena, the batch loaded here or None); (None, None) for an empty first epoch.
-    Errors loading that batch propagate; the caller counts the batch as consumed.
-    """
-    if source.layout is not None:
-        return source.claim(source.layout), None
-    indices = next(batches, None)
-    if indices is None:
-        return None, None
-    fetched = filler.fetch(indices)
-    arena = source.claim(filler.layout_for(fetched, indices))
-    try:
-        return arena, arena.fill(arena.acquire_or_raise(), filler, fetched, indices)
-    except BaseException:
-        source.unclaim(arena)
-        raise

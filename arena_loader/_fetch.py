@@ -3,13 +3,16 @@ in-process (``num_workers=0``) path, so both behave identically."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ._layout import BatchLayout
+
+_END = object()
 
 
 @dataclass
@@ -22,13 +25,39 @@ class Fetched:
 
 
 class BatchFiller:
+    """Loads batches: by indices from a map-style dataset, or the next batch from an iterator
+    of an iterable-style one (``iterable``: each worker and each epoch makes its own)."""
+
     def __init__(self, dataset: Any, collate_fn: Callable | None, auto_collation: bool,
-                 batch_size: int | None):
+                 batch_size: int | None, *, iterable: bool = False, drop_last: bool = False):
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.auto_collation = auto_collation
         self.batch_size = batch_size
-        self._getitems = getattr(dataset, "__getitems__", None)
+        self.iterable = iterable
+        self.drop_last = drop_last
+        self._getitems = None if iterable else getattr(dataset, "__getitems__", None)
+
+    def fetch_next(self, stream: Iterator) -> Fetched | None:
+        """The next batch of an iterable-style dataset's ``stream``; None when it has no more
+        (a final partial batch is dropped with ``drop_last``, per worker, as in torch)."""
+        try:
+            if not self.auto_collation:
+                sample = next(stream, _END)
+                if sample is _END:
+                    return None
+                if self.collate_fn is not None:
+                    sample = self.collate_fn(sample)
+                return Fetched(rows=1, samples=None, batch=sample)
+            samples = list(itertools.islice(stream, self.batch_size))
+            if not samples or (self.drop_last and len(samples) < self.batch_size):
+                return None
+            if self.collate_fn is None:
+                return Fetched(rows=len(samples), samples=samples)
+            return Fetched(rows=len(samples), samples=None, batch=self.collate_fn(samples))
+        except StopIteration as exc:  # raised by collate_fn: it would end the epoch silently
+            raise RuntimeError("collate_fn raised StopIteration; raise another error "
+                               "instead") from exc
 
     def fetch(self, indices: Any) -> Fetched:
         try:

@@ -4,23 +4,28 @@ the same layout, slot lifecycle and errors as worker processes."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._arena import Arena, ArenaSource, claim_arena
-from ._fetch import BatchFiller
+from ._arena import Arena, ArenaSource
+from ._fetch import BatchFiller, Fetched
 
 
 class InProcessIterator:
     def __init__(self, owner: Any, filler: BatchFiller, source: ArenaSource,
-                 batches: Iterator):
+                 batches: Iterator, convert: Callable[[Any], Any] | None = None):
         self._owner = owner  # the loader: `for b in ArenaLoader(...)` must keep it alive
         self._filler = filler
         self._source = source
         self._batches = batches
+        self._convert = convert
+        self._stream: Iterator | None = None  # iterable-style datasets, made at first next()
+        self._position = 0  # items taken from the stream: names samples in errors
         self._arena: Arena | None = None
         self._done = False
-        self._pending: Any = None  # the next batch's indices, taken before its slot
+        # The next batch, taken but not yet in a slot: (indices, fetched or None). Kept while
+        # no slot is free, so no batch is lost.
+        self._pending: tuple[Any, Fetched | None] | None = None
         self._finalizer: weakref.finalize | None = None
 
     def __iter__(self) -> InProcessIterator:
@@ -29,35 +34,51 @@ class InProcessIterator:
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
-        if self._arena is None:
-            # Claimed at the first next(), so an error loading the first batch is raised here
-            # and the following next() goes on with the next batch, as for any other batch.
-            arena, first = claim_arena(self._filler, self._source, self._batches)
-            if arena is None:
-                self._done = True
-                raise StopIteration
-            self._arena = arena
-            self._finalizer = weakref.finalize(self, self._source.unclaim, arena)
-            if first is not None:
-                return arena.deliver(first.slot, first.rows, first.lengths, first.objects)
-        arena = self._arena
-        # Indices first, so the end of the epoch is StopIteration even while the consumer holds
-        # every slot; kept in _pending if no slot is free, so no batch is lost.
+        filler = self._filler
         if self._pending is None:
+            # Indices before a slot, so the end of the epoch is StopIteration even while the
+            # consumer holds every slot.
             try:
-                self._pending = next(self._batches)
+                self._pending = self._take()
             except StopIteration:
                 self.close()
                 raise
+        indices, fetched = self._pending
+        if fetched is None:
+            try:
+                fetched = filler.fetch(indices)
+            except BaseException:
+                self._pending = None  # that batch is consumed; the next next() goes on
+                raise
+            self._pending = (indices, fetched)
+        if self._arena is None:
+            # Claimed at the first batch, whose layout sizes the slab.
+            try:
+                layout = filler.layout_for(fetched, indices)
+            except BaseException:
+                self._pending = None
+                raise
+            self._arena = self._source.claim(layout)
+            self._finalizer = weakref.finalize(self, self._source.unclaim, self._arena)
+        arena = self._arena
         slot = arena.acquire_or_raise()
-        indices, self._pending = self._pending, None
-        try:
-            fetched = self._filler.fetch(indices)
-        except BaseException:
-            arena.pool.reclaim(slot)
-            raise
-        filled = arena.fill(slot, self._filler, fetched, indices)
-        return arena.deliver(slot, filled.rows, filled.lengths, filled.objects)
+        self._pending = None
+        filled = arena.fill(slot, filler, fetched, indices)
+        batch = arena.deliver(slot, filled.rows, filled.lengths, filled.objects)
+        return batch if self._convert is None else self._convert(batch)
+
+    def _take(self) -> tuple[Any, Fetched | None]:
+        filler = self._filler
+        if not filler.iterable:
+            return next(self._batches), None
+        if self._stream is None:
+            self._stream = iter(filler.dataset)
+        fetched = filler.fetch_next(self._stream)
+        if fetched is None:
+            raise StopIteration
+        indices = list(range(self._position, self._position + fetched.rows))
+        self._position += fetched.rows
+        return indices, fetched
 
     def close(self) -> None:
         self._done = True

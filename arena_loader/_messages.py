@@ -7,14 +7,51 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+# Task.slot before the slab has a layout: the worker reports the layout (LayoutFound) and
+# keeps the batch until told where to write it (Attach).
+NO_SLOT = -1
+
 
 @dataclass(frozen=True)
 class Task:
-    """Main -> worker: fill ``slot`` with the samples ``indices`` of batch ``idx``."""
+    """Main -> worker: fill ``slot`` with the samples ``indices`` of batch ``idx``.
+
+    Iterable-style datasets: ``indices`` is None and the worker takes the next batch from its
+    own iterator of the dataset, made anew when ``epoch`` changes.
+    """
 
     idx: int
     slot: int
     indices: Any  # a list of sample indices, or one index when batch_size=None
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class Attach:
+    """Main -> worker: the slab now has room for ``layout``; map it. ``slot``: where to write
+    the batch this worker reported with ``LayoutFound`` (None for the other workers)."""
+
+    layout: Any  # a BatchLayout
+    slot: int | None
+
+
+@dataclass(frozen=True)
+class LayoutFound:
+    """Worker -> main: batch ``idx`` (loaded, held by the worker) has this layout."""
+
+    idx: int
+    worker_id: int
+    layout: Any  # a BatchLayout
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """Worker -> main: this worker's iterator of an iterable-style dataset is exhausted, so
+    batch ``idx`` does not exist; ``slot`` may be reused."""
+
+    idx: int
+    slot: int
+    worker_id: int
 
 
 @dataclass(frozen=True)
@@ -103,8 +140,12 @@ def rebuild_worker_error(failure: BatchFailed | WorkerFailed, indices: Any = Non
     the epoch silently.
     """
     error = failure.error
-    where = (f"while loading batch idx={idx} (indices {indices!r})" if idx is not None
-             else "while starting (slab attach, seeding or worker_init_fn)")
+    if idx is None:
+        where = "while starting (slab attach, seeding or worker_init_fn)"
+    elif indices is None:
+        where = f"while loading batch idx={idx} from its iterator of the dataset"
+    else:
+        where = f"while loading batch idx={idx} (indices {indices!r})"
     message = (f"Caught {error.type_name} in DataLoader worker {failure.worker_id} {where}.\n"
                f"Original traceback in the worker:\n{error.traceback}")
     original = error.original()

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ._output import OUTPUTS
+
 DEFAULT_PREFETCH_FACTOR = 2
 
 
@@ -63,6 +65,7 @@ class LoaderOptions:
     persistent_workers: bool = False
     in_order: bool = True
     slots: int = 16
+    output: str = "numpy"
 
     def __post_init__(self) -> None:
         _check_int("num_workers", self.num_workers, minimum=0,
@@ -102,6 +105,8 @@ class LoaderOptions:
                 "batch_size=None option disables auto-batching and is mutually exclusive with "
                 "drop_last; got drop_last=True: pass a batch_size, or drop_last=False"
             )
+        if self.output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS!r}, got {self.output!r}")
         _check_int("slots", self.slots, minimum=self.min_slots,
                    fix=f"pass slots={self.min_slots} or more"
                    + (", or lower prefetch_factor" if self.num_workers else ""))

@@ -24,17 +24,28 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from ._arena import Arena, ArenaSource, Filled, claim_arena
+from ._arena import Arena, ArenaSource
 from ._fetch import BatchFiller
-from ._messages import BatchFailed, BatchReady, Task, WorkerFailed, rebuild_worker_error
+from ._messages import (
+    NO_SLOT,
+    Attach,
+    BatchFailed,
+    BatchReady,
+    LayoutFound,
+    StreamEnd,
+    Task,
+    WorkerFailed,
+    rebuild_worker_error,
+)
 from ._options import LoaderOptions
 from ._pool import SlotState, Waker
 from ._process import JOIN_TIMEOUT_S, WorkerGroup, is_main_thread
+from ._slab import Slab
 from ._worker import WorkerSetup
 from .errors import LoaderClosedError, LoaderTimeoutError
 
@@ -62,6 +73,10 @@ class _Session:
         self._waker = Waker()
         self.arena: Arena | None = None
         self._arena_claimed = False
+        # Before the layout is known: the slab the workers are started with, given its size
+        # when the first worker reports the first batch's layout (docs/design.md, "Data flow").
+        self._reserve: Slab | None = None
+        self._epoch = -1  # iterable-style datasets: tasks carry it, workers restart on a change
         self.workers: WorkerGroup | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -78,8 +93,8 @@ class _Session:
             raise LoaderClosedError("this iterator was closed; call iter(loader) for a new one")
         self._finish_epoch()
         self._reset_epoch_state(batches)
-        if self.arena is not None or self._source.layout is not None:
-            self._begin()
+        self._epoch += 1
+        self._begin()
 
     def _reset_epoch_state(self, batches: Iterator) -> None:
         self._batches = batches
@@ -96,52 +111,33 @@ class _Session:
         self._failing = False
         self._fatal: BaseException | None = None
         self._stop_requested = False
+        # Iterable-style datasets: workers whose iterator has not ended, and who is next.
+        self._active = [True] * self._options.num_workers
+        self._next_worker = 0
 
     def _begin(self) -> None:
-        """Claim the arena (loading the first batch here on a loader's first epoch), start
-        workers if there are none, and start the dispatch thread.
+        """Claim the arena if the layout is known (else reserve a slab for it), start workers
+        if there are none, and start the dispatch thread.
 
         ``close()`` may run meanwhile on another thread: each result is published under
         ``_cv`` only while the session is open, and undone otherwise.
         """
-        if self.arena is None:
-            try:
-                arena, first = claim_arena(self._filler, self._source, self._batches)
-            except LoaderClosedError:
-                raise
-            except BaseException:
-                # That batch is consumed: its error is this next()'s, and the next one goes on.
-                self._send_idx += 1
-                self._rcvd_idx += 1
-                raise
-            if arena is None:
-                self._started = self._exhausted = True
-                return
-            entry = None
-            if first is not None:
-                try:
-                    objects = None if first.objects is None else pickle.dumps(first.objects, -1)
-                except Exception as exc:
-                    self._give_back(arena, first)
-                    self._send_idx += 1
-                    self._rcvd_idx += 1
-                    raise RuntimeError(
-                        f"the non-array values of batch idx={self._send_idx - 1} (indices "
-                        f"{first.indices!r}) do not pickle: {exc!r}; worker processes must send "
-                        "them to the main process, so return numbers, arrays, str or bytes"
-                    ) from exc
-                entry = (BatchReady(self._send_idx, first.slot, first.rows, first.lengths,
-                                    objects), first.indices)
+        if self.arena is None and self._reserve is None:
+            layout = self._source.layout
+            arena = self._source.claim(layout) if layout is not None else None
+            reserve = Slab.reserve() if arena is None else None
             with self._cv:
-                if not self._closed:
-                    self.arena, self._arena_claimed = arena, True
-                    arena.pool.waker = self._waker
-                    if entry is not None:
-                        self._done[self._send_idx] = entry
-                        self._completion_order.append(self._send_idx)
-                        self._send_idx += 1
-            if self.arena is not arena:  # closed while the first batch was loading
-                self._give_back(arena, first)
+                published = not self._closed
+                if published:
+                    self.arena, self._reserve = arena, reserve
+                    self._arena_claimed = arena is not None
+                    if arena is not None:
+                        arena.pool.waker = self._waker
+            if not published:
+                if arena is not None:
+                    self._source.unclaim(arena)
+                if reserve is not None:
+                    reserve.close()
                 raise LoaderClosedError("this iterator was closed")
         if self.workers is None:
             workers = self._start_workers()
@@ -160,17 +156,13 @@ class _Session:
             self._thread = thread
             self._started = True
 
-    def _give_back(self, arena: Arena, first: Filled | None) -> None:
-        """Undo a claim that _begin could not publish: the first batch's slot, then the arena."""
-        if first is not None:
-            arena.pool.reclaim(first.slot)
-        self._source.unclaim(arena)
-
     def _start_workers(self) -> WorkerGroup:
         options, arena = self._options, self.arena
+        layout = arena.layout if arena is not None else None
+        slab = arena.slab if arena is not None else self._reserve
         setups = [
             WorkerSetup(worker_id=i, num_workers=options.num_workers, filler=self._filler,
-                        layout=arena.layout, slab=arena.slab.handle(), slots=arena.slots,
+                        layout=layout, slab=slab.handle(), slots=options.slots,
                         base_seed=self._base_seed, worker_init_fn=options.worker_init_fn,
                         arm_parent_death_signal=is_main_thread())
             for i in range(options.num_workers)
@@ -180,8 +172,6 @@ class _Session:
     def _finish_epoch(self) -> None:
         """Stop the thread and take back every slot the old epoch had not delivered."""
         if self._thread is None:
-            if self.arena is not None:
-                self._reclaim_done()  # e.g. the first batch, if the workers never started
             return
         with self._cv:
             self._stop_requested = True
@@ -247,7 +237,7 @@ class _Session:
     def _dispatch(self) -> bool:
         """Send tasks while the prefetch window and free slots allow. False: stop the thread
         (asked to, failed, or every batch of the epoch has come back)."""
-        options, pool = self._options, self.arena.pool
+        options = self._options
         while True:
             with self._cv:
                 if self._stop_requested or self._fatal is not None:
@@ -256,6 +246,8 @@ class _Session:
                     return bool(self._in_flight)
                 if len(self._in_flight) >= options.max_in_flight:
                     return True
+                if self.arena is None and self._in_flight:
+                    return True  # learning the layout: one batch at a time until it is known
             indices = self._pending
             if indices is None:
                 # Indices before a slot: the end of the epoch is StopIteration even while the
@@ -273,22 +265,40 @@ class _Session:
             with self._cv:
                 if self._stop_requested:
                     return False
+                # Round-robin as torch does, so which worker (and so which seed) loads a batch
+                # is reproducible; iterable-style datasets skip workers whose iterator ended.
+                worker_id = self._pick_worker(self._send_idx)
+                if worker_id is None:
+                    self._exhausted = True
+                    self._cv.notify_all()
+                    continue
                 # Published under _cv: next() tells "slots held" from "sampler busy" by it.
                 self._pending = indices
-                slot = pool.acquire()
+                slot = NO_SLOT if self.arena is None else self.arena.pool.acquire()
                 if slot is None:
                     self._cv.notify_all()  # next() may be deciding whether it starves
                     return True  # the waker fires when a slot comes back
                 idx, indices, self._pending = self._send_idx, self._pending, None
                 self._send_idx += 1
-                # Round-robin as torch does, so which worker (and so which seed) loads a batch
-                # is reproducible.
-                worker_id = idx % options.num_workers
+                if self._filler.iterable:
+                    indices = None
+                    self._next_worker = worker_id + 1
                 self._in_flight[idx] = (worker_id, slot, indices)
             try:
-                self.workers.send(worker_id, Task(idx, slot, indices))
+                self.workers.send(worker_id, Task(idx, slot, indices, self._epoch))
             except OSError:  # its task pipe is closed: the worker is dead
                 raise self._crash_error(worker_id) from None
+
+    def _pick_worker(self, idx: int) -> int | None:
+        """The worker for batch ``idx``; None when every iterable's iterator has ended."""
+        workers = self._options.num_workers
+        if not self._filler.iterable:
+            return idx % workers
+        for step in range(workers):
+            worker_id = (self._next_worker + step) % workers
+            if self._active[worker_id]:
+                return worker_id
+        return None
 
     def _receive(self, ready: Any) -> BaseException | None:
         """Handle one readable object from a wait; returns an error if a worker died."""
@@ -320,6 +330,9 @@ class _Session:
 
     def _handle(self, payload: bytes) -> None:
         message = ForkingPickler.loads(payload)
+        if isinstance(message, LayoutFound):
+            self._attach(message)
+            return
         with self._cv:
             self.result_bytes += len(payload)
             self.results_received += 1
@@ -328,7 +341,11 @@ class _Session:
                 self._worker_failure = self._worker_failure or rebuild_worker_error(message)
             else:
                 _, slot, indices = self._in_flight.pop(message.idx)
-                if isinstance(message, BatchFailed) or self._stop_requested:
+                if isinstance(message, StreamEnd):
+                    self._active[message.worker_id] = False
+                if slot == NO_SLOT:
+                    pass
+                elif not isinstance(message, BatchReady) or self._stop_requested:
                     self.arena.pool.reclaim(slot)
                 else:
                     self.arena.pool.mark_filled(slot)
@@ -337,6 +354,24 @@ class _Session:
                     if not self._options.in_order:
                         self._completion_order.append(message.idx)
             self._cv.notify_all()
+
+    def _attach(self, found: LayoutFound) -> None:
+        """The first batch's layout, from the worker holding that batch: size the reserved
+        slab for it, tell that worker which slot to write the batch into, and every other
+        worker to map the slab. A full /dev/shm raises ShmCapacityError here (-> next())."""
+        arena = self._source.claim(found.layout, slab=self._reserve)
+        with self._cv:
+            self._reserve = None
+            if self._closed:
+                self._source.unclaim(arena)
+                raise LoaderClosedError("this iterator was closed")
+            self.arena, self._arena_claimed = arena, True
+            arena.pool.waker = self._waker
+            slot = arena.pool.acquire()  # a new arena: every slot is free
+            worker_id, _, indices = self._in_flight[found.idx]
+            self._in_flight[found.idx] = (worker_id, slot, indices)
+        for other in range(self._options.num_workers):
+            self.workers.send(other, Attach(found.layout, slot if other == worker_id else None))
 
     def _fail(self, exc: BaseException) -> None:
         """A fatal error: stop the workers, then hand next() the error, so that when it is
@@ -355,12 +390,13 @@ class _Session:
         self.workers.shutdown(graceful)
         with self._cv:
             for _, slot, _ in self._in_flight.values():
-                self.arena.pool.reclaim(slot)
+                if slot != NO_SLOT:
+                    self.arena.pool.reclaim(slot)
             self._in_flight.clear()
 
     def _reclaim_done(self) -> None:
         with self._cv:
-            for message, _ in self._done.values():
+            for message, _ in self._done.values() if self.arena is not None else ():
                 if isinstance(message, BatchReady):
                     self.arena.pool.reclaim(message.slot)
             self._done.clear()
@@ -443,16 +479,18 @@ class _Session:
         return self.arena.deliver(message.slot, message.rows, message.lengths, objects)
 
     def _take_locked(self) -> tuple[BatchReady | BatchFailed, Any] | None:
-        if self._options.in_order:
-            entry = self._done.pop(self._rcvd_idx, None)
-            if entry is not None:
-                self._rcvd_idx += 1
-            return entry
-        while self._completion_order:
-            entry = self._done.pop(self._completion_order.popleft(), None)
-            if entry is not None:
+        """The next batch to hand out; skips the batches an ended iterator did not make."""
+        while True:
+            if self._options.in_order:
+                entry = self._done.pop(self._rcvd_idx, None)
+                if entry is not None:
+                    self._rcvd_idx += 1
+            else:
+                entry = None
+                while entry is None and self._completion_order:
+                    entry = self._done.pop(self._completion_order.popleft(), None)
+            if entry is None or not isinstance(entry[0], StreamEnd):
                 return entry
-        return None
 
     def _starved_locked(self) -> bool:
         """Nothing in flight or ready, a batch's indices waiting for a slot, and the consumer
@@ -506,6 +544,8 @@ class _Session:
                 self._kill_workers()
             if self.arena is not None:
                 self._release_arena()
+            if self._reserve is not None:
+                self._reserve.close()
             self._waker.close()
 
 
@@ -513,8 +553,10 @@ class MultiProcessIterator:
     """What ``iter(loader)`` returns when ``num_workers > 0``."""
 
     def __init__(self, owner: Any, options: LoaderOptions, filler: BatchFiller,
-                 source: ArenaSource, batches: Iterator, base_seed: int):
+                 source: ArenaSource, batches: Iterator, base_seed: int,
+                 convert: Callable[[Any], Any] | None = None):
         self._owner = owner  # the loader: `for b in ArenaLoader(...)` must keep it alive
+        self._convert = convert
         self._persistent = options.persistent_workers
         self._session = _Session(options, filler, source, base_seed)
         self._finalizer = weakref.finalize(self, self._session.close)
@@ -529,11 +571,12 @@ class MultiProcessIterator:
 
     def __next__(self) -> Any:
         try:
-            return self._session.next_batch()
+            batch = self._session.next_batch()
         except StopIteration:
             if not self._persistent:
                 self._session.finish()
             raise
+        return batch if self._convert is None else self._convert(batch)
 
     def reset(self, batches: Iterator) -> None:
         """Persistent workers: begin a new epoch on the same workers and slab."""

@@ -43,6 +43,8 @@ def _capacity_error(nbytes: int, slots: int | None, cause: str) -> ShmCapacityEr
 class SlabHandle:
     """What a worker needs to map the slab: an open descriptor and the size.
 
+    ``nbytes`` is 0 for a slab reserved before the first batch's layout is known; the worker
+    then keeps the descriptor and maps it when told the size (docs/design.md, "Data flow").
     Pickling it (spawn / forkserver) duplicates the descriptor into the child through
     multiprocessing's fd passing; under fork the descriptor is simply inherited.
     """
@@ -54,8 +56,8 @@ class SlabHandle:
     def __reduce__(self):
         return _rebuild_handle, (reduction.DupFd(self.fd), self.nbytes)
 
-    def map(self) -> mmap.mmap:
-        return mmap.mmap(self.fd, self.nbytes)
+    def map(self, nbytes: int | None = None) -> mmap.mmap:
+        return mmap.mmap(self.fd, self.nbytes if nbytes is None else nbytes)
 
 
 def _rebuild_handle(dup_fd, nbytes: int) -> SlabHandle:
@@ -63,33 +65,55 @@ def _rebuild_handle(dup_fd, nbytes: int) -> SlabHandle:
 
 
 class Slab:
-    """The main process's side: creates, maps and (later) releases the shared memory."""
+    """The main process's side: creates, maps and (later) releases the shared memory.
+
+    ``Slab(nbytes)`` allocates at once. ``Slab.reserve()`` makes the object with no space yet,
+    so that workers can be started holding its descriptor before the layout is known;
+    ``allocate(nbytes)`` then gives it its size, once.
+    """
 
     def __init__(self, nbytes: int, *, slots: int | None = None):
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
-        if nbytes > shm_available_bytes():
-            raise _capacity_error(nbytes, slots, "checked before allocating")
+        self._create()
+        self.allocate(nbytes, slots=slots)
+
+    @classmethod
+    def reserve(cls) -> Slab:
+        slab = cls.__new__(cls)
+        slab._create()
+        return slab
+
+    def _create(self) -> None:
         name = f"/{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+        # Nothing else opens the slab by name: unlinking now means no crash can leak it.
+        shm.unlink()
+        self._fd = shm.fd
+        self._mmap: mmap.mmap | None = None
+        self.nbytes = 0
+        # Leases and consumer views keep this array (and so the mapping) alive.
+        self.array: np.ndarray | None = None
+
+    def allocate(self, nbytes: int, *, slots: int | None = None) -> None:
+        """Give the slab its size and map it; a full ``/dev/shm`` is a ShmCapacityError."""
+        if self.closed or self.nbytes:
+            raise ValueError("the slab is closed or already allocated")
         try:
+            if nbytes > shm_available_bytes():
+                raise _capacity_error(nbytes, slots, "checked before allocating")
             try:
-                os.posix_fallocate(shm.fd, 0, nbytes)
+                os.posix_fallocate(self._fd, 0, nbytes)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
                     cause = f"posix_fallocate: {exc.strerror}"
                     raise _capacity_error(nbytes, slots, cause) from exc
                 raise
-            self._mmap = mmap.mmap(shm.fd, nbytes)
+            self._mmap = mmap.mmap(self._fd, nbytes)
         except BaseException:
-            shm.close_fd()
+            self.close()
             raise
-        finally:
-            # Nothing else opens the slab by name: unlinking now means no crash can leak it.
-            shm.unlink()
         self.nbytes = nbytes
-        self._fd = shm.fd
-        # Leases and consumer views keep this array (and so the mapping) alive.
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
 
     @property

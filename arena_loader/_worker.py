@@ -13,7 +13,7 @@ import pickle
 import random
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
@@ -21,9 +21,20 @@ from typing import Any
 
 import numpy as np
 
-from ._fetch import BatchFiller
+from ._fetch import BatchFiller, Fetched
 from ._layout import BatchLayout
-from ._messages import BatchFailed, BatchReady, RemoteError, Stop, Task, WorkerFailed
+from ._messages import (
+    NO_SLOT,
+    Attach,
+    BatchFailed,
+    BatchReady,
+    LayoutFound,
+    RemoteError,
+    Stop,
+    StreamEnd,
+    Task,
+    WorkerFailed,
+)
 from ._slab import SlabHandle
 
 # How often an idle worker checks that its parent is still alive, in case the parent-death
@@ -55,7 +66,7 @@ class WorkerSetup:
     worker_id: int
     num_workers: int
     filler: BatchFiller
-    layout: BatchLayout
+    layout: BatchLayout | None  # None: not known yet; an Attach message brings it
     slab: SlabHandle
     slots: int
     base_seed: int
@@ -85,10 +96,9 @@ def worker_main(setup: WorkerSetup, task_conn: Connection, result_conn: Connecti
         return  # the parent died before the signal was armed
     global _worker_info
     try:
-        slab_mmap = setup.slab.map()
-        os.close(setup.slab.fd)
-        slab = np.frombuffer(slab_mmap, dtype=np.uint8)
-        slot_arrays = [setup.layout.slot_arrays(slab, slot) for slot in range(setup.slots)]
+        state = _WorkerState(setup)
+        if setup.layout is not None:
+            state.attach(setup.layout)
         seed = seed_worker(setup.base_seed, setup.worker_id)
         _worker_info = WorkerInfo(setup.worker_id, setup.num_workers, seed,
                                   setup.filler.dataset)
@@ -97,7 +107,7 @@ def worker_main(setup: WorkerSetup, task_conn: Connection, result_conn: Connecti
     except Exception as exc:
         result_conn.send(WorkerFailed(setup.worker_id, RemoteError.capture(exc)))
         return
-    _serve(setup, slot_arrays, task_conn, result_conn, parent_pid)
+    _serve(state, task_conn, result_conn, parent_pid)
 
 
 def _alive(pid: int) -> bool:
@@ -110,33 +120,99 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _serve(setup: WorkerSetup, slot_arrays: list, task_conn: Connection,
-           result_conn: Connection, parent_pid: int) -> None:
-    filler, layout = setup.filler, setup.layout
+class _WorkerState:
+    """The slab mapping, and for iterable-style datasets this worker's iterator of it."""
+
+    def __init__(self, setup: WorkerSetup):
+        self.setup = setup
+        self.layout: BatchLayout | None = None
+        self.slot_arrays: list[list[np.ndarray]] = []
+        self.held: tuple[Task, Fetched, Any] | None = None  # reported with LayoutFound
+        self._stream: Iterator | None = None
+        self._stream_epoch = -1
+        self._position = 0  # items taken from the iterator: names samples in errors
+
+    def attach(self, layout: BatchLayout) -> None:
+        setup = self.setup
+        slab_mmap = setup.slab.map(setup.slots * layout.slot_nbytes)
+        os.close(setup.slab.fd)
+        slab = np.frombuffer(slab_mmap, dtype=np.uint8)
+        self.slot_arrays = [layout.slot_arrays(slab, slot) for slot in range(setup.slots)]
+        self.layout = layout
+
+    def fetch(self, task: Task) -> tuple[Fetched | None, Any]:
+        """(the batch, its indices); (None, None) when an iterable's iterator is done."""
+        filler = self.setup.filler
+        if not filler.iterable:
+            return filler.fetch(task.indices), task.indices
+        if task.epoch != self._stream_epoch:  # a new epoch (persistent workers): start over
+            self._stream, self._stream_epoch, self._position = None, task.epoch, 0
+            self._stream = iter(filler.dataset)
+        if self._stream is None:
+            return None, None  # the iterator raised while being made: nothing this epoch
+        fetched = filler.fetch_next(self._stream)
+        if fetched is None:
+            return None, None
+        indices = list(range(self._position, self._position + fetched.rows))
+        self._position += fetched.rows
+        return fetched, indices
+
+    def write(self, task: Task, slot: int, fetched: Fetched, indices: Any) -> bytes:
+        filler = self.setup.filler
+        rows, lengths, objects = filler.write(self.layout, self.slot_arrays[slot], fetched,
+                                              indices)
+        # Pickled here, not in send(), so an object leaf that does not pickle becomes this
+        # batch's error instead of killing the worker.
+        pickled_objects = None if objects is None else pickle.dumps(objects, protocol=-1)
+        return ForkingPickler.dumps(BatchReady(task.idx, slot, rows, lengths, pickled_objects))
+
+
+def _serve(state: _WorkerState, task_conn: Connection, result_conn: Connection,
+           parent_pid: int) -> None:
+    worker_id = state.setup.worker_id
     while True:
         if not task_conn.poll(PARENT_CHECK_S):
             if os.getppid() != parent_pid:
                 return  # reparented: the parent is gone
             continue
         try:
-            task = task_conn.recv()
+            message = task_conn.recv()
         except EOFError:
             return
-        if isinstance(task, Stop):
+        if isinstance(message, Stop):
             return
-        assert isinstance(task, Task), task
+        if isinstance(message, Attach):
+            task, slot = None, message.slot
+            try:
+                state.attach(message.layout)
+                if slot is None:
+                    continue
+                task, fetched, indices = state.held
+                state.held = None
+                payload = state.write(task, slot, fetched, indices)
+            except Exception as exc:
+                if task is None:  # the slab could not be mapped: this worker cannot work
+                    result_conn.send(WorkerFailed(worker_id, RemoteError.capture(exc)))
+                    return
+                payload = ForkingPickler.dumps(
+                    BatchFailed(task.idx, slot, worker_id, RemoteError.capture(exc)))
+            result_conn.send_bytes(payload)
+            continue
+        assert isinstance(message, Task), message
+        task = message
         try:
-            fetched = filler.fetch(task.indices)
-            rows, lengths, objects = filler.write(layout, slot_arrays[task.slot], fetched,
-                                                  task.indices)
-            # Pickled here, not in send(), so an object leaf that does not pickle becomes this
-            # batch's error instead of killing the worker.
-            pickled_objects = None if objects is None else pickle.dumps(objects, protocol=-1)
-            payload = ForkingPickler.dumps(
-                BatchReady(task.idx, task.slot, rows, lengths, pickled_objects))
+            fetched, indices = state.fetch(task)
+            if fetched is None:
+                payload = ForkingPickler.dumps(StreamEnd(task.idx, task.slot, worker_id))
+            elif task.slot == NO_SLOT:
+                layout = state.setup.filler.layout_for(fetched, indices)
+                state.held = (task, fetched, indices)
+                payload = ForkingPickler.dumps(LayoutFound(task.idx, worker_id, layout))
+            else:
+                payload = state.write(task, task.slot, fetched, indices)
         except Exception as exc:
             payload = ForkingPickler.dumps(
-                BatchFailed(task.idx, task.slot, setup.worker_id, RemoteError.capture(exc)))
+                BatchFailed(task.idx, task.slot, worker_id, RemoteError.capture(exc)))
         result_conn.send_bytes(payload)
 
 

@@ -5,6 +5,7 @@ This module only wires parts together; see docs/design.md for how they fit.
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 import weakref
@@ -17,6 +18,7 @@ from ._arena import ArenaSource
 from ._fetch import BatchFiller
 from ._inprocess import InProcessIterator
 from ._options import LoaderOptions, is_iterable_dataset
+from ._output import make_converter
 from ._session import MultiProcessIterator
 from .errors import LoaderClosedError
 from .samplers import (
@@ -57,19 +59,16 @@ class ArenaLoader:
         persistent_workers: bool = False,
         in_order: bool = True,
         slots: int = 16,
+        output: str = "numpy",
     ) -> None:
-        if is_iterable_dataset(dataset):
-            raise TypeError(
-                "dataset must be map-style (define __getitem__ and __len__); iterable-style "
-                f"datasets ({type(dataset).__name__}) are not supported by ArenaLoader yet"
-            )
+        iterable = is_iterable_dataset(dataset)
         self.options = LoaderOptions(
             batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
             num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
             drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
             multiprocessing_context=multiprocessing_context, generator=generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            in_order=in_order, slots=slots,
+            in_order=in_order, slots=slots, output=output,
         )
         if pin_memory:
             warnings.warn("pin_memory=True has no effect yet: batches stay in host shared "
@@ -89,10 +88,15 @@ class ArenaLoader:
         self.persistent_workers = persistent_workers
         self.in_order = in_order
         self.slots = slots
-        if sampler is None:
+        self.output = output
+        self._convert = make_converter(output)
+        self._iterable = iterable
+        if iterable:
+            pass  # each worker iterates its own replica of the dataset: no sampler
+        elif sampler is None:
             sampler = (RandomSampler(dataset, generator=generator) if shuffle
                        else SequentialSampler(dataset))
-        if batch_size is not None and batch_sampler is None:
+        if batch_size is not None and batch_sampler is None and not iterable:
             batch_sampler = BatchSampler(sampler, batch_size, drop_last)
         self.sampler = sampler
         self.batch_sampler = batch_sampler
@@ -103,7 +107,8 @@ class ArenaLoader:
         # Rows per slot: batch_size, or the user batch_sampler's largest batch.
         user_batch_sampler = self.options.batch_sampler is not None
         rows = getattr(batch_sampler, "batch_size", None) if user_batch_sampler else batch_size
-        self._filler = BatchFiller(dataset, collate_fn, self.options.auto_collation, rows)
+        self._filler = BatchFiller(dataset, collate_fn, self.options.auto_collation, rows,
+                                   iterable=iterable, drop_last=drop_last)
         self._source = ArenaSource(slots)
         self._persistent: MultiProcessIterator | None = None
         self._live: weakref.WeakSet = weakref.WeakSet()
@@ -112,6 +117,12 @@ class ArenaLoader:
                                            os.getpid())
 
     def __len__(self) -> int:
+        if self._iterable:
+            # torch's rule: the dataset's len() (TypeError without one), in batches.
+            length = len(self.dataset)
+            if self.batch_size is None:
+                return length
+            return length // self.batch_size if self.drop_last else -(-length // self.batch_size)
         if self.options.auto_collation:
             return len(self.batch_sampler)
         return len(self.sampler)
@@ -122,7 +133,8 @@ class ArenaLoader:
         batches = self._epoch_batches()
         options = self.options
         if options.num_workers == 0:
-            iterator: Any = InProcessIterator(self, self._filler, self._source, batches)
+            iterator: Any = InProcessIterator(self, self._filler, self._source, batches,
+                                              self._convert)
         elif options.persistent_workers and self._persistent is not None \
                 and not self._persistent.broken:
             self._persistent.reset(batches)
@@ -131,13 +143,15 @@ class ArenaLoader:
             if self._persistent is not None:
                 self._persistent.close()
             iterator = MultiProcessIterator(self, options, self._filler, self._source, batches,
-                                            self._draw_base_seed())
+                                            self._draw_base_seed(), self._convert)
             if options.persistent_workers:
                 self._persistent = iterator
         self._live.add(iterator)
         return iterator
 
     def _epoch_batches(self) -> Iterator[Any]:
+        if self._iterable:
+            return itertools.repeat(None)  # each worker's iterator decides when it ends
         if not self.options.auto_collation:
             return iter(self.sampler)
         batches = iter(self.batch_sampler)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from arena_loader import ArenaLoader
@@ -44,16 +43,6 @@ def test_invalid_options_raise_named_errors(kwargs, error, pattern):
     """Each bad option or combination raises at construction, naming the parameter."""
     with pytest.raises(error, match=pattern):
         ArenaLoader(DATA, **kwargs)
-
-
-def test_iterable_dataset_is_rejected_with_a_clear_error():
-    """An iterable-style dataset is refused at construction, not mid-epoch."""
-    class Stream:
-        def __iter__(self):
-            yield np.zeros(2)
-
-    with pytest.raises(TypeError, match=r"dataset must be map-style.*Stream"):
-        ArenaLoader(Stream())
 
 
 def test_torch_defaults_and_attributes():
