@@ -339,7 +339,9 @@ class BatchLayout:
             else:
                 shape = f.shape
             size = math.prod(shape) * f.dtype.itemsize
-            views.append(slot_bytes[f.offset: f.offset + size].view(f.dtype).reshape(shape))
+            view = slot_bytes[f.offset: f.offset + size].view(f.dtype).reshape(shape)
+            # An unbatched Python number comes back as one, as torch's default_convert leaves it.
+            views.append(view.item() if f.python_type is not None and not f.batched else view)
         return _rebuild(self.spec, views, objects or [])
 
 

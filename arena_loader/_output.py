@@ -1,4 +1,5 @@
-"""What the consumer receives: the numpy views of a slot as they are, or as torch tensors.
+"""What the consumer receives: the numpy views of a slot as they are, or as torch tensors in
+the structure torch's ``default_collate`` gives (tuples become lists, namedtuples stay).
 
 ``torch.from_numpy`` shares the memory, so a tensor keeps the numpy view (and through its
 ``.base`` chain the slot's lease) alive: the slot is reused only once the tensor is gone.
@@ -33,7 +34,8 @@ def make_converter(output: str) -> Callable[[Any], Any] | None:
         if isinstance(value, tuple) and hasattr(type(value), "_fields"):
             return type(value)(*(to_torch(item) for item in value))
         if isinstance(value, (tuple, list)):
-            return type(value)(to_torch(item) for item in value)
+            # torch's default_collate turns a tuple of fields into a list
+            return [to_torch(item) for item in value]
         return value
 
     return to_torch

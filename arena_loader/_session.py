@@ -20,6 +20,7 @@ import gc
 import os
 import pickle
 import selectors
+import sys
 import threading
 import time
 import weakref
@@ -164,7 +165,8 @@ class _Session:
             WorkerSetup(worker_id=i, num_workers=options.num_workers, filler=self._filler,
                         layout=layout, slab=slab.handle(), slots=options.slots,
                         base_seed=self._base_seed, worker_init_fn=options.worker_init_fn,
-                        arm_parent_death_signal=is_main_thread())
+                        arm_parent_death_signal=is_main_thread(),
+                        publish_to_torch="torch" in sys.modules)
             for i in range(options.num_workers)
         ]
         return WorkerGroup(options.context, setups)

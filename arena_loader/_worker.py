@@ -72,6 +72,9 @@ class WorkerSetup:
     base_seed: int
     worker_init_fn: Callable[[int], None] | None
     arm_parent_death_signal: bool
+    # The main process uses torch: set torch's worker info too, importing torch if a fresh
+    # (spawn / forkserver) interpreter has not yet.
+    publish_to_torch: bool = False
 
 
 def seed_worker(base_seed: int, worker_id: int) -> int:
@@ -102,12 +105,27 @@ def worker_main(setup: WorkerSetup, task_conn: Connection, result_conn: Connecti
         seed = seed_worker(setup.base_seed, setup.worker_id)
         _worker_info = WorkerInfo(setup.worker_id, setup.num_workers, seed,
                                   setup.filler.dataset)
+        if setup.publish_to_torch:
+            _publish_to_torch(_worker_info)
         if setup.worker_init_fn is not None:
             setup.worker_init_fn(setup.worker_id)
     except Exception as exc:
         result_conn.send(WorkerFailed(setup.worker_id, RemoteError.capture(exc)))
         return
     _serve(state, task_conn, result_conn, parent_pid)
+
+
+def _publish_to_torch(info: WorkerInfo) -> None:
+    """Make ``torch.utils.data.get_worker_info()`` answer too, when the program uses torch: a
+    dataset written for torch's DataLoader shards by it, and must not see None in a worker
+    (every worker would then yield the whole dataset)."""
+    try:
+        from torch.utils.data._utils import worker as torch_worker
+
+        torch_worker._worker_info = torch_worker.WorkerInfo(
+            id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=info.dataset)
+    except (ImportError, AttributeError, TypeError):
+        pass  # a torch without that private hook: only arena_loader.get_worker_info() answers
 
 
 def _alive(pid: int) -> bool:

@@ -180,3 +180,54 @@ class BatchedFetchDataset(ImageDataset):
 
 def fail_init(worker_id: int) -> None:
     raise OSError(f"cannot open shard for worker {worker_id}")
+
+
+def _torch_worker_info() -> Any:
+    """torch's get_worker_info(): a dataset written for torch's DataLoader shards by it."""
+    import torch.utils.data
+
+    return torch.utils.data.get_worker_info()
+
+
+class ShardedStream:
+    """Iterable-style: samples ``0 .. n-1``, sharded ``start::num_workers`` by torch's
+    ``get_worker_info()``; ``lengths`` (per worker id) makes uneven shards instead."""
+
+    def __init__(self, n: int, lengths: tuple[int, ...] | None = None,
+                 fail_at: int | None = None, fail_in_iter: bool = False):
+        self.n, self.lengths = n, lengths
+        self.fail_at, self.fail_in_iter = fail_at, fail_in_iter
+
+    def __len__(self) -> int:
+        return self.n if self.lengths is None else sum(self.lengths)
+
+    def _mine(self) -> list[int]:
+        info = _torch_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        if self.lengths is None:
+            return list(range(worker, self.n, workers))
+        start = sum(self.lengths[:worker])
+        count = sum(self.lengths[worker::workers]) if workers == 1 else self.lengths[worker]
+        return list(range(start, start + count))
+
+    def __iter__(self):
+        if self.fail_in_iter:
+            raise PermissionError("cannot open the stream's shard")
+        for index in self._mine():
+            if index == self.fail_at:
+                raise ValueError(f"corrupt record {index}")
+            yield {"x": make_array(index, (3, 4), np.float32), "index": index}
+
+
+def as_torch_iterable(stream: ShardedStream) -> Any:
+    """The same stream as a ``torch.utils.data.IterableDataset``."""
+    import torch.utils.data
+
+    class TorchShardedStream(torch.utils.data.IterableDataset):
+        def __len__(self):
+            return len(stream)
+
+        def __iter__(self):
+            return iter(stream)
+
+    return TorchShardedStream()

@@ -1,0 +1,155 @@
+"""Iterable-style datasets: each worker iterates its own replica, as torch's DataLoader does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data
+
+from arena_loader import ArenaLoader
+
+from .datasets import ShardedStream, as_torch_iterable
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def torch_batches(dataset, **kwargs) -> list[dict]:
+    loader = torch.utils.data.DataLoader(as_torch_iterable(dataset), **kwargs)
+    return [{key: np.asarray(value) for key, value in b.items()} for b in loader]
+
+
+def arena_batches(dataset, **kwargs) -> list[dict]:
+    with ArenaLoader(dataset, **kwargs) as loader:
+        return [{key: np.array(value) for key, value in b.items()} for b in loader]
+
+
+def assert_same_batches(actual: list[dict], expected: list[dict]) -> None:
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        for key in ("x", "index"):
+            assert a[key].dtype == e[key].dtype, (i, key)
+            np.testing.assert_array_equal(a[key], e[key], err_msg=f"batch {i} {key}")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2, 3])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_sharded_stream_matches_torch_batch_for_batch(num_workers, drop_last):
+    """Workers shard by torch's get_worker_info(), batch their own stream (drop_last per
+    worker) and the batches come out in torch's round-robin order, element for element."""
+    dataset = ShardedStream(3 * 13 * num_workers or 37)
+    kwargs = dict(batch_size=4, num_workers=num_workers, drop_last=drop_last)
+    expected = torch_batches(dataset, **kwargs)
+    assert_same_batches(arena_batches(dataset, **kwargs), expected)
+
+
+def test_unbatched_stream_matches_torch():
+    """batch_size=None: each item of each worker's stream is one batch (a Python int stays
+    one, as torch's default_convert leaves it)."""
+    dataset = ShardedStream(10)
+    kwargs = dict(batch_size=None, num_workers=2)
+    with ArenaLoader(dataset, **kwargs) as loader:
+        assert all(type(b["index"]) is int for b in loader)
+    assert_same_batches(arena_batches(dataset, **kwargs), torch_batches(dataset, **kwargs))
+
+
+def test_uneven_shards_yield_every_sample_once_in_each_workers_order():
+    """Workers whose streams end early drop out; the others go on until theirs end."""
+    dataset = ShardedStream(0, lengths=(3, 17, 8))
+    with ArenaLoader(dataset, batch_size=2, num_workers=3) as loader:
+        seen = [int(i) for batch in loader for i in batch["index"]]
+    assert sorted(seen) == list(range(28))
+    for start, count in ((0, 3), (3, 17), (20, 8)):
+        mine = [i for i in seen if start <= i < start + count]
+        assert mine == list(range(start, start + count))
+
+
+def test_every_stream_empty_ends_the_epoch_at_once():
+    """No worker has data: StopIteration, and no slab is ever sized."""
+    with ArenaLoader(ShardedStream(0, lengths=(0, 0)), batch_size=2, num_workers=2) as loader:
+        assert list(loader) == []
+        assert loader._source.layout is None
+
+
+def test_persistent_workers_restart_their_iterators_each_epoch():
+    """With persistent workers, every epoch is the whole stream again, on the same pids."""
+    dataset = ShardedStream(30)
+    with ArenaLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True) as loader:
+        epochs, pids = [], []
+        for _ in range(3):
+            iterator = iter(loader)
+            epochs.append(sorted(int(i) for b in iterator for i in b["index"]))
+            pids.append(iterator.worker_pids)
+    assert epochs == [list(range(30))] * 3
+    assert pids[0] == pids[1] == pids[2]
+
+
+def test_error_inside_the_stream_names_the_worker_and_the_epoch_goes_on():
+    """A record that fails raises its own type with the worker's traceback; that worker's
+    iterator is finished (a generator that raised), the other worker's batches still come."""
+    dataset = ShardedStream(20, fail_at=6)  # worker 0 owns the even indices
+    with ArenaLoader(dataset, batch_size=2, num_workers=2) as loader:
+        iterator = iter(loader)
+        seen, errors = [], []
+        while True:
+            try:
+                seen += [int(i) for i in next(iterator)["index"]]
+            except StopIteration:
+                break
+            except ValueError as exc:
+                errors.append(str(exc))
+    assert len(errors) == 1
+    assert "DataLoader worker 0" in errors[0] and "corrupt record 6" in errors[0]
+    assert "from its iterator of the dataset" in errors[0]
+    assert set(range(1, 20, 2)) <= set(seen)  # worker 1's whole shard
+    assert {0, 2} <= set(seen) and not {4, 6} & set(seen)  # batch [4, 6] failed whole
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_error_in_iter_is_raised_with_its_type(num_workers):
+    """An exception from the dataset's __iter__ reaches the consumer with its type."""
+    dataset = ShardedStream(8, fail_in_iter=True)
+    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers) as loader:
+        with pytest.raises(PermissionError, match="cannot open the stream's shard"):
+            list(loader)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("batch_size", [None, 1, 3])
+def test_len_follows_torch(batch_size, drop_last):
+    """len(loader) of an iterable-style dataset is torch's: its len() in batches."""
+    if batch_size is None and drop_last:
+        return  # an invalid combination, rejected by both
+    dataset = ShardedStream(10)
+    ours = ArenaLoader(dataset, batch_size=batch_size, drop_last=drop_last)
+    theirs = torch.utils.data.DataLoader(as_torch_iterable(dataset), batch_size=batch_size,
+                                         drop_last=drop_last)
+    assert len(ours) == len(theirs)
+
+
+def test_len_without_dataset_len_is_a_type_error():
+    """No __len__ on the dataset: len(loader) raises TypeError, as in torch."""
+    class Endless:
+        def __iter__(self):
+            yield np.zeros(2)
+
+    with pytest.raises(TypeError):
+        len(ArenaLoader(Endless(), batch_size=2))
+
+
+def test_spawn_workers_shard_and_stop_cleanly():
+    """Under spawn the dataset and its sharding travel to fresh interpreters."""
+    dataset = ShardedStream(24)
+    with ArenaLoader(dataset, batch_size=3, num_workers=2,
+                     multiprocessing_context="spawn") as loader:
+        seen = sorted(int(i) for b in loader for i in b["index"])
+    assert seen == list(range(24))
+
+
+def test_torch_output_for_a_stream():
+    """output='torch' gives tensors for iterable-style datasets too."""
+    with ArenaLoader(ShardedStream(8), batch_size=4, num_workers=2, output="torch") as loader:
+        batches = list(loader)
+    assert all(isinstance(b["x"], torch.Tensor) and b["index"].dtype == torch.int64
+               for b in batches)
+    del batches

@@ -1,0 +1,89 @@
+"""output="torch": zero-copy tensors over the slab, with torch's default_collate structure."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data
+
+from arena_loader import ArenaLoader
+from arena_loader._pool import SlotState
+
+from .datasets import ImageDataset, NestedDataset
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_torch_tensors_view_the_slot_and_free_it_when_dropped(num_workers):
+    """Each tensor's memory is its slot's; the slot is free again once the tensor is gone."""
+    dataset = ImageDataset(8, shape=(3, 4), dtype=np.float32)
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers, output="torch",
+                     slots=5) as loader:
+        iterator = iter(loader)
+        batch = next(iterator)
+        arena = loader._source._arena
+        slab_start = arena.slab.array.__array_interface__["data"][0]
+        offset = batch.data_ptr() - slab_start
+        assert isinstance(batch, torch.Tensor) and batch.dtype == torch.float32
+        assert 0 <= offset < arena.slab.nbytes and offset % arena.layout.slot_nbytes == 0
+        np.testing.assert_array_equal(batch.numpy(), np.stack([dataset[i] for i in range(4)]))
+        assert arena.pool.counts()[SlotState.LEASED] == 1
+        del batch
+        gc.collect()
+        assert arena.pool.counts()[SlotState.LEASED] == 0
+        del iterator
+
+
+def test_nested_samples_match_torch_default_collate():
+    """Dicts, tuples and namedtuples of tensors with torch's dtypes (Python int -> int64,
+    float -> float64, bool -> bool); tuples become lists and strings stay lists, as in
+    torch."""
+    dataset = NestedDataset(6)
+    ours = list(ArenaLoader(dataset, batch_size=3, num_workers=2, output="torch"))
+    theirs = list(torch.utils.data.DataLoader(dataset, batch_size=3))
+    assert len(ours) == len(theirs) == 2
+
+    def compare(a, b, where):
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor), where
+            assert a.dtype == b.dtype and a.shape == b.shape, where
+            assert torch.equal(a, b), where
+        elif isinstance(b, dict):
+            assert a.keys() == b.keys(), where
+            for key in b:
+                compare(a[key], b[key], f"{where}[{key!r}]")
+        elif isinstance(b, (tuple, list)) and not isinstance(b[0], str):
+            assert type(a) is type(b) and len(a) == len(b), where
+            for i, (x, y) in enumerate(zip(a, b)):
+                compare(x, y, f"{where}[{i}]")
+        else:
+            assert list(a) == list(b), where
+
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        compare(a, b, f"batch {i}")
+
+
+def test_torch_tensor_samples_are_accepted():
+    """A dataset that returns CPU torch tensors is loaded like one returning arrays."""
+    class TensorDataset:
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return torch.full((2, 3), float(i)), torch.tensor(i)
+
+    batches = list(ArenaLoader(TensorDataset(), batch_size=3, num_workers=2, output="torch"))
+    expected = list(torch.utils.data.DataLoader(TensorDataset(), batch_size=3))
+    for (x, y), (ex, ey) in zip(batches, expected):
+        assert torch.equal(x, ex) and torch.equal(y, ey) and y.dtype == ey.dtype
+
+
+def test_output_must_be_numpy_or_torch():
+    """Any other output is refused at construction, naming the parameter."""
+    with pytest.raises(ValueError, match=r"output must be one of \('numpy', 'torch'\), "
+                                         r"got 'jax'"):
+        ArenaLoader(ImageDataset(4), output="jax")
