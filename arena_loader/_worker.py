@@ -102,6 +102,10 @@ def worker_main(setup: WorkerSetup, task_conn: Connection, result_conn: Connecti
         state = _WorkerState(setup)
         if setup.layout is not None:
             state.attach(setup.layout)
+        if setup.publish_to_torch:
+            # Before seeding: a spawned interpreter imports torch only now, and torch's
+            # default seed is the same in every process.
+            _import_torch()
         seed = seed_worker(setup.base_seed, setup.worker_id)
         _worker_info = WorkerInfo(setup.worker_id, setup.num_workers, seed,
                                   setup.filler.dataset)
@@ -113,6 +117,13 @@ def worker_main(setup: WorkerSetup, task_conn: Connection, result_conn: Connecti
         result_conn.send(WorkerFailed(setup.worker_id, RemoteError.capture(exc)))
         return
     _serve(state, task_conn, result_conn, parent_pid)
+
+
+def _import_torch() -> None:
+    try:
+        import torch.utils.data  # noqa: F401
+    except ImportError:
+        pass
 
 
 def _publish_to_torch(info: WorkerInfo) -> None:

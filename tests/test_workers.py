@@ -59,3 +59,29 @@ def test_dataset_getitems_is_used_for_batched_fetch(num_workers):
     for start, batch in zip(range(0, 10, 4), batches):
         expected = np.stack([dataset[i] + 1 for i in range(start, min(start + 4, 10))])
         np.testing.assert_array_equal(batch, expected)
+
+
+class TorchDrawDataset(ImageDataset):
+    """Each sample is a draw from torch's global RNG in the loading worker."""
+
+    def __getitem__(self, index: int) -> int:
+        import torch
+
+        return int(torch.randint(0, 2**62, ()).item())
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_torch_rng_is_seeded_per_worker_even_under_spawn(context):
+    """torch draws in the dataset differ between workers and reproduce with a seed, also in
+    a spawned interpreter that imports torch only inside __getitem__."""
+    import torch  # the main program uses torch: the workers' torch RNG must be seeded
+
+    def draws(seed):
+        with ArenaLoader(TorchDrawDataset(4), batch_size=1, num_workers=2,
+                         multiprocessing_context=context,
+                         generator=torch.Generator().manual_seed(seed)) as loader:
+            return [int(b[0]) for b in loader]
+
+    first = draws(3)
+    assert len(set(first)) == 4  # two per worker, all different
+    assert draws(3) == first and draws(4) != first
