@@ -361,9 +361,14 @@ class _Session:
         """The first batch's layout, from the worker holding that batch: size the reserved
         slab for it, tell that worker which slot to write the batch into, and every other
         worker to map the slab. A full /dev/shm raises ShmCapacityError here (-> next())."""
-        arena = self._source.claim(found.layout, slab=self._reserve)
+        with self._cv:  # whoever takes the reserve (this or close()) owns it
+            reserve, self._reserve = self._reserve, None
+            if self._closed or reserve is None:
+                if reserve is not None:
+                    reserve.close()
+                raise LoaderClosedError("this iterator was closed")
+        arena = self._source.claim(found.layout, slab=reserve)
         with self._cv:
-            self._reserve = None
             if self._closed:
                 self._source.unclaim(arena)
                 raise LoaderClosedError("this iterator was closed")
@@ -546,8 +551,10 @@ class _Session:
                 self._kill_workers()
             if self.arena is not None:
                 self._release_arena()
-            if self._reserve is not None:
-                self._reserve.close()
+            with self._cv:
+                reserve, self._reserve = self._reserve, None
+            if reserve is not None:
+                reserve.close()
             self._waker.close()
 
 

@@ -1,0 +1,73 @@
+"""DistributedSampler under a real torch.distributed group (gloo), two ranks started here."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+RANK_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import torch.distributed as dist
+    from arena_loader import ArenaLoader
+    from arena_loader.samplers import DistributedSampler
+
+    dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR/PORT from the environment
+    dataset = np.arange(50, dtype=np.int64)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=7)  # replicas, rank: from dist
+    epochs = []
+    with ArenaLoader(dataset, batch_size=4, sampler=sampler, num_workers=1) as loader:
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            epochs.append([int(i) for batch in loader for i in batch])
+    gathered = [None, None]
+    dist.all_gather_object(gathered, epochs)  # every rank sees both ranks' indices
+    dist.destroy_process_group()
+    print(json.dumps({"rank": sampler.rank, "replicas": sampler.num_replicas,
+                      "epochs": epochs, "gathered": gathered}))
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_gloo_ranks_split_the_dataset_and_set_epoch_reshuffles():
+    """Each rank takes num_replicas/rank from the initialised process group; their index sets
+    are disjoint and cover the dataset (50 = 2 x 25, no padding), and set_epoch changes the
+    order while both ranks agree on the permutation."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "2"}
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    results = []
+    try:
+        for process in ranks:
+            out, err = process.communicate(timeout=90)
+            assert process.returncode == 0, err
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for process in ranks:
+            process.kill()
+            process.wait()
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["replicas"] == 2 for r in results)
+    assert results[0]["gathered"] == results[1]["gathered"] == [r["epochs"] for r in results]
+    for epoch in range(2):
+        mine = [r["epochs"][epoch] for r in results]
+        assert len(mine[0]) == len(mine[1]) == 25
+        assert not set(mine[0]) & set(mine[1])
+        assert sorted(mine[0] + mine[1]) == list(range(50))
+    for r in results:
+        assert r["epochs"][0] != r["epochs"][1]
