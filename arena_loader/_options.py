@@ -65,18 +65,21 @@ class LoaderOptions:
     persistent_workers: bool = False
     in_order: bool = True
     slots: int = 16
+    # Set by the loader for an iterable-style dataset (is_iterable_dataset), which forbids
+    # shuffle, sampler and batch_sampler as torch does.
+    iterable: bool = False
     output: str = "numpy"
 
     def __post_init__(self) -> None:
+        # Checks run in torch's order, so a call with several mistakes gets torch's error type.
         _check_int("num_workers", self.num_workers, minimum=0,
                    fix="use num_workers=0 to load in the main process")
-        if (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
-                or self.timeout < 0):
-            raise ValueError(
-                f"timeout must be a non-negative number of seconds, got {self.timeout!r}")
-        if self.batch_size is not None:
-            _check_int("batch_size", self.batch_size, minimum=1,
-                       fix="use batch_size=None to disable automatic batching")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
+            raise TypeError(f"timeout must be a number of seconds, got "
+                            f"{type(self.timeout).__name__} {self.timeout!r}; use 0 for no timeout")
+        if self.timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds, got {self.timeout!r}; use 0 for "
+                             "no timeout")
         if self.num_workers == 0:
             if self.prefetch_factor is not None:
                 raise ValueError(
@@ -86,10 +89,22 @@ class LoaderOptions:
                 )
             if self.persistent_workers:
                 raise ValueError(
-                    "persistent_workers option needs num_workers > 0, got num_workers=0")
+                    "persistent_workers option needs num_workers > 0, got num_workers=0; "
+                    "pass num_workers > 0 or persistent_workers=False")
+            if self.multiprocessing_context is not None:
+                raise ValueError(
+                    "multiprocessing_context can only be used with num_workers > 0, got "
+                    f"multiprocessing_context={self.multiprocessing_context!r} with "
+                    "num_workers=0; pass num_workers > 0 or drop multiprocessing_context")
         elif self.prefetch_factor is not None:
+            # torch accepts 0, which silently yields an empty epoch; we refuse it.
             _check_int("prefetch_factor", self.prefetch_factor, minimum=1,
                        fix="use prefetch_factor=None for the default of 2")
+        # Validates the start method now, at construction, as torch does.
+        object.__setattr__(self, "context", _resolve_context(self.multiprocessing_context)
+                           if self.num_workers > 0 else None)
+        if self.iterable:
+            self._check_iterable_options()
         if self.sampler is not None and self.shuffle:
             raise ValueError("sampler option is mutually exclusive with shuffle; got shuffle=True "
                              "with a sampler: shuffle inside the sampler, or drop `sampler`")
@@ -105,14 +120,35 @@ class LoaderOptions:
                 "batch_size=None option disables auto-batching and is mutually exclusive with "
                 "drop_last; got drop_last=True: pass a batch_size, or drop_last=False"
             )
+        if self.batch_size is not None and (
+            isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int)
+            or self.batch_size <= 0
+        ):
+            # ValueError for a wrong type too: torch's BatchSampler raises ValueError for both.
+            raise ValueError(
+                f"batch_size must be a positive int, got {self.batch_size!r}; use "
+                "batch_size=None to disable automatic batching")
+        if not isinstance(self.drop_last, bool):
+            raise ValueError(f"drop_last must be a bool (True or False), got {self.drop_last!r}")
         if self.output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS!r}, got {self.output!r}")
         _check_int("slots", self.slots, minimum=self.min_slots,
                    fix=f"pass slots={self.min_slots} or more"
                    + (", or lower prefetch_factor" if self.num_workers else ""))
-        # Validates the start method now, at construction, as torch does.
-        object.__setattr__(self, "context", _resolve_context(self.multiprocessing_context)
-                           if self.num_workers > 0 else None)
+
+    def _check_iterable_options(self) -> None:
+        """torch's rule: an iterable-style dataset decides its own order and batches' keys."""
+        # shuffle=False is accepted: it was torch's default once, and means "unspecified".
+        for name, value, unset in (("shuffle", self.shuffle, self.shuffle in (None, False)),
+                                   ("sampler", self.sampler, self.sampler is None),
+                                   ("batch_sampler", self.batch_sampler,
+                                    self.batch_sampler is None)):
+            if not unset:
+                raise ValueError(
+                    f"DataLoader with IterableDataset: expected unspecified {name} option, but "
+                    f"got {name}={value!r}; {name} must be left unset for an iterable-style "
+                    "dataset: shuffle, sample or batch inside its __iter__ (shard with "
+                    "get_worker_info())")
 
     @property
     def effective_prefetch_factor(self) -> int:

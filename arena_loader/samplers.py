@@ -7,13 +7,24 @@ defaults the loader builds from ``shuffle``, ``batch_size`` and ``drop_last``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sized
+import math
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any
 
 import numpy as np
 
-__all__ = ["BatchSampler", "RandomSampler", "SequentialSampler", "as_numpy_generator",
-           "is_torch_generator"]
+__all__ = [
+    "BatchSampler",
+    "DistributedSampler",
+    "RandomSampler",
+    "SequentialSampler",
+    "SubsetRandomSampler",
+    "WeightedRandomSampler",
+    "as_numpy_generator",
+    "is_torch_generator",
+]
 
 
 def is_torch_generator(generator: Any) -> bool:
@@ -123,3 +134,167 @@ class BatchSampler:
         if self.drop_last:
             return len(self.sampler) // self.batch_size  # type: ignore[arg-type]
         return -(-len(self.sampler) // self.batch_size)  # type: ignore[arg-type]
+
+
+class SubsetRandomSampler:
+    """A fresh random permutation of ``indices`` on every ``iter()`` (torch's semantics)."""
+
+    def __init__(self, indices: Sequence[int], generator: Any = None) -> None:
+        self.indices = indices
+        self._rng = as_numpy_generator(generator)
+
+    def __iter__(self) -> Iterator[int]:
+        order = self._rng.permutation(len(self.indices)).tolist()
+        return iter([self.indices[i] for i in order])
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class WeightedRandomSampler:
+    """Draws ``num_samples`` indices of ``weights``, index ``i`` with probability
+    ``weights[i] / sum(weights)``; without ``replacement``, no index twice in one ``iter()``.
+
+    Weights are checked here, at construction, where torch only fails when iterating.
+    """
+
+    def __init__(
+        self,
+        weights: Sequence[float],
+        num_samples: int,
+        replacement: bool = True,
+        generator: Any = None,
+    ) -> None:
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
+            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+        if not isinstance(replacement, bool):
+            # ValueError, not TypeError: torch's WeightedRandomSampler raises ValueError here.
+            raise ValueError(f"replacement must be a bool (True or False), got {replacement!r}")
+        try:
+            array = np.asarray(weights, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"weights must be a 1-d sequence of numbers, got {weights!r}") from exc
+        if array.ndim != 1:
+            raise ValueError(
+                f"weights must be a 1-d sequence of numbers, got an array of shape {array.shape}")
+        if not np.all(np.isfinite(array)) or np.any(array < 0):
+            bad = int(np.flatnonzero(~np.isfinite(array) | (array < 0))[0])
+            raise ValueError(
+                f"weights must be finite and >= 0, got weights[{bad}]={array[bad]!r}; "
+                "fix or drop that weight")
+        positive = int(np.count_nonzero(array))
+        if positive == 0:
+            raise ValueError("weights must have at least one positive entry, got all zeros")
+        if not replacement and num_samples > positive:
+            raise ValueError(
+                f"num_samples must be <= the {positive} positive weights when "
+                f"replacement=False, got {num_samples}; pass replacement=True or fewer samples")
+        self.weights = array
+        self.num_samples = num_samples
+        self.replacement = replacement
+        self._probabilities = array / array.sum()
+        self._rng = as_numpy_generator(generator)
+
+    def __iter__(self) -> Iterator[int]:
+        drawn = self._rng.choice(len(self.weights), size=self.num_samples,
+                                 replace=self.replacement, p=self._probabilities)
+        return iter(drawn.tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class DistributedSampler:
+    """The share of the dataset that process ``rank`` of ``num_replicas`` loads.
+
+    torch's rules: without ``drop_last`` the index list is padded by repeating it from the
+    start until it divides evenly; with ``drop_last`` its tail is cut so it does. Rank ``r``
+    takes every ``num_replicas``-th index starting at ``r``, so ranks are disjoint apart from
+    padding. With ``shuffle`` the order is a permutation that depends only on ``seed`` and the
+    epoch given to ``set_epoch`` (call it before each epoch), the same on every rank. The
+    permutation is numpy's, so it differs from torch's for the same seed.
+
+    ``num_replicas`` and ``rank`` default to the initialised ``torch.distributed`` group, else
+    to the ``WORLD_SIZE`` and ``RANK`` environment variables that ``torchrun`` sets.
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if num_replicas is None:
+            num_replicas = _distributed_default("num_replicas", "WORLD_SIZE")
+        if rank is None:
+            rank = _distributed_default("rank", "RANK")
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) \
+                or num_replicas <= 0:
+            raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"rank must be in [0, num_replicas - 1] = [0, {num_replicas - 1}], got "
+                f"rank={rank!r} with num_replicas={num_replicas}; pass a rank below "
+                "num_replicas")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+        self.dataset = dataset
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        size = len(dataset)
+        if drop_last and size % num_replicas:
+            # Cut the tail to the nearest multiple of num_replicas below size.
+            self.num_samples = math.ceil((size - num_replicas) / num_replicas)
+        else:
+            self.num_samples = math.ceil(size / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def __iter__(self) -> Iterator[int]:
+        size = len(self.dataset)
+        if self.shuffle:
+            # A fresh generator from (seed, epoch) only: every rank computes the same order.
+            rng = np.random.default_rng([self.seed % 2**64, self.epoch % 2**64])
+            indices = rng.permutation(size).tolist()
+        else:
+            indices = list(range(size))
+        if self.total_size > size:
+            repeats = math.ceil(self.total_size / size)
+            indices = (indices * repeats)[:self.total_size]
+        else:
+            indices = indices[:self.total_size]
+        return iter(indices[self.rank:self.total_size:self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch``'s order on the next ``iter()``; call it at the start of each epoch."""
+        self.epoch = epoch
+
+
+def _distributed_default(name: str, variable: str) -> int:
+    """``num_replicas`` or ``rank`` from ``torch.distributed``, else from the environment."""
+    # Only a program that imported torch.distributed can have initialised it, so there is
+    # nothing to ask (and no import to pay for) when it is not loaded.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() if name == "num_replicas" else dist.get_rank()
+    value = os.environ.get(variable)
+    if value is None:
+        raise ValueError(
+            f"{name} must be given when torch.distributed is not initialised and {variable} is "
+            f"not set, got {name}=None; pass {name}=..., call "
+            "torch.distributed.init_process_group() first, or launch with torchrun")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"{name} must be an int; it defaults to the {variable} environment variable, "
+            f"which is {value!r}; set {variable} to an integer or pass {name}=...") from None
