@@ -180,7 +180,7 @@ class WeightedRandomSampler:
         if not np.all(np.isfinite(array)) or np.any(array < 0):
             bad = int(np.flatnonzero(~np.isfinite(array) | (array < 0))[0])
             raise ValueError(
-                f"weights must be finite and >= 0, got weights[{bad}]={array[bad]!r}; "
+                f"weights must be finite and >= 0, got weights[{bad}]={float(array[bad])!r}; "
                 "fix or drop that weight")
         positive = int(np.count_nonzero(array))
         if positive == 0:

@@ -7,6 +7,7 @@ import collections
 import faulthandler
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -160,14 +161,23 @@ def reference_epoch(dataset: Any, batch_size: int, drop_last: bool,
 
 
 class WorkerProbeDataset(ImageDataset):
-    """Each sample records the loading worker's id and a draw from numpy's global RNG."""
+    """Each sample records the loading worker's info and a draw from numpy's global RNG.
+
+    Under torch's DataLoader it reads torch's ``get_worker_info()``, so both can be compared.
+    """
 
     def __getitem__(self, index: int) -> dict:
         from arena_loader import get_worker_info
 
         info = get_worker_info()
+        torch_data = sys.modules.get("torch.utils.data")
+        if info is None and torch_data is not None:
+            info = torch_data.get_worker_info()
         return {"worker": -1 if info is None else info.id,
                 "num_workers": 0 if info is None else info.num_workers,
+                # A string: the seed may not fit an int64.
+                "seed": "" if info is None else str(info.seed),
+                "holds_dataset": info is not None and info.dataset is self,
                 "draw": np.random.randint(0, 2**31)}
 
 
