@@ -12,15 +12,29 @@ from .errors import (
     WorkerCrashedError,
 )
 from .loader import ArenaLoader
+from .samplers import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 __all__ = [
     "ArenaLoader",
     "ArenaLoaderError",
+    "BatchSampler",
+    "DistributedSampler",
     "LayoutError",
     "LoaderClosedError",
     "LoaderTimeoutError",
+    "RandomSampler",
+    "SequentialSampler",
     "ShmCapacityError",
     "SlotsExhaustedError",
+    "SubsetRandomSampler",
+    "WeightedRandomSampler",
     "WorkerCrashedError",
     "WorkerInfo",
     "get_worker_info",
