@@ -4,13 +4,13 @@ rules, and torch's worker seeding contract, each checked against torch itself.""
 from __future__ import annotations
 
 import collections
+import importlib
 import itertools
 import multiprocessing
+from typing import Any
 
 import numpy as np
 import pytest
-import torch
-import torch.utils.data as tud
 
 from arena_loader import ArenaLoader, get_worker_info
 from arena_loader._options import LoaderOptions
@@ -18,14 +18,32 @@ from arena_loader.samplers import DistributedSampler, SubsetRandomSampler, Weigh
 
 from .datasets import BatchedFetchDataset, ImageDataset, NestedDataset, WorkerProbeDataset
 
+
+class LazyModule:
+    """Imports a module on first attribute access. Importing torch when pytest collects this
+    file would load it for the whole session and make every other test's leak check (two
+    gc.collect() runs over torch's objects) and worker forks slower."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(importlib.import_module(self._name), attribute)
+
+
+torch = LazyModule("torch")
+tud = LazyModule("torch.utils.data")
+
 DATA = ImageDataset(10, shape=(3, 2), dtype=np.float32)
 
 
-class Stream(tud.IterableDataset):
+def make_stream():
     """An iterable-style dataset: torch's loader recognises it by its base class."""
+    class Stream(tud.IterableDataset):
+        def __iter__(self):
+            return iter(np.arange(4))
 
-    def __iter__(self):
-        return iter(np.arange(4))
+    return Stream()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,13 +102,13 @@ def test_invalid_combination_raises_torchs_exception_type(kwargs, pattern):
                          ids=[str(k) for k, _ in ITERABLE_REJECTED])
 def test_iterable_dataset_options_raise_torchs_exception_type(kwargs, pattern):
     """shuffle, sampler and batch_sampler with an iterable-style dataset: torch's ValueError."""
-    with pytest.raises(torch_error(Stream(), kwargs), match=pattern):
+    with pytest.raises(torch_error(make_stream(), kwargs), match=pattern):
         LoaderOptions(iterable=True, **kwargs)
 
 
 def test_iterable_dataset_accepts_shuffle_false_like_torch():
     """shuffle=False (torch's old default) is not an error for an iterable-style dataset."""
-    tud.DataLoader(Stream(), shuffle=False)
+    tud.DataLoader(make_stream(), shuffle=False)
     assert LoaderOptions(iterable=True, shuffle=False).iterable
 
 
