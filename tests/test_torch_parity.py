@@ -111,6 +111,20 @@ def test_iterable_dataset_accepts_shuffle_false_like_torch():
     assert LoaderOptions(iterable=True, shuffle=False).iterable
 
 
+@pytest.mark.xfail(strict=True, reason="ArenaLoader's attributes are plain (loader.py): "
+                                       "setting one after construction is silently ignored, "
+                                       "where torch raises ValueError")
+def test_setting_sampling_attributes_after_construction_raises_like_torch():
+    """batch_size, batch_sampler, sampler, drop_last, dataset and persistent_workers are fixed
+    once the loader exists: setting one raises torch's ValueError instead of being ignored."""
+    for attribute in ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset",
+                      "persistent_workers"):
+        with pytest.raises(ValueError):
+            setattr(tud.DataLoader(DATA), attribute, None)
+        with ArenaLoader(DATA) as loader, pytest.raises(ValueError, match=attribute):
+            setattr(loader, attribute, None)
+
+
 # ---------------------------------------------------------------------------------------------
 # Conformance: the same configuration through both loaders gives the same batches.
 
