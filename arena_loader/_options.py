@@ -128,7 +128,9 @@ class LoaderOptions:
             raise ValueError(
                 f"batch_size must be a positive int, got {self.batch_size!r}; use "
                 "batch_size=None to disable automatic batching")
-        if not isinstance(self.drop_last, bool):
+        if self.batch_size is not None and self.batch_sampler is None \
+                and not isinstance(self.drop_last, bool):
+            # Where torch checks it: in the BatchSampler built from batch_size and drop_last.
             raise ValueError(f"drop_last must be a bool (True or False), got {self.drop_last!r}")
         if self.output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS!r}, got {self.output!r}")

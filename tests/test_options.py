@@ -18,7 +18,6 @@ DATA = ImageDataset(10)
     (dict(num_workers=1.5), TypeError, r"num_workers must be an int"),
     (dict(timeout=True), TypeError, r"timeout must be a number of seconds, got bool"),
     (dict(num_workers=1, prefetch_factor=0), ValueError, r"prefetch_factor must be >= 1"),
-    (dict(drop_last="yes"), ValueError, r"drop_last must be a bool.*'yes'"),
     (dict(slots=1), ValueError, r"slots must be >= 2, got 1; pass slots=2 or more"),
     (dict(num_workers=4, prefetch_factor=4, slots=16), ValueError,
      r"slots must be >= 17, got 16; pass slots=17 or more, or lower prefetch_factor"),
