@@ -29,6 +29,9 @@ from .samplers import (
     is_torch_generator,
 )
 
+_FIXED_ATTRIBUTES = frozenset(
+    ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"))
+
 
 class ArenaLoader:
     """Iterate over ``dataset`` in batches that workers write straight into shared memory.
@@ -68,7 +71,7 @@ class ArenaLoader:
             drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
             multiprocessing_context=multiprocessing_context, generator=generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            in_order=in_order, slots=slots, output=output,
+            in_order=in_order, slots=slots, output=output, iterable=iterable,
         )
         if pin_memory:
             warnings.warn("pin_memory=True has no effect yet: batches stay in host shared "
@@ -115,6 +118,15 @@ class ArenaLoader:
         self._closed = False
         self._finalizer = weakref.finalize(self, _close_all, self._source, self._live,
                                            os.getpid())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # torch's rule: what shapes the epoch is fixed once the loader exists, so changing it
+        # is an error rather than a setting silently ignored by the existing sampler and slab.
+        if name in _FIXED_ATTRIBUTES and "_finalizer" in self.__dict__:
+            raise ValueError(f"{name} attribute should not be set after {type(self).__name__} "
+                             f"is initialized; create a new {type(self).__name__} with "
+                             f"{name}={value!r}")
+        super().__setattr__(name, value)
 
     def __len__(self) -> int:
         if self._iterable:
@@ -164,7 +176,13 @@ class ArenaLoader:
         return batches
 
     def _draw_base_seed(self) -> int:
-        """The epoch's worker base seed, drawn from ``generator`` like torch does."""
+        """The epoch's worker base seed, drawn from ``generator`` like torch does (with a
+        ``torch.Generator``, torch's very draw: the same generator gives torch's seeds)."""
+        if is_torch_generator(self.generator):
+            import torch
+
+            return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+                       .item())
         rng = self._seed_rng if self._seed_rng is not None else as_numpy_generator(self.generator)
         return int(rng.integers(2**63))
 

@@ -104,8 +104,6 @@ def test_iterable_dataset_options_raise_torchs_exception_type(kwargs, pattern):
         LoaderOptions(iterable=True, **kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason="loader.py does not pass iterable=is_iterable_dataset("
-                                       "dataset) to LoaderOptions yet")
 def test_iterable_dataset_options_raise_through_arena_loader():
     """The iterable-style checks above also guard ArenaLoader itself."""
     for kwargs, pattern in ITERABLE_REJECTED:
@@ -119,9 +117,6 @@ def test_iterable_dataset_accepts_shuffle_false_like_torch():
     assert LoaderOptions(iterable=True, shuffle=False).iterable
 
 
-@pytest.mark.xfail(strict=True, reason="ArenaLoader's attributes are plain (loader.py): "
-                                       "setting one after construction is silently ignored, "
-                                       "where torch raises ValueError")
 def test_setting_sampling_attributes_after_construction_raises_like_torch():
     """batch_size, batch_sampler, sampler, drop_last, dataset and persistent_workers are fixed
     once the loader exists: setting one raises torch's ValueError instead of being ignored."""
@@ -223,16 +218,17 @@ class TupleDataset(ImageDataset):
         return (super().__getitem__(index), index)
 
 
-@pytest.mark.xfail(strict=True, reason="default collation keeps a tuple sample a tuple; torch "
-                                       "makes it a list (its collate.py, 'Backwards "
-                                       "compatibility'): the lead decides whether to follow")
-def test_tuple_samples_collate_to_a_list_like_torch():
-    """A plain-tuple sample collates to a list of fields, the container torch returns."""
+def test_tuple_samples_keep_their_type_in_numpy_and_become_lists_in_torch_output():
+    """A plain-tuple sample collates to a tuple of arrays with output="numpy" (documented:
+    the sample's own container), and to torch's list of tensors with output="torch"."""
     dataset = TupleDataset(4, shape=(2,))
     theirs = next(iter(tud.DataLoader(dataset, batch_size=2)))
     with ArenaLoader(dataset, batch_size=2) as loader:
-        ours_type = type(next(iter(loader)))
-    assert ours_type is type(theirs)
+        assert type(next(iter(loader))) is tuple
+    with ArenaLoader(dataset, batch_size=2, output="torch") as loader:
+        ours = next(iter(loader))
+    assert type(ours) is type(theirs) is list
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,9 +426,6 @@ def test_worker_random_numbers_differ_by_worker_and_epoch_and_reproduce(make_gen
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="with a torch.Generator the base seed is drawn from a "
-                                       "numpy generator seeded from it (loader.py), not from "
-                                       "the torch generator as torch does")
 def test_worker_seed_equals_torchs_for_the_same_torch_generator():
     """Switching loaders keeps worker seeds: the same generator gives torch's base seed."""
     theirs = tud.DataLoader(WorkerProbeDataset(4), batch_size=2, num_workers=2,
