@@ -29,13 +29,15 @@ class BatchFiller:
     of an iterable-style one (``iterable``: each worker and each epoch makes its own)."""
 
     def __init__(self, dataset: Any, collate_fn: Callable | None, auto_collation: bool,
-                 batch_size: int | None, *, iterable: bool = False, drop_last: bool = False):
+                 batch_size: int | None, *, iterable: bool = False, drop_last: bool = False,
+                 index_source: str = "the sampler"):
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.auto_collation = auto_collation
         self.batch_size = batch_size
         self.iterable = iterable
         self.drop_last = drop_last
+        self.index_source = index_source  # who chose the indices, for error messages
         self._getitems = None if iterable else getattr(dataset, "__getitems__", None)
 
     def fetch_next(self, stream: Iterator) -> Fetched | None:
@@ -66,6 +68,33 @@ class BatchFiller:
             raise RuntimeError(f"the dataset or collate_fn raised StopIteration while loading "
                                f"indices {indices!r}; raise IndexError or another error "
                                "instead") from exc
+        except IndexError as exc:
+            explained = self._explain_index_error(indices, exc)
+            if explained is None:
+                raise
+            raise explained from exc
+
+    def _explain_index_error(self, indices: Any, exc: IndexError) -> IndexError | None:
+        """An IndexError that says whether the sampler left range(len(dataset)) or the
+        dataset has fewer samples than its len() claims. Only on this error path: indices
+        are never checked up front, since torch lets a dataset accept any key."""
+        try:
+            length = len(self.dataset)
+        except Exception:
+            return None
+        wanted = list(indices) if self.auto_collation else [indices]
+        if not all(isinstance(i, (int, np.integer)) for i in wanted):
+            return None  # keys that are not positions: nothing to compare with len()
+        outside = [int(i) for i in wanted if not 0 <= i < length]
+        if outside:
+            return IndexError(
+                f"{self.index_source} yielded sample index {outside[0]} (in indices "
+                f"{indices!r}), but len(dataset) is {length}; a sampler must yield indices in "
+                f"range(len(dataset)): fix the sampler, or the dataset's __len__ ({exc})")
+        return IndexError(
+            f"the dataset raised IndexError loading indices {indices!r}, which are within "
+            f"len(dataset) = {length}; if it holds fewer samples than __len__ says, make "
+            f"__len__ agree with __getitem__ ({exc})")
 
     def _fetch(self, indices: Any) -> Fetched:
         if not self.auto_collation:

@@ -110,8 +110,11 @@ class ArenaLoader:
         # Rows per slot: batch_size, or the user batch_sampler's largest batch.
         user_batch_sampler = self.options.batch_sampler is not None
         rows = getattr(batch_sampler, "batch_size", None) if user_batch_sampler else batch_size
+        index_source = (f"batch_sampler {type(batch_sampler).__name__}" if user_batch_sampler
+                        else f"sampler {type(sampler).__name__}")
         self._filler = BatchFiller(dataset, collate_fn, self.options.auto_collation, rows,
-                                   iterable=iterable, drop_last=drop_last)
+                                   iterable=iterable, drop_last=drop_last,
+                                   index_source=index_source)
         self._source = ArenaSource(slots)
         self._persistent: MultiProcessIterator | None = None
         self._live: weakref.WeakSet = weakref.WeakSet()
