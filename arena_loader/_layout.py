@@ -253,7 +253,7 @@ class BatchLayout:
                 raise LayoutError(
                     f"{describe()}: field {field.path} must be an array of shape [rows, "
                     f"{', '.join(map(str, field.shape))}] like the first batch, got "
-                    f"{_describe(numeric if numeric is not None else value)}"
+                    f"{_describe(numeric if numeric is not None else value)}; {_COLLATE_FIX}"
                 )
             rows = numeric.shape[0]
             if rows > field.capacity or numeric.shape[1:] != field.shape:
@@ -264,7 +264,7 @@ class BatchLayout:
                 )
             if numeric.dtype != field.dtype:
                 raise LayoutError(f"{describe()}: field {field.path} has dtype {numeric.dtype}, "
-                                  f"expected {field.dtype} as in the first batch")
+                                  f"expected {field.dtype} as in the first batch; {_COLLATE_FIX}")
             array[:rows] = numeric
             lengths.append(rows)
         return tuple(lengths), [values[0] for values in objects]
@@ -299,8 +299,10 @@ class BatchLayout:
             actual = (f"a {type(value).__name__} of {len(value)} items"
                       if isinstance(value, (tuple, list)) else _describe(value))
         subject = where() if collated else f"sample {where!r}"
+        fix = _COLLATE_FIX if collated else ("return the same structure (keys, lengths) for "
+                                             "every sample, or pass a collate_fn")
         raise LayoutError(f"{subject}: {node.path} must be {expected} like the first "
-                          f"{'batch' if collated else 'sample'}, got {actual}")
+                          f"{'batch' if collated else 'sample'}, got {actual}; {fix}")
 
     def _checked(self, field: Field, value: Any, subject: str, first: str = "sample") -> Any:
         """``value`` as something numpy can assign to ``field`` exactly, or a LayoutError."""
@@ -369,6 +371,10 @@ def _rebuild(node: Any, views: list, objects: list) -> Any:
         return node.type(children)
     except TypeError:
         return children
+
+
+_COLLATE_FIX = ("make collate_fn return the same structure, dtypes and trailing shapes for "
+                "every batch (pad variable sizes)")
 
 
 def _reject_none(value: Any, subject: str) -> None:
