@@ -52,30 +52,46 @@ def test_worker_exception_keeps_type_and_iteration_continues(num_workers):
 ])
 def test_mismatched_sample_names_index_field_and_shapes(num_workers, odd_shape, odd_dtype,
                                                         expected):
-    """A sample unlike the first raises LayoutError with its index, field, expected/actual."""
+    """A sample unlike the first raises LayoutError with its index, field, expected/actual
+    and the fix, for its batch only: the following batch still loads."""
     dataset = ShapeChangingDataset(12, odd_index=7, odd_shape=odd_shape, odd_dtype=odd_dtype)
+    reference = reference_epoch(ImageDataset(12), 4, False)
     with ArenaLoader(dataset, batch_size=4, num_workers=num_workers) as loader:
-        with pytest.raises(LayoutError, match=rf"sample 7: field sample must be {expected}"):
-            for _ in loader:
-                pass
+        iterator = iter(loader)
+        np.testing.assert_array_equal(next(iterator), reference[0])
+        with pytest.raises(LayoutError, match=rf"sample 7: field sample must be {expected}.*"
+                                              r"or pass a collate_fn"):
+            next(iterator)
+        np.testing.assert_array_equal(next(iterator), reference[2])
+        del iterator
 
 
-def test_nested_structure_mismatch_names_the_path():
-    """A missing key in a later dict sample is reported with the sample index and path."""
-    class Dataset:
-        def __len__(self):
-            return 4
+class MissingKeyDataset:
+    """Dict samples; sample 3 lacks the nested key 'd'."""
 
-        def __getitem__(self, i):
-            sample = {"a": np.zeros(2), "b": {"c": np.ones(1), "d": i}}
-            if i == 3:
-                del sample["b"]["d"]
-            return sample
+    def __len__(self):
+        return 6
 
-    with ArenaLoader(Dataset(), batch_size=2) as loader:
+    def __getitem__(self, i):
+        sample = {"a": np.zeros(2), "b": {"c": np.ones(1), "d": i}}
+        if i == 3:
+            del sample["b"]["d"]
+        return sample
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_nested_structure_mismatch_names_the_path(num_workers):
+    """A missing key in a later dict sample is reported with the sample index, path and fix;
+    the batch after it still loads."""
+    with ArenaLoader(MissingKeyDataset(), batch_size=2, num_workers=num_workers) as loader:
+        iterator = iter(loader)
+        assert next(iterator)["b"]["d"].tolist() == [0, 1]
         with pytest.raises(LayoutError, match=r"sample 3: sample\['b'\] must be a mapping "
-                                              r"with keys \['c', 'd'\].*got keys \['c'\]"):
-            list(loader)
+                                              r"with keys \['c', 'd'\].*got keys \['c'\]; return "
+                                              r"the same structure"):
+            next(iterator)
+        assert next(iterator)["b"]["d"].tolist() == [4, 5]
+        del iterator
 
 
 def test_object_dtype_and_none_samples_are_rejected_clearly():
@@ -167,3 +183,225 @@ def test_timeout_message_names_the_worker_and_pid():
                                                      rf"\(pid {pid}\)"):
             next(iterator)
         del iterator
+
+
+class CorruptSampleError(Exception):
+    """A user-defined exception type: it must come back as itself, not as RuntimeError."""
+
+
+class HookDataset:
+    """``{"i": index, "x": pair}`` samples; with ``hook="__getitems__"`` it also fetches a
+    batch at a time. Loading sample 11 fails in ``hook`` when it names one of its methods."""
+
+    def __init__(self, hook: str):
+        self.hook = hook
+        if hook == "__getitems__":
+            self.__getitems__ = self._getitems
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        if self.hook == "__getitem__" and i == 11:
+            raise CorruptSampleError(f"sample {i} is corrupt")
+        return {"i": i, "x": np.full(2, i, np.int64)}
+
+    def _getitems(self, indices):
+        if 11 in indices:
+            raise CorruptSampleError(f"batch {indices} is corrupt")
+        return [self[i] for i in indices]
+
+
+def failing_collate(samples):
+    indices = [s["i"] for s in samples]
+    if 11 in indices:
+        raise CorruptSampleError(f"cannot collate {indices}")
+    return {"i": np.array(indices), "x": np.stack([s["x"] for s in samples])}
+
+
+@pytest.mark.parametrize("num_workers", [1, 3])
+@pytest.mark.parametrize("hook", ["__getitem__", "__getitems__", "collate_fn"])
+def test_hook_exception_is_reraised_with_type_worker_idx_indices_and_traceback(hook,
+                                                                              num_workers):
+    """An exception of a user-defined type in __getitem__, __getitems__ or collate_fn comes
+    back as that type, naming worker, batch idx and indices, with the worker traceback and
+    attributes; the next next() yields the following batch."""
+    dataset = HookDataset(hook)
+    collate = failing_collate if hook == "collate_fn" else None
+    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers,
+                     collate_fn=collate) as loader:
+        iterator = iter(loader)
+        assert [next(iterator)["i"].tolist() for _ in range(5)] == [[2 * k, 2 * k + 1]
+                                                                   for k in range(5)]
+        with pytest.raises(CorruptSampleError) as info:
+            next(iterator)
+        following = [b["i"].tolist() for b in iterator]
+        del iterator
+    error, worker = info.value, 5 % num_workers
+    message = str(error)
+    assert message.startswith(f"Caught {__name__}.CorruptSampleError in DataLoader worker "
+                              f"{worker} while loading batch idx=5 (indices [10, 11]).")
+    function, text = {"__getitem__": ("__getitem__", "sample 11 is corrupt"),
+                      "__getitems__": ("_getitems", "batch [10, 11] is corrupt"),
+                      "collate_fn": ("failing_collate", "cannot collate [10, 11]")}[hook]
+    assert "Original traceback in the worker:\nTraceback" in message
+    assert f", in {function}\n" in message
+    assert message.rstrip().endswith(f"CorruptSampleError: {text}")
+    assert (error.worker_id, error.batch_idx, error.indices) == (worker, 5, [10, 11])
+    assert type(error.__cause__) is CorruptSampleError
+    assert following == [[2 * k, 2 * k + 1] for k in range(6, 12)]
+
+
+class ShortDataset(ImageDataset):
+    """len() says 10, but only 8 samples load."""
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, index):
+        if index >= 8:
+            raise IndexError(f"no sample {index}")
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataset_shorter_than_its_len_names_len_and_fix(num_workers):
+    """A dataset whose __getitem__ fails inside range(len(dataset)): IndexError naming the
+    indices, the length and the fix, after every batch before it."""
+    reference = reference_epoch(ImageDataset(8), 2, False)
+    with ArenaLoader(ShortDataset(10), batch_size=2, num_workers=num_workers) as loader:
+        iterator = iter(loader)
+        for expected in reference:
+            np.testing.assert_array_equal(next(iterator), expected)
+        with pytest.raises(IndexError, match=r"IndexError loading indices \[8, 9\], which are "
+                                             r"within len\(dataset\) = 10; .*make __len__ agree "
+                                             r"with __getitem__ \(no sample 8\)"):
+            next(iterator)
+        with pytest.raises(StopIteration):
+            next(iterator)
+        del iterator
+
+
+class OutOfRangeSampler:
+    """Yields 0..7 with 40 in place of 4."""
+
+    def __iter__(self):
+        return iter([0, 1, 2, 3, 40, 5, 6, 7])
+
+    def __len__(self):
+        return 8
+
+
+class OutOfRangeBatchSampler:
+    def __iter__(self):
+        return iter([[0, 1], [2, 3], [40, 5], [6, 7]])
+
+    def __len__(self):
+        return 4
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("option", ["sampler", "batch_sampler"])
+def test_sampler_out_of_range_names_index_length_and_sampler(option, num_workers):
+    """An index outside range(len(dataset)) from a user sampler or batch_sampler: IndexError
+    naming the index, the dataset length and the sampler; no other batch is lost."""
+    reference = reference_epoch(ImageDataset(8), 2, False)
+    sampler = OutOfRangeSampler() if option == "sampler" else OutOfRangeBatchSampler()
+    batch_size = 2 if option == "sampler" else 1
+    with ArenaLoader(ImageDataset(8), batch_size=batch_size, num_workers=num_workers,
+                     **{option: sampler}) as loader:
+        iterator = iter(loader)
+        for expected in reference[:2]:
+            np.testing.assert_array_equal(next(iterator), expected)
+        with pytest.raises(IndexError, match=rf"{option} {type(sampler).__name__} yielded sample "
+                                             r"index 40 \(in indices \[40, 5\]\), but "
+                                             r"len\(dataset\) is 8; a sampler must yield"):
+            next(iterator)
+        np.testing.assert_array_equal(next(iterator), reference[3])
+        del iterator
+
+
+class BadSampleDataset(ImageDataset):
+    """Sample ``bad`` is None or an object-dtype array."""
+
+    def __init__(self, n, bad, kind):
+        super().__init__(n, shape=(2,), dtype=np.int64)
+        self.bad, self.kind = bad, kind
+
+    def __getitem__(self, index):
+        if index == self.bad:
+            return None if self.kind == "none" else np.array([None, 1], dtype=object)
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("kind, bad, pattern", [
+    ("none", 3, r"dataset\[3\] returned None; .*filter missing samples"),
+    ("none", 0, r"dataset\[0\] returned None; .*filter missing samples"),
+    ("object", 3, r"sample 3: field sample must be int64\[2\] like the first sample, got "
+                  r"object\[2\]; make every sample the same shape and dtype"),
+])
+def test_none_or_object_sample_fails_only_its_batch(kind, bad, pattern, num_workers):
+    """A None sample (also as the very first, which the layout is learnt from) or a later
+    object-dtype sample: LayoutError naming the sample and the fix; every other batch loads."""
+    dataset = BadSampleDataset(8, bad, kind)
+    reference = reference_epoch(ImageDataset(8, shape=(2,), dtype=np.int64), 2, False)
+    bad_idx = bad // 2
+    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers) as loader:
+        iterator = iter(loader)
+        for idx, expected in enumerate(reference):
+            if idx == bad_idx:
+                with pytest.raises(LayoutError, match=pattern):
+                    next(iterator)
+            else:
+                np.testing.assert_array_equal(next(iterator), expected)
+        with pytest.raises(StopIteration):
+            next(iterator)
+        del iterator
+
+
+def misfit_collate(samples):
+    """Collates like the default, except for the batches starting at 4, 8 and 12."""
+    batch = {"x": np.stack(samples)}
+    first = int(samples[0][0]) // 10
+    if first == 4:
+        batch["x"] = batch["x"].astype(np.float32)  # another dtype
+    elif first == 8:
+        batch = {"y": batch["x"]}  # another structure
+    elif first == 12:
+        batch["x"] = np.concatenate([batch["x"], batch["x"]])  # more rows than the slot
+    return batch
+
+
+class TensDataset:
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return np.array([10 * i, 10 * i + 1], np.int64)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_collate_fn_output_that_does_not_fit_fails_only_its_batch(num_workers):
+    """A collate_fn output with another dtype, structure or more rows than the slot holds:
+    LayoutError naming the batch's indices, the field and the fix; other batches load."""
+    patterns = {
+        2: r"indices \[4, 5\]: field batch\['x'\] has dtype float32, expected int64",
+        4: r"indices \[8, 9\]: batch must be a mapping with keys \['x'\] .*got keys \['y'\]",
+        6: r"indices \[12, 13\]: field batch\['x'\] has shape \[4, 2\], but the slot holds at "
+           r"most \[2, 2\].*pad collate_fn outputs",
+    }
+    with ArenaLoader(TensDataset(), batch_size=2, num_workers=num_workers,
+                     collate_fn=misfit_collate) as loader:
+        iterator = iter(loader)
+        for idx in range(8):
+            if idx in patterns:
+                with pytest.raises(LayoutError, match=patterns[idx]) as info:
+                    next(iterator)
+                assert "make collate_fn return the same" in str(info.value) or idx == 6
+            else:
+                batch = next(iterator)["x"]
+                np.testing.assert_array_equal(batch[:, 0], [20 * idx, 20 * idx + 10])
+        with pytest.raises(StopIteration):
+            next(iterator)
+        del iterator, batch

@@ -7,6 +7,7 @@ import pytest
 
 from arena_loader import ArenaLoader, get_worker_info
 
+from .conftest import live_children
 from .datasets import BatchedFetchDataset, ImageDataset, WorkerProbeDataset, fail_init
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,16 +38,35 @@ def test_workers_draw_different_random_numbers_and_seeds_reproduce():
     assert first != other
 
 
-def test_worker_init_fn_error_is_raised_with_its_type():
-    """An exception in worker_init_fn reaches next() with its type and worker id."""
-    with ArenaLoader(ImageDataset(8), batch_size=2, num_workers=2,
-                     worker_init_fn=fail_init) as loader:
+@pytest.mark.parametrize("num_workers", [1, 3])
+def test_worker_init_fn_error_is_raised_with_its_type(num_workers):
+    """An exception in worker_init_fn reaches next() with its type, worker id and worker
+    traceback, after every worker is stopped; it is fatal for the epoch (raised again), and
+    the loader stays usable once the init succeeds."""
+    failing = {"init": True}
+
+    def init(worker_id):
+        if failing["init"]:
+            fail_init(worker_id)
+
+    with ArenaLoader(ImageDataset(8), batch_size=2, num_workers=num_workers,
+                     worker_init_fn=init) as loader:
         iterator = iter(loader)
         with pytest.raises(OSError, match=r"(?s)Caught builtins.OSError in DataLoader worker \d "
-                                          r"while starting.*cannot open shard"):
+                                          r"while starting.*cannot open shard") as info:
             for _ in iterator:
                 pass
-        del iterator
+        assert not live_children()
+        error = info.value
+        assert 0 <= error.worker_id < num_workers and error.batch_idx is None
+        assert f"cannot open shard for worker {error.worker_id}" in str(error)
+        assert ", in fail_init\n" in str(error) and isinstance(error.__cause__, OSError)
+        with pytest.raises(OSError) as again:
+            next(iterator)
+        assert again.value is error
+        del iterator, info, again, error
+        failing["init"] = False  # forked workers of the next epoch see the new value
+        assert sum(1 for _ in loader) == 4
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
