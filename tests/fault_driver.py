@@ -5,7 +5,8 @@ this with ``sys.executable -m tests.fault_driver`` from the repository root, in 
 (so a Ctrl-C sent to the process group reaches only this driver and its workers)::
 
     python -m tests.fault_driver matrix <fault> <num_workers> <persistent: 0|1>
-    python -m tests.fault_driver soak <epochs>
+    python -m tests.fault_driver capacity <num_workers>
+    python -m tests.fault_driver soak <seconds>
 
 Every case runs a clean epoch first, injects the fault in the second epoch (for persistent
 workers that epoch runs on the same processes, through the reset path), then checks the
@@ -339,6 +340,26 @@ def run_main_killed(num_workers: int, persistent: bool) -> None:
     time.sleep(60)
 
 
+def run_capacity_case(num_workers: int) -> dict[str, Any]:
+    """A slab far larger than /dev/shm: 16 slots of 2**22 rows of 4 KiB samples (256 GiB)."""
+    loader = ArenaLoader(ImageDataset(4, shape=(512,), dtype=np.int64), batch_size=2**22,
+                         num_workers=num_workers)
+    iterator = iter(loader)
+    outcomes = []
+    for _ in range(2):
+        started = time.time()
+        try:
+            next(iterator)
+            outcomes.append({"type": "batch"})
+        except StopIteration:
+            outcomes.append({"type": "StopIteration"})
+        except Exception as exc:
+            outcomes.append(describe_error(exc, started, []))
+    loader.close()
+    del iterator, loader
+    return {"outcomes": outcomes, "leftovers": leftovers()}
+
+
 def main(argv: list[str]) -> int:
     mode = argv[0]
     if mode == "matrix":
@@ -347,6 +368,9 @@ def main(argv: list[str]) -> int:
             run_main_killed(num_workers, persistent)
             return 0
         print(json.dumps(run_matrix_case(fault, num_workers, persistent)), flush=True)
+        return 0
+    if mode == "capacity":
+        print(json.dumps(run_capacity_case(int(argv[1]))), flush=True)
         return 0
     if mode == "soak":
         from .soak import run_soak

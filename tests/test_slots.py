@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -73,18 +74,25 @@ def test_held_batches_keep_their_contents_while_iteration_continues(num_workers)
         del kept, batch
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_holding_every_slot_raises_and_names_slots(num_workers):
-    """Keeping `slots` batches alive makes the next next() raise, not hang; freeing resumes."""
+@pytest.mark.parametrize("num_workers, persistent", [
+    (0, False), (1, False), (1, True), (2, False), (3, False), (3, True)])
+def test_holding_every_slot_raises_and_names_slots(num_workers, persistent):
+    """Keeping `slots` batches alive makes the next next() raise, not hang; freeing resumes.
+    Persistent workers are checked in their second epoch (the reset path)."""
     dataset = ImageDataset(30, shape=(2,), dtype=np.int64)
-    slots = 5 if num_workers else 3
+    slots = 2 * num_workers + 2 if num_workers else 3
     with ArenaLoader(dataset, batch_size=2, num_workers=num_workers, slots=slots,
-                     prefetch_factor=2 if num_workers else None) as loader:
+                     prefetch_factor=2 if num_workers else None,
+                     persistent_workers=persistent) as loader:
+        if persistent:
+            assert sum(1 for _ in loader) == 15
         iterator = iter(loader)
         held = [next(iterator) for _ in range(slots)]
+        start = time.monotonic()
         with pytest.raises(SlotsExhaustedError, match=rf"all {slots} slots.*{slots} batches.*"
                                                       rf"slots={slots * 2}"):
             next(iterator)
+        assert time.monotonic() - start < 1.0
         # No batch was lost: after dropping one, iteration resumes where it stopped.
         del held[0]
         following = next(iterator)

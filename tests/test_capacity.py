@@ -1,0 +1,59 @@
+"""Shared-memory capacity: a slab larger than /dev/shm is an error up front, never a SIGBUS."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from arena_loader import ShmCapacityError, _slab
+from arena_loader._slab import NAME_PREFIX, SHM_DIR, Slab
+
+from .test_fault_matrix import REPO_ROOT
+
+pytestmark = pytest.mark.timeout(60)
+
+SLOT_NBYTES = 2**22 * 512 * 8  # 2**22 rows of int64[512]
+SLAB_NBYTES = 16 * SLOT_NBYTES  # 256 GiB with the default 16 slots
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_oversized_slab_fails_at_the_first_batch_without_sigbus(num_workers):
+    """A layout whose slab exceeds /dev/shm: the first next() raises ShmCapacityError naming
+    the bytes needed (and per slot), the bytes available and the three fixes; the process is
+    not killed by SIGBUS, starts no worker, and leaves nothing behind."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.fault_driver", "capacity", str(num_workers)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 0 and result.stderr == "", (result.returncode, result.stderr)
+    report = json.loads(result.stdout.splitlines()[-1])
+    error, after = report["outcomes"]
+    assert error["type"] == "arena_loader.errors.ShmCapacityError"
+    message = error["message"]
+    assert message.startswith(f"[Errno {errno.ENOSPC}] the slab needs {SLAB_NBYTES:,} bytes "
+                              f"(16 slots of {SLOT_NBYTES:,} bytes) of shared memory but "
+                              f"{SHM_DIR} has ")
+    assert "bytes available (checked before allocating)" in message
+    assert "--shm-size" in message and "fewer `slots`" in message and "smaller batches" in message
+    assert after == {"type": "StopIteration"}  # the epoch's only batch was that one
+    assert report["leftovers"] == {"children": [], "shm_objects": [], "slab_mappings": [],
+                                   "threads": []}
+
+
+def test_posix_fallocate_enospc_from_the_kernel_is_a_capacity_error(monkeypatch):
+    """With the statvfs pre-check passed (space taken after it), the kernel's own ENOSPC from
+    posix_fallocate on /dev/shm is ShmCapacityError and the object is unlinked. (tmpfs fails
+    a request above its total size at once, without allocating anything.)"""
+    stats = os.statvfs(SHM_DIR)
+    too_big = 2 * stats.f_blocks * stats.f_frsize
+    real = _slab.shm_available_bytes
+    answers = iter([too_big])  # the pre-check sees room; the error message sees the truth
+    monkeypatch.setattr(_slab, "shm_available_bytes", lambda: next(answers, None) or real())
+    with pytest.raises(ShmCapacityError, match=rf"needs {too_big:,} bytes .*\(posix_fallocate: "
+                                               r"No space left on device\); fix: .*--shm-size"):
+        Slab(too_big, slots=4)
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(NAME_PREFIX)]
