@@ -163,3 +163,22 @@ def rebuild_worker_error(failure: BatchFailed | WorkerFailed, indices: Any = Non
     exc.batch_idx = idx  # type: ignore[attr-defined]
     exc.indices = indices  # type: ignore[attr-defined]
     return exc
+
+
+def fresh_copy(error: BaseException) -> BaseException:
+    """A new exception like ``error`` (type, args, attributes, cause), with no traceback.
+
+    A session keeps its fatal error to raise at every later next(). Raising the kept object
+    would give it a traceback through the consumer's frames, the iterator's among them; the
+    iterator's finalizer holds the session, so that iterator (and the locals of those frames)
+    could then never be collected. Each raise gets a copy instead (docs/design.md, "Errors").
+    """
+    try:
+        clone = type(error).__new__(type(error), *error.args)
+        clone.__dict__.update(error.__dict__)
+    except Exception:  # an exception type with an unusual __new__: raise the original
+        return error
+    clone.__cause__ = error.__cause__
+    clone.__suppress_context__ = error.__suppress_context__
+    return clone
+

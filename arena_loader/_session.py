@@ -41,6 +41,7 @@ from ._messages import (
     StreamEnd,
     Task,
     WorkerFailed,
+    fresh_copy,
     rebuild_worker_error,
 )
 from ._options import LoaderOptions
@@ -182,7 +183,7 @@ class _Session:
             self._join_thread(raise_on_timeout=True)
         except RuntimeError as exc:
             with self._cv:  # the old thread may still dispatch: this session is done for
-                self._fatal = exc
+                self._fatal = fresh_copy(exc)
             raise
         if self._in_flight and self.workers is not None and not self.workers.closed:
             self._drain_in_flight()
@@ -442,7 +443,7 @@ class _Session:
                     break
                 if self._fatal is not None:
                     self._release_arena()  # a broken session keeps no slot of the loader's
-                    raise self._fatal
+                    raise fresh_copy(self._fatal)
                 if self._exhausted and not self._in_flight:
                     error, self._sampler_error = self._sampler_error, None
                     if error is not None:

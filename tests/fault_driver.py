@@ -197,7 +197,9 @@ def consume(iterator: Any, *, stop_on_error: bool) -> dict[str, Any]:
                 try:
                     next(iterator)
                 except Exception as again:
-                    errors[-1]["raised_again"] = again is exc
+                    errors[-1]["raised_again"] = (type(again) is type(exc)
+                                                  and str(again) == str(exc)
+                                                  and vars(again) == vars(exc))
                 break
             continue
         delivered.append(batch_idx_of(batch))

@@ -7,6 +7,7 @@ import os
 import pickle
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -305,3 +306,23 @@ def test_session_close_in_a_forked_child_does_not_touch_the_parents_workers():
         os.waitpid(child, 0)
         assert sum(1 for _ in iterator) == 9
         del iterator
+
+
+def test_crashed_iterator_is_collected_once_dropped():
+    """After WorkerCrashedError (raised again, as an equal copy, by every next()), dropping the
+    iterator frees it and closes its session: the error the session keeps must not pin the
+    iterator through a traceback, or each crashed epoch would leak its pipes and frames."""
+    with ArenaLoader(SuicidalDataset(20, fatal_index=7), batch_size=2, num_workers=2) as loader:
+        iterator = iter(loader)
+        with pytest.raises(WorkerCrashedError) as first:
+            for _ in iterator:
+                pass
+        with pytest.raises(WorkerCrashedError) as again:
+            next(iterator)
+        assert str(again.value) == str(first.value) and again.value.pid == first.value.pid
+        session, collected = iterator._session, weakref.ref(iterator)
+        del iterator, first, again
+        gc.collect()
+        assert collected() is None
+        assert session._closed
+
