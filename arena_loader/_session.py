@@ -290,7 +290,9 @@ class _Session:
             try:
                 self.workers.send(worker_id, Task(idx, slot, indices, self._epoch))
             except OSError:  # its task pipe is closed: the worker is dead
-                raise self._crash_error(worker_id) from None
+                crash = self._crash_error(worker_id)
+                # Not `from None`: a WorkerFailed error returned here keeps its cause.
+                raise crash from crash.__cause__
 
     def _pick_worker(self, idx: int) -> int | None:
         """The worker for batch ``idx``; None when every iterable's iterator has ended."""

@@ -63,7 +63,7 @@ def test_worker_init_fn_error_is_raised_with_its_type(num_workers):
         assert ", in fail_init\n" in str(error) and isinstance(error.__cause__, OSError)
         with pytest.raises(OSError) as again:
             next(iterator)
-        assert again.value is error
+        assert type(again.value) is type(error) and str(again.value) == str(error)
         del iterator, info, again, error
         failing["init"] = False  # forked workers of the next epoch see the new value
         assert sum(1 for _ in loader) == 4
