@@ -1,0 +1,227 @@
+"""Measure one loader on one workload: warm-up epoch, repeated steady-state epochs, medians
+with min/max, CPU per GB, and peak memory sampled by a background thread."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+import psutil
+
+SHM_DIR = "/dev/shm"
+SAMPLE_INTERVAL_S = 0.01
+CHILDREN_EVERY = 10  # samples: psutil lists children by scanning /proc
+PSS_EVERY = 5  # samples
+LIBRARIES = ("arena-loader", "numpy", "torch", "spdl", "posix_ipc", "numba", "psutil",
+             "matplotlib")
+
+# Every metric a measured case reports (the JSON test checks each one is present).
+METRICS = ("steady_gbps", "steady_batches_per_s", "epoch_s", "first_epoch_s", "first_batch_s",
+           "cpu_s_per_gb", "peak_rss_main_mb", "peak_rss_workers_mb", "peak_shm_mb",
+           "peak_memory_mb")
+
+
+def shm_used_bytes() -> int:
+    stats = os.statvfs(SHM_DIR)
+    return (stats.f_blocks - stats.f_bfree) * stats.f_frsize
+
+
+def environment() -> dict[str, Any]:
+    """The machine and library versions the figures were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            names = [line.split(":", 1)[1].strip() for line in info
+                     if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    shm = os.statvfs(SHM_DIR)
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return {
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "cpu_model": cpu,
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "dev_shm_gib": round(shm.f_blocks * shm.f_frsize / 2**30, 1),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": versions,
+    }
+
+
+def proportional_bytes(pid: int) -> int:
+    """Pss_Anon + Pss_File of ``pid``: its memory with each page shared by k processes
+    counted 1/k (so fork-shared pages and libraries are not counted once per worker);
+    shared memory (Pss_Shmem) is left out and counted once from /dev/shm instead."""
+    total = 0
+    with open(f"/proc/{pid}/smaps_rollup") as rollup:
+        for line in rollup:
+            if line.startswith(("Pss_Anon:", "Pss_File:")):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+class MemorySampler:
+    """A daemon thread that keeps peaks of: the RSS of this process and the summed RSS of
+    its descendants (every 10 ms, from statm), /dev/shm in use (system-wide, relative to the
+    start), and ``peak_memory``: proportional set sizes of all the processes plus /dev/shm
+    in use at the same instant (every 50 ms: smaps_rollup costs ~1 ms a process), so shared
+    memory mapped by several processes is counted once."""
+
+    def __init__(self) -> None:
+        self._me = psutil.Process()
+        self._shm_base = shm_used_bytes()
+        self.peak_main = self.peak_workers = self.peak_shm = self.peak_memory = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-memory-sampler",
+                                        daemon=True)
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        children: list[psutil.Process] = []
+        ticks = 0
+        while not self._stop.wait(SAMPLE_INTERVAL_S):
+            if ticks % CHILDREN_EVERY == 0:
+                children = self._me.children(recursive=True)
+            self.sample(children, proportional=ticks % PSS_EVERY == 0)
+            ticks += 1
+
+    def sample_now(self) -> None:
+        """One full sample from the caller's thread (cases shorter than the interval)."""
+        self.sample(self._me.children(recursive=True), proportional=True)
+
+    def sample(self, children: list[psutil.Process], proportional: bool) -> None:
+        workers = 0
+        for child in children:
+            try:
+                workers += child.memory_info().rss
+            except psutil.Error:
+                continue
+        shm = max(0, shm_used_bytes() - self._shm_base)
+        self.peak_main = max(self.peak_main, self._me.memory_info().rss)
+        self.peak_workers = max(self.peak_workers, workers)
+        self.peak_shm = max(self.peak_shm, shm)
+        if proportional:
+            total = shm
+            for pid in [self._me.pid, *(child.pid for child in children)]:
+                try:
+                    total += proportional_bytes(pid)
+                except (OSError, ValueError):
+                    continue  # the process exited between listing and reading
+            self.peak_memory = max(self.peak_memory, total)
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and its live descendants."""
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.Error:
+            continue
+    return total
+
+
+def consume(batch: Any) -> int:
+    """Bytes in ``batch``, reading one element of each array so the data must be there."""
+    if isinstance(batch, dict):
+        return sum(consume(value) for value in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(consume(value) for value in batch)
+    array = batch.numpy() if hasattr(batch, "numpy") else np.asarray(batch)
+    if array.size:
+        array.reshape(-1)[-1].item()
+    return int(array.nbytes)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+@dataclass
+class CaseResult:
+    """The figures of one (workload, loader, workers) case."""
+
+    workload: str
+    loader: str
+    workers: int
+    available: bool = True
+    reason: str = ""
+    note: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"workload": self.workload, "loader": self.loader, "workers": self.workers,
+                "available": self.available, "reason": self.reason, "note": self.note,
+                **self.metrics}
+
+
+def measure(build: Callable[[], Any], repeats: int) -> dict[str, Any]:
+    """Build a loader, run one warm-up epoch (timed from construction: start-up included),
+    then ``repeats`` timed epochs; return every figure in ``METRICS``."""
+    epochs_s: list[float] = []
+    with MemorySampler() as memory:
+        start = time.perf_counter()
+        loader = build()
+        try:
+            first_batch_s = float("nan")
+            nbytes = batches = 0
+            for batch in loader:
+                if batches == 0:
+                    first_batch_s = time.perf_counter() - start
+                nbytes += consume(batch)
+                batches += 1
+                del batch
+            first_epoch_s = time.perf_counter() - start
+            memory.sample_now()
+            cpu_start = cpu_seconds()
+            for _ in range(repeats):
+                epoch_start = time.perf_counter()
+                for batch in loader:
+                    consume(batch)
+                    del batch
+                epochs_s.append(time.perf_counter() - epoch_start)
+            cpu_s = cpu_seconds() - cpu_start
+            memory.sample_now()
+        finally:
+            loader.close()
+    steady_bytes = nbytes * repeats
+    return {
+        "batches_per_epoch": batches,
+        "bytes_per_epoch": nbytes,
+        "steady_gbps": spread([nbytes / s / 1e9 for s in epochs_s]),
+        "steady_batches_per_s": spread([batches / s for s in epochs_s]),
+        "epoch_s": epochs_s,
+        "first_epoch_s": first_epoch_s,
+        "first_batch_s": first_batch_s,
+        "cpu_s_per_gb": cpu_s / (steady_bytes / 1e9),
+        "peak_rss_main_mb": memory.peak_main / 1e6,
+        "peak_rss_workers_mb": memory.peak_workers / 1e6,
+        "peak_shm_mb": memory.peak_shm / 1e6,
+        "peak_memory_mb": memory.peak_memory / 1e6,
+    }

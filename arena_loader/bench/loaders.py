@@ -1,0 +1,386 @@
+"""The loaders the benchmark compares, each built the same way: ``(dataset, Setup)`` -> an
+object that can be iterated once per epoch and has ``close()``.
+
+Baselines written here: ``QueuePicklingLoader`` (the textbook multiprocessing design: batches
+collated with ``np.stack`` in a worker and pickled through a queue), ``SpdlArenaLoader``
+(SPDL's ``SharedMemorySegmentPool`` arena, one ``iterate_in_subprocess`` per worker) and
+``CopyLimit`` (one thread collating the same batches into a preallocated ring). torch and
+spdl are imported only when their loader is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import inspect
+import multiprocessing as mp
+import os
+import queue
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..loader import ArenaLoader
+
+TASK_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every loader of one case shares: batch size, workers, prefetch depth."""
+
+    batch_size: int
+    workers: int
+    prefetch_factor: int = 2
+
+    @property
+    def slots(self) -> int:
+        # The same number of batches in memory as torch at this prefetch depth: the
+        # prefetch window plus the one batch the consumer holds.
+        return self.workers * self.prefetch_factor + 1
+
+
+def numpy_collate(samples: list[Any]) -> Any:
+    """Stack samples into numpy arrays (dicts field by field): the collate a numpy user
+    writes, whose result torch's DataLoader has to pickle through its queue."""
+    first = samples[0]
+    if isinstance(first, dict):
+        return {key: numpy_collate([s[key] for s in samples]) for key in first}
+    return np.stack([np.asarray(s) for s in samples])
+
+
+def batch_ranges(n: int, batch_size: int) -> list[range]:
+    return [range(start, min(start + batch_size, n)) for start in range(0, n, batch_size)]
+
+
+# --- the copy limit -------------------------------------------------------------------------
+
+class CopyLimit:
+    """The same batches collated by one thread, row by row, into a preallocated ring of
+    buffers: what one core does with no loader at all."""
+
+    def __init__(self, dataset: Any, batch_size: int, ring: int = 4):
+        self.dataset, self.batch_size, self.ring = dataset, batch_size, ring
+        self._buffers: Any = None
+
+    def _allocate(self, sample: Any) -> Any:
+        if isinstance(sample, dict):
+            return {key: self._allocate(value) for key, value in sample.items()}
+        value = np.asarray(sample)
+        return np.zeros((self.ring, self.batch_size, *value.shape), dtype=value.dtype)
+
+    def __iter__(self) -> Iterator[Any]:
+        for k, rows in enumerate(batch_ranges(len(self.dataset), self.batch_size)):
+            if self._buffers is None:
+                self._buffers = self._allocate(self.dataset[0])
+            yield _fill(self._buffers, k % self.ring, rows, self.dataset)
+
+    def close(self) -> None:
+        self._buffers = None
+
+
+def _fill(buffers: Any, slot: int, rows: range, dataset: Any) -> Any:
+    if isinstance(buffers, dict):
+        out = {key: buffers[key][slot] for key in buffers}
+        for row, index in enumerate(rows):
+            sample = dataset[index]
+            for key, array in out.items():
+                array[row] = sample[key]
+        return {key: array[: len(rows)] for key, array in out.items()}
+    out = buffers[slot]
+    for row, index in enumerate(rows):
+        out[row] = dataset[index]
+    return out[: len(rows)]
+
+
+# --- the textbook queue-pickling loader -----------------------------------------------------
+
+@dataclass(frozen=True)
+class Task:
+    """A batch for a worker of ``QueuePicklingLoader``: its sequence number and indices."""
+
+    idx: int
+    indices: list[int]
+
+
+@dataclass(frozen=True)
+class Done:
+    """A collated batch, pickled whole through the result queue."""
+
+    idx: int
+    batch: Any
+
+
+@dataclass(frozen=True)
+class Failed:
+    idx: int
+    message: str
+
+
+def _queue_worker(dataset: Any, tasks: mp.Queue, results: mp.Queue) -> None:
+    while (task := tasks.get()) is not None:
+        try:
+            results.put(Done(task.idx, numpy_collate([dataset[i] for i in task.indices])))
+        except Exception as error:  # reported to the consumer, which raises it
+            results.put(Failed(task.idx, f"{type(error).__name__}: {error}"))
+
+
+class QueuePicklingLoader:
+    """The textbook multiprocessing loader: persistent workers take batch indices from a task
+    queue, collate with ``np.stack`` and put the whole batch (pickled) on a result queue; the
+    consumer reorders by ``idx``. At most ``workers * prefetch_factor`` batches in flight."""
+
+    def __init__(self, dataset: Any, setup: Setup):
+        self.dataset, self.setup = dataset, setup
+        context = mp.get_context()
+        self._tasks: mp.Queue = context.Queue()
+        self._results: mp.Queue = context.Queue()
+        self._workers = [context.Process(target=_queue_worker, daemon=True,
+                                         args=(dataset, self._tasks, self._results))
+                         for _ in range(setup.workers)]
+        for worker in self._workers:
+            worker.start()
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = batch_ranges(len(self.dataset), self.setup.batch_size)
+        window = self.setup.workers * self.setup.prefetch_factor
+        sent, waiting = 0, {}
+        for idx in range(len(batches)):
+            while sent < len(batches) and sent < idx + window:
+                self._tasks.put(Task(sent, list(batches[sent])))
+                sent += 1
+            while idx not in waiting:
+                message = self._receive()
+                if isinstance(message, Failed):
+                    raise RuntimeError(f"batch {message.idx} failed in a worker: "
+                                       f"{message.message}")
+                waiting[message.idx] = message.batch
+            yield waiting.pop(idx)
+
+    def _receive(self) -> Done | Failed:
+        try:
+            return self._results.get(timeout=TASK_TIMEOUT_S)
+        except queue.Empty:
+            dead = [(w.pid, w.exitcode) for w in self._workers if not w.is_alive()]
+            raise RuntimeError(f"no batch from the queue-pickling workers in "
+                               f"{TASK_TIMEOUT_S} s; dead workers (pid, exit code): "
+                               f"{dead}") from None
+
+    def close(self) -> None:
+        for _ in self._workers:
+            self._tasks.put(None)
+        for worker in self._workers:
+            worker.join(timeout=5)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+        for q in (self._tasks, self._results):
+            q.close()
+            q.join_thread()
+
+
+# --- SPDL's shared-memory segment pool ------------------------------------------------------
+
+def spdl_missing() -> str | None:
+    """Why the SPDL baseline cannot run here, or None when it can."""
+    if importlib.util.find_spec("spdl") is None:
+        return "not installed (pip install spdl)"
+    try:
+        from spdl.pipeline import SharedMemorySegmentPool, iterate_in_subprocess  # noqa: F401
+    except ImportError as error:
+        return f"spdl is installed but has no SharedMemorySegmentPool: {error}"
+    return None
+
+
+class _WorkerShare:
+    """The batches worker ``worker`` of ``workers`` collates, in order (an SPDL iterable:
+    ``iter()`` once per epoch)."""
+
+    def __init__(self, dataset: Any, batch_size: int, worker: int, workers: int):
+        self.dataset, self.batch_size = dataset, batch_size
+        self.worker, self.workers = worker, workers
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = batch_ranges(len(self.dataset), self.batch_size)
+        for rows in batches[self.worker::self.workers]:
+            yield numpy_collate([self.dataset[i] for i in rows])
+
+
+def _quiet_resource_tracker() -> None:
+    # Python < 3.13's resource tracker prints a KeyError traceback for every SPDL segment
+    # (the segments are unregistered twice); start it with stderr on /dev/null so the
+    # benchmark's progress lines stay readable.
+    from multiprocessing import resource_tracker
+
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            resource_tracker.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class SpdlArenaLoader:
+    """SPDL's arena at the same worker count: one ``iterate_in_subprocess`` per worker, each
+    with its own ``SharedMemorySegmentPool`` (``prefetch_factor + 2`` segments, SPDL's
+    recommended minimum for a buffer of ``prefetch_factor``); worker ``w`` collates batches
+    ``w, w + workers, ...`` with ``np.stack`` and the arena copies them into a segment; the
+    consumer takes them round-robin (so in order) as zero-copy views."""
+
+    def __init__(self, dataset: Any, setup: Setup):
+        from spdl.pipeline import SharedMemorySegmentPool, iterate_in_subprocess
+
+        _quiet_resource_tracker()
+        self.dataset, self.setup = dataset, setup
+        batch_nbytes = _nbytes(numpy_collate([dataset[0]] * setup.batch_size))
+        segment_size = batch_nbytes + 64 * 1024  # room for alignment and pickled metadata
+        self._sources = []
+        try:
+            for worker in range(setup.workers):
+                pool = SharedMemorySegmentPool(segment_size=segment_size,
+                                               count=setup.prefetch_factor + 2)
+                share = functools.partial(_WorkerShare, dataset, setup.batch_size, worker,
+                                          setup.workers)
+                self._sources.append(iterate_in_subprocess(
+                    share, buffer_size=setup.prefetch_factor, arena=pool,
+                    timeout=TASK_TIMEOUT_S))
+        except BaseException:
+            self.close()
+            raise
+
+    def __iter__(self) -> Iterator[Any]:
+        iterators = [iter(source) for source in self._sources]
+        count = len(batch_ranges(len(self.dataset), self.setup.batch_size))
+        for idx in range(count):
+            yield next(iterators[idx % len(iterators)])
+        for iterator in iterators:  # let each worker see its epoch end
+            for _ in iterator:
+                raise RuntimeError("an SPDL worker produced more batches than its share")
+
+    def close(self) -> None:
+        for source in self._sources:
+            # No public close in spdl 0.8: _shutdown() runs the finalizer that stops the
+            # subprocess and unlinks its arena.
+            with contextlib.suppress(Exception):
+                source._shutdown()
+        self._sources = []
+
+
+def _nbytes(batch: Any) -> int:
+    if isinstance(batch, dict):
+        return sum(_nbytes(value) for value in batch.values())
+    return int(batch.nbytes)
+
+
+# --- torch ----------------------------------------------------------------------------------
+
+def torch_missing() -> str | None:
+    return None if importlib.util.find_spec("torch") else "not installed (pip install torch)"
+
+
+def _torch_loader(dataset: Any, setup: Setup, collate_fn: Callable | None = None) -> Any:
+    import torch
+    from torch.utils.data import DataLoader
+
+    torch.set_num_threads(1)
+    kwargs = {} if collate_fn is None else {"collate_fn": collate_fn}
+    return _Closing(DataLoader(dataset, batch_size=setup.batch_size,
+                               num_workers=setup.workers, prefetch_factor=setup.prefetch_factor,
+                               persistent_workers=True, **kwargs))
+
+
+class _Closing:
+    """torch's DataLoader has no ``close()``: dropping its persistent iterator (and
+    collecting it) is what stops its workers."""
+
+    def __init__(self, loader: Any):
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+    def close(self) -> None:
+        iterator = getattr(self.loader, "_iterator", None)
+        if iterator is not None:
+            iterator._shutdown_workers()
+        self.loader = None
+
+
+# --- ArenaLoader ----------------------------------------------------------------------------
+
+def _arena(dataset: Any, setup: Setup, **extra: Any) -> ArenaLoader:
+    return ArenaLoader(dataset, batch_size=setup.batch_size, num_workers=setup.workers,
+                       prefetch_factor=setup.prefetch_factor, persistent_workers=True,
+                       slots=setup.slots, **extra)
+
+
+def arena_has_torch_output() -> bool:
+    return "output" in inspect.signature(ArenaLoader).parameters
+
+
+class _TorchViews:
+    """ArenaLoader batches as torch tensors through ``torch.from_numpy`` (zero-copy), for
+    an ArenaLoader without ``output="torch"``."""
+
+    def __init__(self, loader: ArenaLoader):
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        import torch
+
+        for batch in self.loader:
+            if isinstance(batch, dict):
+                yield {key: torch.from_numpy(value) for key, value in batch.items()}
+            else:
+                yield torch.from_numpy(batch)
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+def _arena_torch(dataset: Any, setup: Setup) -> Any:
+    if arena_has_torch_output():
+        return _arena(dataset, setup, output="torch")
+    return _TorchViews(_arena(dataset, setup))
+
+
+@dataclass(frozen=True)
+class LoaderKind:
+    """One loader the benchmark compares: its report name, how to build it, and why it
+    cannot run here (None when it can)."""
+
+    name: str
+    build: Callable[[Any, Setup], Any]
+    missing: Callable[[], str | None] = lambda: None
+    uses_workers: bool = True
+
+    def note(self) -> str:
+        if self.name == ARENA_TORCH and not arena_has_torch_output():
+            return "ArenaLoader has no output='torch' yet: torch.from_numpy on each field"
+        return ""
+
+
+ARENA = "ArenaLoader"
+ARENA_TORCH = "ArenaLoader torch"
+TORCH = "torch default collate"
+TORCH_NUMPY = "torch numpy collate"
+QUEUE = "queue pickling"
+SPDL = "SPDL arena"
+COPY = "copy limit"
+
+LOADERS: list[LoaderKind] = [
+    LoaderKind(ARENA, _arena),
+    LoaderKind(ARENA_TORCH, _arena_torch, torch_missing),
+    LoaderKind(TORCH, _torch_loader, torch_missing),
+    LoaderKind(TORCH_NUMPY, functools.partial(_torch_loader, collate_fn=numpy_collate),
+               torch_missing),
+    LoaderKind(QUEUE, QueuePicklingLoader),
+    LoaderKind(SPDL, SpdlArenaLoader, spdl_missing),
+    LoaderKind(COPY, lambda dataset, setup: CopyLimit(dataset, setup.batch_size),
+               uses_workers=False),
+]

@@ -1,0 +1,142 @@
+"""The benchmark workloads: map-style datasets every loader reads in the same order.
+
+Samples come from a small pool of pre-generated arrays (or, for ``memmap``, from a file on
+disk), so producing a sample costs nothing and the figures measure the loaders themselves.
+Every dataset is a module-level class so spawn and forkserver workers can import it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+POOL = 64
+
+
+def _pool(shape: tuple[int, ...], dtype: Any, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype).kind == "u":
+        return rng.integers(0, 256, size=(POOL, *shape), dtype=dtype)
+    return rng.standard_normal(size=(POOL, *shape)).astype(dtype)
+
+
+class PooledArrays:
+    """``n`` samples of ``shape`` and ``dtype``: ``dataset[i]`` is pool row ``i % 64``."""
+
+    def __init__(self, n: int, shape: tuple[int, ...], dtype: Any, seed: int = 0):
+        self.n = n
+        self.pool = _pool(shape, dtype, seed)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.pool[index % POOL]
+
+
+class DictSamples:
+    """``{"image": uint8 image, "label": int, "features": float32 vector}`` per sample."""
+
+    def __init__(self, n: int, image_shape: tuple[int, ...], features: int = 128):
+        self.n = n
+        self.images = _pool(image_shape, np.uint8, 1)
+        self.features = _pool((features,), np.float32, 2)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        row = index % POOL
+        return {"image": self.images[row], "label": index, "features": self.features[row]}
+
+
+class MemmapImages:
+    """uint8 images read from a raw file on disk through ``numpy.memmap`` (opened lazily in
+    each process, so the dataset pickles as a path)."""
+
+    def __init__(self, path: str, n: int, shape: tuple[int, ...]):
+        self.path, self.n, self.shape = path, n, shape
+        self._images: np.memmap | None = None
+
+    @classmethod
+    def create(cls, directory: str, n: int, shape: tuple[int, ...]) -> MemmapImages:
+        """Write ``n`` images (pool rows, 64 at a time) to a new file in ``directory``."""
+        handle, path = tempfile.mkstemp(prefix="arena_bench_", suffix=".u8", dir=directory)
+        pool = _pool(shape, np.uint8, 3)
+        with os.fdopen(handle, "wb") as out:
+            for start in range(0, n, POOL):
+                out.write(pool[: min(POOL, n - start)].tobytes())
+        return cls(path, n, shape)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_images": None}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if self._images is None:
+            self._images = np.memmap(self.path, dtype=np.uint8, mode="r",
+                                     shape=(self.n, *self.shape))
+        return self._images[index]
+
+    def remove(self) -> None:
+        self._images = None
+        os.unlink(self.path)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One dataset shape to compare every loader on."""
+
+    name: str
+    description: str
+    batch_size: int
+    samples: int
+    make: Callable[[str, int], Any]  # (temp directory, samples) -> dataset
+
+    def dataset(self, directory: str) -> Any:
+        return self.make(directory, self.samples)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Knobs the CLI exposes (tests shrink them): sample counts scale with ``scale``."""
+
+    scale: float = 1.0
+    image_shape: tuple[int, ...] = (3, 224, 224)
+    large_batch_mb: float = 32.0
+
+
+def standard_workloads(sizes: Sizes) -> list[Workload]:
+    """The five workloads of the standard suite, sized by ``sizes``."""
+    image = sizes.image_shape
+    image_nbytes = int(np.prod(image))
+
+    def count(full: int, batch: int) -> int:
+        return max(2 * batch, int(full * sizes.scale))
+
+    # Large batches: 32 samples of float32 rows, each large_batch_mb / 32 in size.
+    large_row = max(1, int(sizes.large_batch_mb * 1e6 / 32 / 4))
+    shape_label = "x".join(map(str, image))
+    return [
+        Workload("image", f"uint8 {shape_label}, batch 64 "
+                 f"({64 * image_nbytes / 1e6:.1f} MB)", 64, count(4096, 64),
+                 lambda _dir, n: PooledArrays(n, image, np.uint8)),
+        Workload("large", f"float32[{large_row}], batch 32 ({32 * large_row * 4 / 1e6:.1f} MB)",
+                 32, count(512, 32),
+                 lambda _dir, n: PooledArrays(n, (large_row,), np.float32)),
+        Workload("tiny", "float32[16], batch 256 (16 KB)", 256, count(65536, 256),
+                 lambda _dir, n: PooledArrays(n, (16,), np.float32)),
+        Workload("dict", f"{{image uint8 {shape_label}, label int, features float32[128]}}, "
+                 "batch 64", 64, count(4096, 64),
+                 lambda _dir, n: DictSamples(n, image)),
+        Workload("memmap", f"numpy.memmap file of uint8 {shape_label}, batch 64", 64,
+                 count(2048, 64),
+                 lambda directory, n: MemmapImages.create(directory, n, image)),
+    ]
