@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from arena_loader._slab import Slab
+from arena_loader.bench.harness import environment
 
 SHAPE = (64, 3, 224, 224)
 RING = 16
@@ -57,6 +58,9 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--batches", type=int, default=128)
     args = parser.parse_args()
+    env = environment()
+    print(f"{env['cpu_model']}, {env['cores']} cores, /dev/shm {env['dev_shm_gib']} GiB, "
+          f"load {env['load_average_at_start']}, numpy {env['versions']['numpy']}")
     print(f"{'target':<8}{'processes':>10}  {'GB/s each':<24}{'total':>8}")
     for target in ("anon", "slab"):
         for count in sorted({1, args.processes}):

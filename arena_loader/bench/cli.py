@@ -218,7 +218,7 @@ def _write(folder: Path, out: dict[str, Any]) -> None:
     text += ["", "Targets (ArenaLoader / baseline, same run; reported, not asserted):",
              *report.target_lines(out["targets"])]
     markdown += ["", "| target | ArenaLoader / baseline | met |", "|---|---:|---|",
-                 *(f"| {t['target']} | {report._fmt(t['ratio'])}x | "
+                 *(f"| {t['target']} | {report.fmt(t['ratio'])}x | "
                    f"{'n/a' if t['met'] is None else ('yes' if t['met'] else 'no')} |"
                    for t in out["targets"])]
     print("\n".join(text))

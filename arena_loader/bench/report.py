@@ -61,7 +61,7 @@ def targets(results: list[dict]) -> list[dict[str, Any]]:
     return rows
 
 
-def _fmt(value: float | None, digits: int = 2) -> str:
+def fmt(value: float | None, digits: int = 2) -> str:
     if value is None or value != value:
         return "-"
     return f"{value:,.{digits}f}"
@@ -84,11 +84,11 @@ def table_rows(results: list[dict], workload: str,
         rows.append((
             row["loader"], str(row["workers"]),
             f"{gbps['median']:.2f} [{gbps['min']:.2f}-{gbps['max']:.2f}]",
-            _fmt(row["steady_batches_per_s"]["median"], 0), _fmt(row["first_epoch_s"]),
-            _fmt(row["first_batch_s"], 3), _fmt(row["cpu_s_per_gb"]),
-            _fmt(row["peak_rss_main_mb"], 0), _fmt(row["peak_rss_workers_mb"], 0),
-            _fmt(row["peak_shm_mb"], 0), _fmt(row["peak_memory_mb"], 0),
-            _fmt(arena_ratios.get(row["loader"]), 2) if row["loader"] != ARENA else "1",
+            fmt(row["steady_batches_per_s"]["median"], 0), fmt(row["first_epoch_s"]),
+            fmt(row["first_batch_s"], 3), fmt(row["cpu_s_per_gb"]),
+            fmt(row["peak_rss_main_mb"], 0), fmt(row["peak_rss_workers_mb"], 0),
+            fmt(row["peak_shm_mb"], 0), fmt(row["peak_memory_mb"], 0),
+            fmt(arena_ratios.get(row["loader"]), 2) if row["loader"] != ARENA else "1",
         ))
     return rows
 
@@ -111,7 +111,8 @@ def target_lines(rows: list[dict]) -> list[str]:
     out = []
     for row in rows:
         verdict = "n/a" if row["met"] is None else ("met" if row["met"] else "MISSED")
-        out.append(f"  {row['target']:<58} {_fmt(row['ratio'])}x  {verdict}")
+        value = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+        out.append(f"  {row['target']:<58} {value:>8}  {verdict}")
     return out
 
 
