@@ -90,7 +90,7 @@ def progress(message: str) -> None:
 def run_case(kind: LoaderKind, workload: Workload, dataset: Any, workers: int,
              args: argparse.Namespace) -> CaseResult:
     workers = workers if kind.uses_workers else 1
-    result = CaseResult(workload.name, kind.name, workers, note=kind.note())
+    result = CaseResult(workload.name, kind.name, workers)
     missing = kind.missing()
     if missing:
         result.available, result.reason = False, missing

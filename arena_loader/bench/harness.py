@@ -172,12 +172,11 @@ class CaseResult:
     workers: int
     available: bool = True
     reason: str = ""
-    note: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"workload": self.workload, "loader": self.loader, "workers": self.workers,
-                "available": self.available, "reason": self.reason, "note": self.note,
+                "available": self.available, "reason": self.reason,
                 **self.metrics}
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import inspect
 import multiprocessing as mp
 import os
 import queue
@@ -319,34 +318,8 @@ def _arena(dataset: Any, setup: Setup, **extra: Any) -> ArenaLoader:
                        slots=setup.slots, **extra)
 
 
-def arena_has_torch_output() -> bool:
-    return "output" in inspect.signature(ArenaLoader).parameters
-
-
-class _TorchViews:
-    """ArenaLoader batches as torch tensors through ``torch.from_numpy`` (zero-copy), for
-    an ArenaLoader without ``output="torch"``."""
-
-    def __init__(self, loader: ArenaLoader):
-        self.loader = loader
-
-    def __iter__(self) -> Iterator[Any]:
-        import torch
-
-        for batch in self.loader:
-            if isinstance(batch, dict):
-                yield {key: torch.from_numpy(value) for key, value in batch.items()}
-            else:
-                yield torch.from_numpy(batch)
-
-    def close(self) -> None:
-        self.loader.close()
-
-
-def _arena_torch(dataset: Any, setup: Setup) -> Any:
-    if arena_has_torch_output():
-        return _arena(dataset, setup, output="torch")
-    return _TorchViews(_arena(dataset, setup))
+def _arena_torch(dataset: Any, setup: Setup) -> ArenaLoader:
+    return _arena(dataset, setup, output="torch")
 
 
 @dataclass(frozen=True)
@@ -358,11 +331,6 @@ class LoaderKind:
     build: Callable[[Any, Setup], Any]
     missing: Callable[[], str | None] = lambda: None
     uses_workers: bool = True
-
-    def note(self) -> str:
-        if self.name == ARENA_TORCH and not arena_has_torch_output():
-            return "ArenaLoader has no output='torch' yet: torch.from_numpy on each field"
-        return ""
 
 
 ARENA = "ArenaLoader"
