@@ -30,11 +30,6 @@ METRICS = ("steady_gbps", "steady_batches_per_s", "epoch_s", "first_epoch_s", "f
            "peak_memory_mb")
 
 
-def shm_used_bytes() -> int:
-    stats = os.statvfs(SHM_DIR)
-    return (stats.f_blocks - stats.f_bfree) * stats.f_frsize
-
-
 def environment() -> dict[str, Any]:
     """The machine and library versions the figures were measured on."""
     cpu = platform.processor() or platform.machine()
@@ -66,6 +61,24 @@ def environment() -> dict[str, Any]:
     }
 
 
+def shm_mappings(pid: int) -> dict[int, int]:
+    """Bytes of each /dev/shm object ``pid`` maps (unlinked ones too, as torch's are), keyed
+    by inode: shared memory that this run's processes hold, whatever other programs on the
+    machine do with /dev/shm."""
+    sizes: dict[int, int] = {}
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            if SHM_DIR + "/" not in line:
+                continue
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or not parts[5].startswith(SHM_DIR + "/"):
+                continue
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            inode = int(parts[4])
+            sizes[inode] = sizes.get(inode, 0) + end - start
+    return sizes
+
+
 def proportional_bytes(pid: int) -> int:
     """Pss_Anon + Pss_File of ``pid``: its memory with each page shared by k processes
     counted 1/k (so fork-shared pages and libraries are not counted once per worker);
@@ -79,15 +92,14 @@ def proportional_bytes(pid: int) -> int:
 
 
 class MemorySampler:
-    """A daemon thread that keeps peaks of: the RSS of this process and the summed RSS of
-    its descendants (every 10 ms, from statm), /dev/shm in use (system-wide, relative to the
-    start), and ``peak_memory``: proportional set sizes of all the processes plus /dev/shm
-    in use at the same instant (every 50 ms: smaps_rollup costs ~1 ms a process), so shared
-    memory mapped by several processes is counted once."""
+    """A daemon thread that keeps peaks of the RSS of this process and the summed RSS of its
+    descendants (every 10 ms, from statm), and every 50 ms (smaps_rollup and maps cost
+    ~1 ms a process) of: the /dev/shm objects those processes map (each counted once), and
+    ``peak_memory``, their proportional set sizes plus that shared memory at the same
+    instant, so memory shared by several processes is counted once."""
 
     def __init__(self) -> None:
         self._me = psutil.Process()
-        self._shm_base = shm_used_bytes()
         self.peak_main = self.peak_workers = self.peak_shm = self.peak_memory = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-memory-sampler",
@@ -121,18 +133,21 @@ class MemorySampler:
                 workers += child.memory_info().rss
             except psutil.Error:
                 continue
-        shm = max(0, shm_used_bytes() - self._shm_base)
         self.peak_main = max(self.peak_main, self._me.memory_info().rss)
         self.peak_workers = max(self.peak_workers, workers)
-        self.peak_shm = max(self.peak_shm, shm)
-        if proportional:
-            total = shm
-            for pid in [self._me.pid, *(child.pid for child in children)]:
-                try:
-                    total += proportional_bytes(pid)
-                except (OSError, ValueError):
-                    continue  # the process exited between listing and reading
-            self.peak_memory = max(self.peak_memory, total)
+        if not proportional:
+            return
+        private, shm = 0, {}
+        for pid in [self._me.pid, *(child.pid for child in children)]:
+            try:
+                private += proportional_bytes(pid)
+                for inode, nbytes in shm_mappings(pid).items():
+                    shm[inode] = max(shm.get(inode, 0), nbytes)
+            except (OSError, ValueError):
+                continue  # the process exited between listing and reading
+        shm_bytes = sum(shm.values())
+        self.peak_shm = max(self.peak_shm, shm_bytes)
+        self.peak_memory = max(self.peak_memory, private + shm_bytes)
 
 
 def cpu_seconds() -> float:
