@@ -81,15 +81,17 @@ def test_measure_reports_every_metric_with_the_bytes_delivered():
 
 def test_targets_are_arena_over_baseline_ratios_from_the_same_run():
     """A target's ratio is ArenaLoader's figure over the baseline's, and None if absent."""
-    def row(loader, gbps, first_s, memory_mb):
+    def row(loader, gbps, first_s, memory_mb, cpu_s_per_gb):
         return {"workload": "image", "loader": loader, "workers": 2, "available": True,
                 "steady_gbps": {"median": gbps}, "steady_batches_per_s": {"median": gbps},
-                "first_epoch_s": first_s, "peak_memory_mb": memory_mb}
+                "first_epoch_s": first_s, "peak_memory_mb": memory_mb,
+                "cpu_s_per_gb": cpu_s_per_gb}
 
-    results = [row(ARENA, 8.0, 0.5, 300.0), row(TORCH, 2.0, 1.0, 600.0)]
+    results = [row(ARENA, 8.0, 0.5, 300.0, 0.25), row(TORCH, 2.0, 1.0, 600.0, 1.5)]
     by_text = {t["target"]: t for t in report.targets(results)}
     torch_speed = by_text["image-like steady state >= 10x torch default collate"]
     assert torch_speed["ratio"] == 4.0 and torch_speed["met"] is False
+    assert torch_speed["cpu_ratio"] == 6.0
     assert by_text["first epoch incl. start-up faster than torch"]["ratio"] == 2.0
     assert by_text["peak memory (private RSS + shm) <= torch's"]["met"] is True
     assert by_text["image-like steady state >= 30x queue pickling"]["ratio"] is None

@@ -222,12 +222,13 @@ def _write(folder: Path, out: dict[str, Any]) -> None:
                  report.text_table(report.table_rows(rows, "image", {}))]
         markdown += ["", "**image, scaling over num_workers**", "",
                      report.markdown_table(report.table_rows(rows, "image", {}))]
-    text += ["", "Targets (ArenaLoader / baseline, same run; reported, not asserted):",
+    text += ["", "Targets (ArenaLoader / baseline, same run; reported, not asserted; CPU/GB "
+             "ratio: baseline's CPU seconds per GB over ArenaLoader's):",
              *report.target_lines(out["targets"])]
-    markdown += ["", "| target | ArenaLoader / baseline | met |", "|---|---:|---|",
-                 *(f"| {t['target']} | {report.fmt(t['ratio'])}x | "
-                   f"{'n/a' if t['met'] is None else ('yes' if t['met'] else 'no')} |"
-                   for t in out["targets"])]
+    markdown += ["", "| target | ArenaLoader / baseline | verdict | CPU/GB, baseline / Arena |",
+                 "|---|---:|---|---:|",
+                 *(f"| {t['target']} | {report.times(t['ratio'])} | {report.verdict(t)} | "
+                   f"{report.times(t['cpu_ratio'])} |" for t in out["targets"])]
     print("\n".join(text))
     report.write_json(folder / "bench.json", out)
     (folder / "bench.md").write_text(head + "\n\n" + versions + "\n" + "\n".join(markdown)
