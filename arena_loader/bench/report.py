@@ -150,6 +150,9 @@ def write_chart(path: Path, report: dict[str, Any]) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
 
     results = report["results"]
     workloads = list(dict.fromkeys(r["workload"] for r in results))
@@ -167,6 +170,9 @@ def write_chart(path: Path, report: dict[str, Any]) -> None:
                   "tab:gray" if r["loader"] == COPY else "tab:blue" for r in cases]
         ax.barh([r["loader"] for r in cases], values, xerr=errors, color=colors)
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(plain)
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.invert_yaxis()
         ax.set_title(f"{workload}: {report['workloads'][workload]}", fontsize=8)
         ax.set_xlabel("batches/s (median, min-max)" if metric == "steady_batches_per_s"
@@ -185,6 +191,10 @@ def write_chart(path: Path, report: dict[str, Any]) -> None:
             ax.plot([r["workers"] for r in rows_],
                     [r["steady_gbps"]["median"] for r in rows_], marker="o", label=loader)
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xticks(sorted({r["workers"] for r in report["scaling"]}))
         ax.set_xlabel("num_workers", fontsize=8)
         ax.set_ylabel("GB/s (median)", fontsize=8)
         ax.set_title(f"image: scaling over workers ({report['environment']['cores']} cores)",
