@@ -113,7 +113,7 @@ def markdown_table(rows: list[tuple[str, ...]]) -> str:
 
 
 def times(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
+    return "-" if value is None else f"{value:.3g}x"
 
 
 def verdict(row: dict) -> str:
