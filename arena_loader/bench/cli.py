@@ -103,12 +103,18 @@ def run_case(kind: LoaderKind, workload: Workload, dataset: Any, workers: int,
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    # The scaling run oversubscribes the cores on purpose; torch warns about it every epoch.
-    warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
-    # torch.as_tensor on the read-only memmap rows (torch's default collate) warns once per
-    # worker; the batches it builds are copies, so the warning does not apply.
-    warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
-                            category=UserWarning)
+    with warnings.catch_warnings():  # the caller's filters are restored on return
+        # The scaling run oversubscribes the cores on purpose; torch warns about it per epoch.
+        warnings.filterwarnings("ignore", message="This DataLoader will create",
+                                category=UserWarning)
+        # torch.as_tensor on the read-only memmap rows (torch's default collate) warns once
+        # per worker; the batches it builds are copies, so the warning does not apply.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
+                                category=UserWarning)
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     preset = QUICK if args.quick else FULL
     args.repeats = preset["repeats"] if args.repeats is None else args.repeats
     args.scale = preset["scale"] if args.scale is None else args.scale
