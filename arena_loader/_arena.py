@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import gc
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,10 +29,40 @@ class Filled:
     objects: list | None
 
 
+class PinnedRegion(Protocol):
+    """Page-locking of a slab (``_device.HostPinner``); ``close`` lifts it."""
+
+    def close(self) -> None: ...
+
+
+# Page-locks a whole slab array in place; None when that failed (docs/design.md, "Device copies").
+Pinner = Callable[[np.ndarray], "PinnedRegion | None"]
+
+
+@dataclass(frozen=True)
+class LeasedSlot:
+    """A delivered batch before assembly, for the device copy stage: the lease on its slot
+    (``np.asarray(lease)`` is the slot's bytes) and what ``BatchLayout.assemble`` needs."""
+
+    lease: Any
+    layout: BatchLayout
+    rows: int
+    lengths: tuple[int, ...] | None
+    objects: list | None
+    pinned: bool  # the slab is page-locked in place
+
+    def assemble(self, slot_bytes: Any, convert: Callable[[Any], Any] | None = None) -> Any:
+        """The batch as views of ``slot_bytes`` (a copy of the slot, e.g. on a GPU)."""
+        return self.layout.assemble(slot_bytes, self.rows, self.lengths, self.objects, convert,
+                                    host_bytes=np.asarray(self.lease))
+
+
 class Arena:
-    def __init__(self, layout: BatchLayout, slots: int, slab: Slab | None = None):
+    def __init__(self, layout: BatchLayout, slots: int, slab: Slab | None = None,
+                 pinner: Pinner | None = None, lease_only: bool = False):
         """``slab``: a reserved slab that workers already hold, allocated here for ``layout``
-        (closed if that fails); by default a new one."""
+        (closed if that fails); by default a new one. ``pinner`` page-locks the slab;
+        ``lease_only``: deliver ``LeasedSlot``s for a device stage instead of views."""
         self.layout = layout
         self.slots = slots
         if slab is None:
@@ -41,6 +72,12 @@ class Arena:
         self.slab = slab
         self.pool = SlotPool(self.slab.array, layout.slot_nbytes, slots)
         self._main_arrays: dict[int, list[np.ndarray]] = {}
+        self._lease_only = lease_only
+        try:
+            self._pinned = pinner(self.slab.array) if pinner is not None else None
+        except BaseException:
+            self.close()
+            raise
 
     def acquire_or_raise(self) -> int:
         """A free slot; if the consumer holds them all, collect garbage once, then raise."""
@@ -78,10 +115,17 @@ class Arena:
                 objects: list | None) -> Any:
         """Lease a FILLED slot to the consumer and return the batch as views of it."""
         lease = self.pool.lease(slot)
+        if self._lease_only:
+            return LeasedSlot(lease, self.layout, rows, lengths, objects, self._pinned is not None)
         return self.layout.assemble(np.asarray(lease), rows, lengths, objects)
 
     def close(self) -> None:
         """No new batch can be made; the mapping lives on only in views still referenced."""
+        # Unpin before the slab may be unmapped. Copies from it have completed: the device
+        # stage synchronizes its copies before its thread ends, and it ends before this runs.
+        pinned, self._pinned = getattr(self, "_pinned", None), None
+        if pinned is not None:
+            pinned.close()
         self._main_arrays.clear()
         self.pool.close()
         self.slab.close()
@@ -94,8 +138,9 @@ class ArenaSource:
     arena of its own, closed when that iterator gives it back.
     """
 
-    def __init__(self, slots: int):
+    def __init__(self, slots: int, pinner: Pinner | None = None, lease_only: bool = False):
         self.slots = slots
+        self._arena_options: dict[str, Any] = dict(pinner=pinner, lease_only=lease_only)
         self.layout: BatchLayout | None = None
         self._arena: Arena | None = None
         self._claimed = False
@@ -111,13 +156,14 @@ class ArenaSource:
                     slab.close()
                 raise LoaderClosedError("this ArenaLoader was closed; create a new one")
             if self._arena is None:
-                self._arena, self.layout = Arena(layout, self.slots, slab), layout
+                self._arena = Arena(layout, self.slots, slab, **self._arena_options)
+                self.layout = layout
                 self._claimed = True
                 return self._arena
             if not self._claimed and slab is None:
                 self._claimed = True
                 return self._arena
-        return Arena(layout, self.slots, slab)
+        return Arena(layout, self.slots, slab, **self._arena_options)
 
     def unclaim(self, arena: Arena) -> None:
         with self._lock:

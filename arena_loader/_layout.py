@@ -336,8 +336,13 @@ class BatchLayout:
     # -- the read side (consumer) ----------------------------------------------------------
 
     def assemble(self, slot_bytes: np.ndarray, rows: int, lengths: tuple[int, ...] | None,
-                 objects: list[list] | None) -> Any:
-        """The batch as views of ``slot_bytes``, in the structure of the first sample."""
+                 objects: list[list] | None, convert: Callable[[Any], Any] | None = None,
+                 host_bytes: np.ndarray | None = None) -> Any:
+        """The batch as views of ``slot_bytes``, in the structure of the first sample.
+
+        ``slot_bytes`` may be a device array with numpy's slicing (the device copy stage),
+        which passes the host slot as ``host_bytes`` to read Python numbers from; ``convert``,
+        if given, is applied to each field's view (e.g. to a torch tensor)."""
         views = []
         for i, f in enumerate(self.fields):
             if f.batched:
@@ -346,9 +351,14 @@ class BatchLayout:
             else:
                 shape = f.shape
             size = math.prod(shape) * f.dtype.itemsize
+            if f.python_type is not None and not f.batched:
+                # An unbatched Python number comes back as one, as torch's default_convert
+                # leaves it.
+                source = slot_bytes if host_bytes is None else host_bytes
+                views.append(source[f.offset: f.offset + size].view(f.dtype).item())
+                continue
             view = slot_bytes[f.offset: f.offset + size].view(f.dtype).reshape(shape)
-            # An unbatched Python number comes back as one, as torch's default_convert leaves it.
-            views.append(view.item() if f.python_type is not None and not f.batched else view)
+            views.append(view if convert is None else convert(view))
         return _rebuild(self.spec, views, objects or [])
 
 

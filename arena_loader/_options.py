@@ -69,6 +69,7 @@ class LoaderOptions:
     # shuffle, sampler and batch_sampler as torch does.
     iterable: bool = False
     output: str = "numpy"
+    device: Any = None
 
     def __post_init__(self) -> None:
         # Checks run in torch's order, so a call with several mistakes gets torch's error type.
@@ -137,6 +138,7 @@ class LoaderOptions:
         _check_int("slots", self.slots, minimum=self.min_slots,
                    fix=f"pass slots={self.min_slots} or more"
                    + (", or lower prefetch_factor" if self.num_workers else ""))
+        object.__setattr__(self, "device", _check_device(self.device))
 
     def _check_iterable_options(self) -> None:
         """torch's rule: an iterable-style dataset decides its own order and batches' keys."""
@@ -172,6 +174,32 @@ class LoaderOptions:
     @property
     def auto_collation(self) -> bool:
         return self.batch_sampler is not None or self.batch_size is not None
+
+    @property
+    def gpu_index(self) -> int | None:
+        """The N of ``device="cuda:N"``; None for ``"cuda"`` (the current GPU) or no device."""
+        if self.device is None or self.device == "cuda":
+            return None
+        return int(self.device.partition(":")[2])
+
+
+_DEVICE_RULE = ("device must be None, 'cpu', 'cuda' or 'cuda:N' with N a GPU index >= 0")
+_DEVICE_FIX = ("pass device='cuda' to get batches on the current GPU, or leave device=None "
+               "for host batches")
+
+
+def _check_device(value: Any) -> str | None:
+    """``device`` normalized to None (host batches), ``"cuda"`` or ``"cuda:N"``."""
+    if type(value).__module__ == "torch" and type(value).__name__ == "device":
+        value = str(value)  # torch.device("cuda", 1) -> "cuda:1"
+    if value is None or value == "cpu":
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{_DEVICE_RULE}, got {type(value).__name__} {value!r}; {_DEVICE_FIX}")
+    kind, colon, index = value.partition(":")
+    if kind == "cuda" and (not colon or (index.isascii() and index.isdigit())):
+        return f"cuda:{int(index)}" if colon else "cuda"
+    raise ValueError(f"{_DEVICE_RULE}, got {value!r}; {_DEVICE_FIX}")
 
 
 def _check_int(name: str, value: Any, *, minimum: int, fix: str) -> None:

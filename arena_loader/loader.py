@@ -40,6 +40,11 @@ class ArenaLoader:
     ``slots`` (keyword-only) is how many batches the slab holds: those being loaded, those
     loaded and waiting, and those your code still references. Batches are numpy arrays that
     view the slab; a slot is reused only after every view of its batch is gone.
+
+    ``pin_memory=True`` page-locks the slab in place (needs CUDA; see docs/design.md, "Device
+    copies"). ``device="cuda"`` or ``"cuda:N"`` (keyword-only) copies each batch to that GPU on
+    the loader's own stream: batches are numba device arrays, or torch CUDA tensors with
+    ``output="torch"``; pass ``pin_memory=True`` too for asynchronous copies.
     """
 
     def __init__(
@@ -63,6 +68,7 @@ class ArenaLoader:
         in_order: bool = True,
         slots: int = 16,
         output: str = "numpy",
+        device: Any = None,
     ) -> None:
         iterable = is_iterable_dataset(dataset)
         self.options = LoaderOptions(
@@ -71,11 +77,10 @@ class ArenaLoader:
             drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
             multiprocessing_context=multiprocessing_context, generator=generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            in_order=in_order, slots=slots, output=output, iterable=iterable,
+            in_order=in_order, slots=slots, output=output, iterable=iterable, device=device,
         )
-        if pin_memory:
-            warnings.warn("pin_memory=True has no effect yet: batches stay in host shared "
-                          "memory", stacklevel=2)
+        pinner, self._device = (_open_cuda(self.options)
+                                if pin_memory or self.options.device is not None else (None, None))
         # The attributes torch's DataLoader exposes, read-only by convention.
         self.dataset = dataset
         self.batch_size = batch_size
@@ -92,7 +97,9 @@ class ArenaLoader:
         self.in_order = in_order
         self.slots = slots
         self.output = output
-        self._convert = make_converter(output)
+        self.device = self.options.device
+        # With a device stage, host iterators hand it slot leases; it makes the batches.
+        self._convert = make_converter(output) if self._device is None else None
         self._iterable = iterable
         if iterable:
             pass  # each worker iterates its own replica of the dataset: no sampler
@@ -115,7 +122,7 @@ class ArenaLoader:
         self._filler = BatchFiller(dataset, collate_fn, self.options.auto_collation, rows,
                                    iterable=iterable, drop_last=drop_last,
                                    index_source=index_source)
-        self._source = ArenaSource(slots)
+        self._source = ArenaSource(slots, pinner=pinner, lease_only=self._device is not None)
         self._persistent: MultiProcessIterator | None = None
         self._live: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
@@ -147,13 +154,15 @@ class ArenaLoader:
             raise LoaderClosedError("this ArenaLoader was closed; create a new one")
         batches = self._epoch_batches()
         options = self.options
+        if self._device is not None and options.persistent_workers:
+            self._device.detach()  # no device thread may read the persistent iterator now
         if options.num_workers == 0:
             iterator: Any = InProcessIterator(self, self._filler, self._source, batches,
                                               self._convert)
         elif options.persistent_workers and self._persistent is not None \
                 and not self._persistent.broken:
             self._persistent.reset(batches)
-            return self._persistent
+            return self._on_device(self._persistent, owns_host=False)
         else:
             if self._persistent is not None:
                 self._persistent.close()
@@ -162,7 +171,18 @@ class ArenaLoader:
             if options.persistent_workers:
                 self._persistent = iterator
         self._live.add(iterator)
-        return iterator
+        return self._on_device(iterator, owns_host=not options.persistent_workers)
+
+    def _on_device(self, iterator: Any, owns_host: bool) -> Any:
+        """``iterator`` behind the device copy stage, if there is one."""
+        if self._device is None:
+            return iterator
+        if owns_host:
+            # Closed by the device iterator, after its last copy from the slab completed.
+            self._live.discard(iterator)
+        wrapped = self._device.wrap(self, iterator, owns_host)
+        self._live.add(wrapped)
+        return wrapped
 
     def _epoch_batches(self) -> Iterator[Any]:
         if self._iterable:
@@ -197,6 +217,8 @@ class ArenaLoader:
         if self._closed:
             return
         self._closed = True
+        if self._device is not None:
+            self._device.detach()
         if self._persistent is not None:
             self._persistent.close()
             self._persistent = None
@@ -207,6 +229,32 @@ class ArenaLoader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _open_cuda(options: LoaderOptions) -> tuple[Any, Any]:
+    """(slab pinner or None, device copier or None) for ``pin_memory`` / ``device``. Without
+    CUDA, ``device`` is an error and ``pin_memory`` a warning (host batches), as in torch."""
+    try:
+        from . import _device  # numba.cuda is imported only here, only when asked for
+    except ImportError as exc:
+        reason = f"numba.cuda does not import: {exc}"
+    else:
+        reason = _device.cuda_unavailable_reason()
+    if reason is None:
+        gpu = _device.resolve_gpu(options.gpu_index)
+        pinner = (_device.HostPinner(gpu, staging=options.device is not None)
+                  if options.pin_memory else None)
+        copier = (_device.DeviceCopier(gpu, options.slots, options.pin_memory, options.output)
+                  if options.device is not None else None)
+        return pinner, copier
+    if options.device is not None:
+        raise RuntimeError(f"device={options.device!r} needs a CUDA GPU, but {reason}; pass "
+                           "device=None for host batches, or install arena_loader[cuda] on a "
+                           "machine with a GPU")
+    warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then "
+                  f"device pinned memory won't be used ({reason}); batches stay in pageable "
+                  "host memory", stacklevel=3)
+    return None, None
 
 
 def _close_all(source: ArenaSource, live: weakref.WeakSet, pid: int) -> None:
