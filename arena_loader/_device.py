@@ -310,22 +310,26 @@ class _Stage:
     # -- the device thread ----------------------------------------------------------------
 
     def start(self, first: LeasedSlot) -> None:
-        thread = threading.Thread(target=self._run, args=(first,), daemon=True,
-                                  name="arena_loader-device")
+        # Handed over in an attribute, not as a thread argument: Thread keeps its arguments
+        # until run() returns, which would hold the first batch's slot for the whole epoch.
+        self._first: LeasedSlot | None = first
+        thread = threading.Thread(target=self._run, daemon=True, name="arena_loader-device")
         with self._cv:
             if self._closed:
                 raise LoaderClosedError("this iterator was closed; call iter(loader) for a new one")
             self._thread = thread
         thread.start()
 
-    def _run(self, first: LeasedSlot) -> None:
+    def _run(self) -> None:
         try:
             with cuda.gpus[self._gpu]:
-                self._copy_all(first)
+                self._copy_all()
         except BaseException as exc:  # a CUDA error: the consumer raises it from next()
             self._publish(Raised(exc, fatal=True))
 
-    def _copy_all(self, item: Any) -> None:
+    def _copy_all(self) -> None:
+        item: Any
+        item, self._first = self._first, None  # no other frame may keep the first batch
         stream, destroy = _new_stream()
         staging: list[Any] = []
         copies = 0

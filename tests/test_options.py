@@ -42,12 +42,6 @@ def test_torch_defaults_and_attributes():
     assert isinstance(shuffled.sampler, RandomSampler) and len(shuffled) == 3
 
 
-def test_pin_memory_warns_until_the_gpu_path_exists():
-    """pin_memory=True is accepted with a warning, as torch does without an accelerator."""
-    with pytest.warns(UserWarning, match="pin_memory"):
-        ArenaLoader(DATA, pin_memory=True)
-
-
 def test_random_sampler_replacement_and_num_samples():
     """RandomSampler draws num_samples indices in range, reproducibly for a seed."""
     sampler = RandomSampler(DATA, replacement=True, num_samples=25, generator=3)

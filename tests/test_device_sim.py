@@ -1,0 +1,367 @@
+"""The device leg under numba's CUDA simulator: contents, order, slot and buffer lifecycles,
+fallbacks. The simulator must be chosen before numba.cuda is first imported, so this module
+runs in its own interpreter (``test_device.py::test_device_leg_passes_under_the_simulator``
+starts it with ``NUMBA_ENABLE_CUDASIM=1``); in a plain run it is skipped."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import warnings
+import weakref
+
+import numpy as np
+import pytest
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+    pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 before numba.cuda is imported; "
+                "test_device.py runs this module that way", allow_module_level=True)
+
+from arena_loader import ArenaLoader, LoaderClosedError, SlotsExhaustedError, _device
+from arena_loader._pool import SlotState
+
+from .conftest import our_threads, wait_until
+from .datasets import ImageDataset, NestedDataset, RaisingDataset, assert_batches_equal
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def to_host(batch):
+    """A device batch with its device arrays copied back to numpy, structure kept."""
+    if isinstance(batch, dict):
+        return {key: to_host(value) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_host(value) for value in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_host(value) for value in batch)
+    if hasattr(batch, "copy_to_host"):
+        return batch.copy_to_host()
+    if isinstance(batch, np.ndarray):
+        return batch.copy()  # a host batch: no view of the slab outlives its loader
+    return batch
+
+
+def address(device_array) -> int:
+    return device_array._ary.__array_interface__["data"][0]
+
+
+def host_epoch(dataset, **kwargs) -> list:
+    with ArenaLoader(dataset, **kwargs) as loader:
+        return [to_host(batch) for batch in loader]  # copies: no view outlives the loader
+
+
+class GatedEvent:
+    """A CUDA event whose copy "completes" only when the test opens it; logs its streams."""
+
+    def __init__(self):
+        self.opened = threading.Event()
+        self.recorded_on: list = []
+        self.waited_on: list = []
+        self.waiting = False
+
+    def record(self, stream=0):
+        self.recorded_on.append(stream)
+
+    def wait(self, stream=0):
+        self.waited_on.append(stream)
+
+    def synchronize(self):
+        self.waiting = True
+        assert self.opened.wait(20), "the test never completed this copy"
+
+    @property
+    def is_copy(self) -> bool:
+        """Recorded on the loader's copy stream (fences are recorded on the consumer's, 0)."""
+        return any(not isinstance(stream, int) for stream in self.recorded_on)
+
+
+class EventLog(list):
+    """Every event the device code made, in order; ``gated=False`` completes copies at once."""
+
+    gated = True
+
+
+@pytest.fixture
+def gated_events(monkeypatch):
+    events = EventLog()
+
+    def new_event():
+        events.append(GatedEvent())
+        if not events.gated:
+            events[-1].opened.set()
+        return events[-1]
+
+    monkeypatch.setattr(_device, "_new_event", new_event)
+    yield events
+    for event in events:  # never leave the device thread blocked
+        event.opened.set()
+
+
+@pytest.fixture
+def pinned_in_place(monkeypatch):
+    """Registration succeeds (the simulator has no mempin): records what was pinned."""
+    pinned: list = []
+
+    class Registration:
+        def __init__(self, array):
+            self.nbytes = array.nbytes
+
+    def register(array):
+        pinned.append(Registration(array))
+        return pinned[-1]
+
+    monkeypatch.setattr(_device, "_register", register)
+    return pinned
+
+
+def copy_events(events):
+    return [event for event in events if event.is_copy]
+
+
+@pytest.mark.filterwarnings("ignore:pin_memory=True. page-locking:UserWarning")
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("pin_memory", [False, True])
+def test_device_batches_match_host_batches_in_order(num_workers, pin_memory):
+    """Nested dict/tuple/namedtuple batches arrive on the device with the host loader's
+    contents, in the same shuffled order; strings stay Python objects."""
+    dataset = NestedDataset(23)
+    options = dict(batch_size=4, shuffle=True, num_workers=num_workers)
+    expected = host_epoch(dataset, generator=7, **options)
+    with ArenaLoader(dataset, generator=7, pin_memory=pin_memory, device="cuda",
+                     **options) as loader:
+        batches = list(loader)
+        assert len(batches) == len(expected) == 6
+        for i, (batch, reference) in enumerate(zip(batches, expected)):
+            assert not isinstance(batch["image"], np.ndarray)
+            assert hasattr(batch["pair"][0], "copy_to_host")
+            assert_batches_equal(to_host(batch), reference, f"batch {i}")
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned_in_place"])
+def test_host_slot_returns_to_workers_only_after_its_copy_event(pinned, gated_events,
+                                                                request):
+    """Copying straight from the slab, a slot stays leased until its copy's event has
+    completed, even after the consumer has the device batch."""
+    if pinned:
+        request.getfixturevalue("pinned_in_place")
+    dataset = ImageDataset(12, shape=(4, 4))
+    expected = host_epoch(dataset, batch_size=2)
+    with ArenaLoader(dataset, batch_size=2, slots=4, device="cuda",
+                     pin_memory=pinned) as loader:
+        iterator = iter(loader)
+        first = next(iterator)
+        pool = loader._source._arena.pool
+        # The thread copied batch 1 too and now waits for batch 0's copy to complete.
+        assert wait_until(lambda: copy_events(gated_events)
+                          and copy_events(gated_events)[0].waiting)
+        assert pool.state(0) is SlotState.LEASED
+        assert pool.state(1) is SlotState.LEASED
+        copy_events(gated_events)[0].opened.set()
+        assert wait_until(lambda: pool.state(0) is SlotState.FREE)
+        assert pool.state(1) is SlotState.LEASED  # batch 1's copy is still "in flight"
+        for event in gated_events:
+            event.opened.set()
+        gated_events.clear()
+        rest = []
+        for batch in iterator:
+            for event in gated_events:
+                event.opened.set()
+            rest.append(to_host(batch))
+    for i, (batch, reference) in enumerate(zip([to_host(first), *rest], expected)):
+        assert_batches_equal(batch, reference, f"batch {i}")
+    assert len(rest) == len(expected) - 1
+
+
+def test_staging_fallback_warns_once_and_frees_the_slot_once_staged(gated_events):
+    """Without page-locking (the simulator has no mempin), pin_memory copies through pinned
+    staging buffers: one warning per loader, and a slot is free as soon as it is staged."""
+    dataset = ImageDataset(12, shape=(4, 4))
+    with pytest.warns(UserWarning, match=r"pin_memory=True: page-locking the \d+-byte slab in "
+                                         r"place failed .*staging buffers") as caught:
+        loader = ArenaLoader(dataset, batch_size=2, slots=4, device="cuda", pin_memory=True)
+        iterator = iter(loader)
+        next(iterator)
+    assert len(caught) == 1
+    with loader:
+        pool = loader._source._arena.pool
+        assert wait_until(lambda: copy_events(gated_events)
+                          and copy_events(gated_events)[0].waiting)
+        # Batch 0's copy has not completed, yet batches 0 and 1 are staged: both slots free.
+        assert pool.counts()[SlotState.LEASED] == 0
+        for event in gated_events:
+            event.opened.set()
+        rest = _drain(iterator, gated_events)
+        assert len(rest) == 5
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a second epoch and a second arena: no new warning
+            first = iter(loader)
+            second = iter(loader)  # a private arena of its own: pinning fails again, silently
+            assert len(_drain(second, gated_events)) == 6
+            assert len(_drain(first, gated_events)) == 6
+
+
+def _drain(iterator, gated_events) -> list:
+    batches = []
+    for batch in iterator:
+        for event in gated_events:
+            event.opened.set()
+        batches.append(to_host(batch))
+    return batches
+
+
+def test_pinned_slab_is_registered_once_and_unregistered_at_close(pinned_in_place):
+    """pin_memory page-locks the whole slab once, in place (no warning); close() lifts it."""
+    dataset = ImageDataset(10, shape=(8,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = ArenaLoader(dataset, batch_size=2, pin_memory=True, device="cuda")
+        for _ in range(2):
+            assert len(list(loader)) == 5
+    assert len(pinned_in_place) == 1
+    assert pinned_in_place[0].nbytes == loader._source._arena.slab.nbytes
+    registration = weakref.ref(pinned_in_place.pop())
+    loader.close()
+    gc.collect()
+    assert registration() is None, "the slab is still registered after close()"
+
+
+def test_pin_memory_without_device_gives_host_batches_from_a_pinned_slab(pinned_in_place):
+    """pin_memory alone keeps numpy batches; they view the page-locked slab."""
+    dataset = ImageDataset(6, shape=(3,))
+    with ArenaLoader(dataset, batch_size=3, pin_memory=True) as loader:
+        batches = list(loader)
+        assert all(isinstance(batch, np.ndarray) for batch in batches)
+        np.testing.assert_array_equal(batches[1][0], dataset[3])
+        assert pinned_in_place[0].nbytes == loader._source._arena.slab.nbytes
+        del batches
+
+
+def test_held_device_batches_keep_their_buffers_and_contents():
+    """A device buffer is not overwritten while the consumer references its batch."""
+    dataset = ImageDataset(40, shape=(16,))
+    expected = host_epoch(dataset, batch_size=2)
+    with ArenaLoader(dataset, batch_size=2, slots=8, device="cuda") as loader:
+        held, later = [], []
+        for i, batch in enumerate(loader):
+            if i < 5:
+                held.append(batch)
+            else:
+                later.append(address(batch))
+                for j, old in enumerate(held):
+                    np.testing.assert_array_equal(old.copy_to_host(), expected[j])
+        assert len({address(batch) for batch in held}) == 5
+        assert not {address(batch) for batch in held} & set(later)
+
+
+def test_released_buffers_are_reused_behind_a_fence_on_the_consumer_stream(gated_events):
+    """A dropped batch's buffer is copied into again, but only after a fence recorded on the
+    consumer's stream (work queued on the old batch finishes first)."""
+    gated_events.gated = False
+    dataset = ImageDataset(30, shape=(16,))
+    addresses = []
+    with ArenaLoader(dataset, batch_size=2, slots=8, device="cuda") as loader:
+        for batch in loader:
+            addresses.append(address(batch))
+            del batch
+    assert len(addresses) == 15
+    assert len(set(addresses)) < 8, "released buffers were never reused"
+    fences = [event for event in gated_events if not event.is_copy]
+    assert fences and all(event.recorded_on == [0] for event in fences)
+    assert any(not isinstance(stream, int) for fence in fences for stream in fence.waited_on), \
+        "no copy waited on a fence before reusing a buffer"
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_holding_every_device_buffer_raises_naming_slots(num_workers):
+    """Keeping `slots` device batches is a SlotsExhaustedError naming slots, not a hang;
+    dropping them lets the epoch go on."""
+    dataset = ImageDataset(20, shape=(4,))
+    with ArenaLoader(dataset, batch_size=2, slots=3, num_workers=num_workers,
+                     prefetch_factor=1 if num_workers else None, device="cuda") as loader:
+        iterator = iter(loader)
+        held = [next(iterator) for _ in range(3)]
+        with pytest.raises(SlotsExhaustedError, match=r"all 3 device buffers are in use.*"
+                                                      r"pass slots=6"):
+            next(iterator)
+        np.testing.assert_array_equal(held[2].copy_to_host()[0], dataset[4])
+        del held
+        assert sum(1 for _ in iterator) == 7  # one batch held at a time
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataset_error_is_raised_at_its_batch_and_loading_goes_on(num_workers):
+    """A failing batch raises its own error from next() in order; later batches arrive."""
+    dataset = RaisingDataset(12, bad={5})
+    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers, device="cuda") as loader:
+        iterator = iter(loader)
+        got = [next(iterator).copy_to_host() for _ in range(2)]
+        with pytest.raises(ValueError, match="sample 5 is corrupt"):
+            next(iterator)
+        got += [batch.copy_to_host() for batch in iterator]
+    assert len(got) == 5
+    np.testing.assert_array_equal(got[2][0], dataset[6])
+
+
+def test_copy_error_is_raised_by_every_next_and_close_is_clean(monkeypatch):
+    """A failure in the device thread (a CUDA error) reaches next(), again on each call."""
+    def broken(lease):
+        raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS (simulated)")
+
+    monkeypatch.setattr(_device, "_owned_array", broken)
+    with ArenaLoader(ImageDataset(8), batch_size=2, num_workers=2, device="cuda") as loader:
+        iterator = iter(loader)
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="simulated"):
+                next(iterator)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_close_and_abandon_mid_epoch_join_the_device_thread(num_workers):
+    """close() mid-epoch stops the device thread; next() then says the iterator was closed;
+    an abandoned iterator's thread is joined when it is collected."""
+    dataset = ImageDataset(40, shape=(4,))
+    loader = ArenaLoader(dataset, batch_size=2, num_workers=num_workers, device="cuda")
+    iterator = iter(loader)
+    kept = next(iterator)
+    assert [t.name for t in our_threads()].count("arena_loader-device") == 1
+    abandoned = iter(loader)
+    next(abandoned)
+    del abandoned
+    gc.collect()
+    assert wait_until(lambda: [t.name for t in our_threads()].count("arena_loader-device") == 1)
+    loader.close()
+    with pytest.raises(LoaderClosedError):
+        next(iterator)
+    np.testing.assert_array_equal(kept.copy_to_host()[1], dataset[1])
+
+
+def test_persistent_workers_keep_delivering_across_abandoned_epochs():
+    """With persistent workers, an epoch left half-way does not disturb the next ones."""
+    dataset = ImageDataset(16, shape=(4,))
+    expected = host_epoch(dataset, batch_size=2)
+    with ArenaLoader(dataset, batch_size=2, num_workers=2, persistent_workers=True,
+                     device="cuda") as loader:
+        first = iter(loader)
+        next(first)
+        next(first)
+        for epoch in range(2):
+            batches = [batch.copy_to_host() for batch in loader]
+            assert len(batches) == len(expected), f"epoch {epoch}"
+            for batch, reference in zip(batches, expected):
+                np.testing.assert_array_equal(batch, reference)
+        with pytest.raises(LoaderClosedError):
+            next(first)
+
+
+def test_torch_output_on_the_simulator_is_refused_with_the_reason():
+    """output='torch' needs __cuda_array_interface__, which the simulator lacks."""
+    with pytest.raises(ValueError, match=r"output='torch' with device='cuda' needs a real GPU"):
+        ArenaLoader(ImageDataset(4), device="cuda", output="torch")
+
+
+def test_device_index_beyond_the_gpus_names_device():
+    """The simulator has one GPU: cuda:1 is an error naming device and the valid range."""
+    with pytest.raises(ValueError, match=r"device must name one of the 1 GPUs \(cuda:0 to "
+                                         r"cuda:0\), got 'cuda:1'"):
+        ArenaLoader(ImageDataset(4), device="cuda:1")
