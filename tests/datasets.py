@@ -151,6 +151,32 @@ def assert_batches_equal(actual: Any, expected: Any, where: str = "batch") -> No
         np.testing.assert_array_equal(actual, expected, err_msg=where)
 
 
+def host_copy(batch: Any) -> Any:
+    """A batch with every array copied to a host numpy array (device arrays, CUDA tensors and
+    slab views alike), structure kept: nothing of the loader's outlives it."""
+    if isinstance(batch, dict):
+        return {key: host_copy(value) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(host_copy(value) for value in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(host_copy(value) for value in batch)
+    if hasattr(batch, "copy_to_host"):  # a numba device array (or the simulator's)
+        return batch.copy_to_host()
+    if hasattr(batch, "is_cuda"):  # a torch tensor
+        return batch.cpu().numpy()
+    if isinstance(batch, np.ndarray):
+        return batch.copy()
+    return batch
+
+
+def host_epoch(dataset: Any, **loader_options: Any) -> list:
+    """One epoch of a host (device=None) ArenaLoader, copied out of the slab."""
+    from arena_loader import ArenaLoader
+
+    with ArenaLoader(dataset, **loader_options) as loader:
+        return [host_copy(batch) for batch in loader]
+
+
 def reference_epoch(dataset: Any, batch_size: int, drop_last: bool,
                     order: list[int] | None = None) -> list:
     order = list(range(len(dataset))) if order is None else order

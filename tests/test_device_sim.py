@@ -22,33 +22,21 @@ from arena_loader import ArenaLoader, LoaderClosedError, SlotsExhaustedError, _d
 from arena_loader._pool import SlotState
 
 from .conftest import our_threads, wait_until
-from .datasets import ImageDataset, NestedDataset, RaisingDataset, assert_batches_equal
+from .datasets import (
+    ImageDataset,
+    NestedDataset,
+    RaisingDataset,
+    assert_batches_equal,
+    host_copy,
+    host_epoch,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def to_host(batch):
-    """A device batch with its device arrays copied back to numpy, structure kept."""
-    if isinstance(batch, dict):
-        return {key: to_host(value) for key, value in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_host(value) for value in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_host(value) for value in batch)
-    if hasattr(batch, "copy_to_host"):
-        return batch.copy_to_host()
-    if isinstance(batch, np.ndarray):
-        return batch.copy()  # a host batch: no view of the slab outlives its loader
-    return batch
-
-
 def address(device_array) -> int:
+    """Where a (simulated) device array's memory starts."""
     return device_array._ary.__array_interface__["data"][0]
-
-
-def host_epoch(dataset, **kwargs) -> list:
-    with ArenaLoader(dataset, **kwargs) as loader:
-        return [to_host(batch) for batch in loader]  # copies: no view outlives the loader
 
 
 class GatedEvent:
@@ -135,7 +123,7 @@ def test_device_batches_match_host_batches_in_order(num_workers, pin_memory):
         for i, (batch, reference) in enumerate(zip(batches, expected)):
             assert not isinstance(batch["image"], np.ndarray)
             assert hasattr(batch["pair"][0], "copy_to_host")
-            assert_batches_equal(to_host(batch), reference, f"batch {i}")
+            assert_batches_equal(host_copy(batch), reference, f"batch {i}")
 
 
 @pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned_in_place"])
@@ -167,8 +155,8 @@ def test_host_slot_returns_to_workers_only_after_its_copy_event(pinned, gated_ev
         for batch in iterator:
             for event in gated_events:
                 event.opened.set()
-            rest.append(to_host(batch))
-    for i, (batch, reference) in enumerate(zip([to_host(first), *rest], expected)):
+            rest.append(host_copy(batch))
+    for i, (batch, reference) in enumerate(zip([host_copy(first), *rest], expected)):
         assert_batches_equal(batch, reference, f"batch {i}")
     assert len(rest) == len(expected) - 1
 
@@ -206,7 +194,7 @@ def _drain(iterator, gated_events) -> list:
     for batch in iterator:
         for event in gated_events:
             event.opened.set()
-        batches.append(to_host(batch))
+        batches.append(host_copy(batch))
     return batches
 
 

@@ -1,0 +1,86 @@
+"""The device leg on a real CUDA GPU: the paths the simulator cannot run (page-locking in
+place, a non-blocking copy stream, ``__cuda_array_interface__`` to torch). Skipped without a
+GPU, and in the simulator run."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    pytest.skip("real-GPU tests; this interpreter runs numba's CUDA simulator",
+                allow_module_level=True)
+
+from arena_loader import ArenaLoader, _device
+
+from .datasets import ImageDataset, NestedDataset, assert_batches_equal, host_copy, host_epoch
+
+_REASON = _device.cuda_unavailable_reason()
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(_REASON is not None, reason=f"needs a CUDA GPU: {_REASON}")]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("pin_memory", [False, True])
+def test_gpu_batches_match_host_batches(num_workers, pin_memory):
+    """Nested batches copied to the GPU equal the host loader's, in order; with pin_memory
+    the slab is page-locked in place (no staging warning)."""
+    dataset = NestedDataset(37)
+    options = dict(batch_size=4, shuffle=True, num_workers=num_workers)
+    expected = host_epoch(dataset, generator=3, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ArenaLoader(dataset, generator=3, pin_memory=pin_memory, device="cuda",
+                         **options) as loader:
+            for epoch in range(2):
+                batches = [host_copy(batch) for batch in loader]
+                assert len(batches) == len(expected)
+                for i, (batch, reference) in enumerate(zip(batches, expected)):
+                    assert_batches_equal(batch, reference, f"epoch {epoch} batch {i}")
+            assert (loader._source._arena._pinned is not None) == pin_memory
+
+
+def test_unbatched_scalar_fields_reach_the_gpu():
+    """batch_size=None: 0-d fields become 0-d device arrays with the right values."""
+    dataset = NestedDataset(5)
+    expected = host_epoch(dataset, batch_size=None)
+    with ArenaLoader(dataset, batch_size=None, device="cuda", pin_memory=True) as loader:
+        for batch, reference in zip(loader, expected):
+            assert_batches_equal(host_copy(batch), reference)
+
+
+def test_held_gpu_batches_are_not_overwritten():
+    """A device batch the consumer holds keeps its contents while later batches arrive."""
+    dataset = ImageDataset(64, shape=(256,))
+    expected = host_epoch(dataset, batch_size=4)
+    with ArenaLoader(dataset, batch_size=4, num_workers=2, pin_memory=True, device="cuda",
+                     slots=8) as loader:
+        held = []
+        for i, batch in enumerate(loader):
+            if i < 4:
+                held.append(batch)
+        for i, batch in enumerate(held):
+            np.testing.assert_array_equal(batch.copy_to_host(), expected[i])
+
+
+def test_torch_output_is_zero_copy_cuda_tensors():
+    """output='torch' gives CUDA tensors over the loader's device buffer (no copy)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    dataset = NestedDataset(12)
+    expected = host_epoch(dataset, batch_size=4)
+    with ArenaLoader(dataset, batch_size=4, pin_memory=True, device="cuda",
+                     output="torch") as loader:
+        layout = loader._source.layout
+        for batch, reference in zip(loader, expected):
+            image, pair = batch["image"], batch["pair"][0]
+            assert image.is_cuda and pair.is_cuda
+            offsets = {f.path: f.offset for f in layout.fields}
+            assert pair.data_ptr() - image.data_ptr() == (
+                offsets["sample['pair'][0]"] - offsets["sample['image']"])
+            torch.cuda.current_stream().synchronize()
+            assert_batches_equal(host_copy(batch), reference)
