@@ -59,7 +59,7 @@ def cuda_unavailable_reason() -> str | None:
     except Exception:
         pass
     error = cuda.cuda_error()
-    return str(error).strip() if error else "no CUDA GPU was found"
+    return " ".join(str(error).split()) if error else "no CUDA GPU was found"
 
 
 def resolve_gpu(index: int | None) -> int:
@@ -534,9 +534,15 @@ class _Stage:
     def _retire_from_outside(self) -> None:
         with self._cv:
             pending = self._pending
-        if pending is not None:
+        if pending is None:
+            return
+        try:
             with cuda.gpus[self._gpu]:
                 pending.event.synchronize()
+        except Exception:
+            # The context is gone (interpreter exit) or broken: no copy can be running, and
+            # the next CUDA call of the consumer reports a broken one.
+            pass
 
 
 class DeviceIterator:

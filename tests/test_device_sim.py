@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import threading
 import warnings
 import weakref
@@ -353,3 +355,20 @@ def test_device_index_beyond_the_gpus_names_device():
     with pytest.raises(ValueError, match=r"device must name one of the 1 GPUs \(cuda:0 to "
                                          r"cuda:0\), got 'cuda:1'"):
         ArenaLoader(ImageDataset(4), device="cuda:1")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_interpreter_exits_cleanly_mid_epoch_on_the_device(num_workers):
+    """Leaving a device epoch unfinished and never calling close() exits 0, silently."""
+    code = ("from arena_loader import ArenaLoader\n"
+            "from tests.datasets import ImageDataset\n"
+            f"loader = ArenaLoader(ImageDataset(64), batch_size=2, num_workers={num_workers}, "
+            "device='cuda', pin_memory=True)\n"
+            "iterator = iter(loader)\n"
+            "batch = next(iterator)\n"
+            "assert batch.copy_to_host().shape == (2, 3, 8, 8)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=root,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "", result.stderr
