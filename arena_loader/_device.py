@@ -565,8 +565,7 @@ class DeviceIterator:
             # The first batch is taken here, in the consumer's thread, so that whatever the
             # host iterator does at its first next() (claim the arena, pin the slab) happens
             # here; its errors are this next()'s, and the following next() tries again.
-            first = next(self._host)
-            stage.start(first)
+            stage.start(next(self._host))  # no local: the thread alone holds that slot
         return stage.next_batch()
 
     def close(self) -> None:
