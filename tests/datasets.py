@@ -142,8 +142,8 @@ def assert_batches_equal(actual: Any, expected: Any, where: str = "batch") -> No
         assert type(actual) is type(expected) and len(actual) == len(expected), where
         for i, (a, e) in enumerate(zip(actual, expected)):
             assert_batches_equal(a, e, f"{where}[{i}]")
-    elif isinstance(expected, list):
-        assert actual == expected, where
+    elif isinstance(expected, (list, str, int, float, complex)):  # bool is an int
+        assert type(actual) is type(expected) and actual == expected, where
     else:
         assert isinstance(actual, np.ndarray), f"{where}: {type(actual)}"
         assert actual.dtype == expected.dtype, f"{where}: {actual.dtype} != {expected.dtype}"

@@ -28,6 +28,7 @@ from .datasets import (
     ImageDataset,
     NestedDataset,
     RaisingDataset,
+    ShardedStream,
     assert_batches_equal,
     host_copy,
     host_epoch,
@@ -126,6 +127,24 @@ def test_device_batches_match_host_batches_in_order(num_workers, pin_memory):
             assert not isinstance(batch["image"], np.ndarray)
             assert hasattr(batch["pair"][0], "copy_to_host")
             assert_batches_equal(host_copy(batch), reference, f"batch {i}")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("dataset, options", [
+    (NestedDataset(5), dict(batch_size=None)),
+    (ShardedStream(22), dict(batch_size=4)),
+], ids=["unbatched", "iterable"])
+def test_unbatched_and_iterable_datasets_reach_the_device(num_workers, dataset, options):
+    """batch_size=None keeps Python numbers as numbers and arrays on the device; an
+    iterable-style dataset's batches arrive like the host loader's."""
+    expected = host_epoch(dataset, num_workers=num_workers, **options)
+    with ArenaLoader(dataset, num_workers=num_workers, device="cuda", **options) as loader:
+        batches = [host_copy(batch) for batch in loader]
+    assert len(batches) == len(expected) > 0
+    for i, (batch, reference) in enumerate(zip(batches, expected)):
+        assert_batches_equal(batch, reference, f"batch {i}")
+    if options["batch_size"] is None:
+        assert isinstance(batches[0]["label"], int) and isinstance(batches[0]["point"].x, float)
 
 
 @pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned_in_place"])
