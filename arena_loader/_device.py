@@ -301,6 +301,7 @@ class _Stage:
         self._ready: deque[Copied | Raised | Ended] = deque()
         self._ring = DeviceRing(slots)
         self._pending: _Pending | None = None
+        self._stream: Any = None  # the copy stream, while the thread runs
         self._stop = False
         self._closed = False
         self._finished = False
@@ -331,6 +332,8 @@ class _Stage:
         item: Any
         item, self._first = self._first, None  # no other frame may keep the first batch
         stream, destroy = _new_stream()
+        with self._cv:
+            self._stream = stream
         staging: list[Any] = []
         copies = 0
         try:
@@ -347,7 +350,7 @@ class _Stage:
                     item = None
                     continue
                 taken = self._take_buffer(item.layout.slot_nbytes)
-                if taken is None:
+                if taken is None or self._stop:
                     return
                 copied, held = self._copy(item, taken, stream, staging, copies)
                 item = None  # staged: the host slot goes back now, not after the copy
@@ -360,6 +363,8 @@ class _Stage:
                     return
         finally:
             self._retire()
+            with self._cv:
+                self._stream = None
             stream.synchronize()
             if destroy is not None:
                 destroy()
@@ -515,15 +520,16 @@ class _Stage:
             self._closed = self._stop = True
             self._cv.notify_all()
             thread = self._thread
-        # The thread may wait in the host iterator with a copy queued: finish that copy now,
-        # so closing the host iterator (which may unpin its slab) happens after it.
-        self._retire_from_outside()
         if thread is not None and thread is not threading.current_thread():
             # A multi-process host iterator it owns is closed soon; one that runs user code in
             # this process, or a persistent one, is given time to finish its batch.
             quick = self._owns_host and not isinstance(self._host, InProcessIterator)
             thread.join(OWNED_JOIN_S if quick else SHARED_JOIN_S)
             if self._owns_host or thread.is_alive():
+                # The thread may still wait in the host iterator (or on the GPU) with copies
+                # queued: they complete before the host iterator, which may unpin its slab,
+                # is closed.
+                self._sync_copies()
                 self._host.close()
             thread.join(SHARED_JOIN_S)
         elif self._owns_host:
@@ -531,14 +537,15 @@ class _Stage:
         with self._cv:
             self._ready.clear()  # batches never taken: their buffers and leases go too
 
-    def _retire_from_outside(self) -> None:
+    def _sync_copies(self) -> None:
+        """Wait, from another thread, for every copy queued so far."""
         with self._cv:
-            pending = self._pending
-        if pending is None:
+            stream = self._stream
+        if stream is None:
             return
         try:
             with cuda.gpus[self._gpu]:
-                pending.event.synchronize()
+                stream.synchronize()
         except Exception:
             # The context is gone (interpreter exit) or broken: no copy can be running, and
             # the next CUDA call of the consumer reports a broken one.
