@@ -26,8 +26,8 @@ device copies", will carry the first table.
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -208,8 +208,11 @@ def main() -> None:
     import numba
     import torch
 
+    from arena_loader.bench.harness import environment
+
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}, numba "
-          f"{numba.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs")
+          f"{numba.__version__}")
+    print(f"environment: {json.dumps(environment())}")
     print(f"batches: {args.batches} x {args.batch_mib} MiB, {args.workers} workers, "
           f"{args.repeats} timed epochs after one warm-up (median, then each)\n")
     results = bandwidth(args, torch)
