@@ -2,6 +2,7 @@
 into one preallocated POSIX shared-memory slab."""
 
 from ._worker import WorkerInfo, get_worker_info
+from .datasets import ArrayDataset, BatchReadable, MemmapDataset
 from .errors import (
     ArenaLoaderError,
     LayoutError,
@@ -24,11 +25,14 @@ from .samplers import (
 __all__ = [
     "ArenaLoader",
     "ArenaLoaderError",
+    "ArrayDataset",
+    "BatchReadable",
     "BatchSampler",
     "DistributedSampler",
     "LayoutError",
     "LoaderClosedError",
     "LoaderTimeoutError",
+    "MemmapDataset",
     "RandomSampler",
     "SequentialSampler",
     "ShmCapacityError",

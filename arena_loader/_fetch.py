@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ._layout import BatchLayout
+from .errors import LayoutError
 
 _END = object()
 
@@ -22,6 +23,7 @@ class Fetched:
     rows: int
     samples: list | None  # default collation: the samples, written row by row
     batch: Any = None  # custom collate_fn or batch_size=None: the whole batch
+    direct: bool = False  # the dataset's read_into writes the rows in place (batch protocol)
 
 
 class BatchFiller:
@@ -39,6 +41,10 @@ class BatchFiller:
         self.drop_last = drop_last
         self.index_source = index_source  # who chose the indices, for error messages
         self._getitems = None if iterable else getattr(dataset, "__getitems__", None)
+        # The batch protocol (docs/batch_protocol.md): with default collation the dataset
+        # writes a whole batch into the slot itself.
+        self._read_into = (getattr(dataset, "read_into", None)
+                           if collate_fn is None and auto_collation and not iterable else None)
 
     def fetch_next(self, stream: Iterator) -> Fetched | None:
         """The next batch of an iterable-style dataset's ``stream``; None when it has no more
@@ -97,6 +103,8 @@ class BatchFiller:
             f"__len__ agree with __getitem__ ({exc})")
 
     def _fetch(self, indices: Any) -> Fetched:
+        if self._read_into is not None:
+            return Fetched(rows=len(indices), samples=None, direct=True)
         if not self.auto_collation:
             sample = self.dataset[indices]
             if self.collate_fn is not None:
@@ -117,6 +125,16 @@ class BatchFiller:
         return Fetched(rows=len(samples), samples=None, batch=self.collate_fn(samples))
 
     def layout_for(self, fetched: Fetched, indices: Any) -> BatchLayout:
+        if fetched.direct:  # learned from one sample; read_into then writes whole batches
+            layout = BatchLayout.from_sample(self.dataset[indices[0]], self.batch_size,
+                                             indices[0])
+            if layout.object_paths:
+                raise LayoutError(
+                    f"sample {indices[0]!r}: {type(self.dataset).__name__} defines read_into, "
+                    f"but leaves {list(layout.object_paths)} are not numeric, so read_into "
+                    "cannot write them into shared memory; return only numbers and arrays, or "
+                    "remove read_into")
+            return layout
         if fetched.samples is not None:
             return BatchLayout.from_sample(fetched.samples[0], self.batch_size, indices[0])
         if not self.auto_collation:
@@ -127,12 +145,33 @@ class BatchFiller:
     def write(self, layout: BatchLayout, arrays: list[np.ndarray], fetched: Fetched,
               indices: Any) -> tuple[int, tuple[int, ...] | None, list | None]:
         """Write ``fetched`` into a slot's field arrays: (rows, lengths, objects)."""
+        if fetched.direct:
+            self._read_batch(layout, arrays, indices)
+            return fetched.rows, None, None
         if fetched.samples is not None:
             objects = layout.write_samples(arrays, fetched.samples, indices)
             return fetched.rows, None, objects or None
         lengths, objects = layout.write_batch(arrays, fetched.batch,
                                               lambda: _label(self, indices))
         return fetched.rows, lengths, objects or None
+
+    def _read_batch(self, layout: BatchLayout, arrays: list[np.ndarray], indices: Any) -> None:
+        layout.check_fits(indices)
+        try:
+            self._read_into(as_index_array(indices), layout.rows_view(arrays, len(indices)))
+        except StopIteration as exc:
+            raise RuntimeError(f"the dataset's read_into raised StopIteration for indices "
+                               f"{indices!r}; raise IndexError or another error instead"
+                               ) from exc
+
+
+def as_index_array(indices: Any) -> np.ndarray:
+    """``indices`` as a contiguous 1-D int64 array (no copy when it already is one)."""
+    array = np.asarray(indices)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise TypeError(f"indices must be a 1-D sequence of integers, got {array.dtype} "
+                        f"array of shape {list(array.shape)}")
+    return np.ascontiguousarray(array, dtype=np.int64)
 
 
 def _label(filler: BatchFiller, indices: Any) -> str:

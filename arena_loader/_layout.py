@@ -208,15 +208,26 @@ class BatchLayout:
             arrays.append(raw.view(f.dtype).reshape(shape))
         return arrays
 
-    def write_samples(self, arrays: list[np.ndarray], samples: Sequence[Any],
-                      indices: Sequence[Any]) -> list[list]:
-        """Copy each sample into its row of the slot; returns the object-leaf lists."""
-        if len(samples) > self.rows_capacity:
+    def check_fits(self, indices: Sequence[Any]) -> None:
+        """A LayoutError unless a batch of ``indices`` fits the slot's rows."""
+        if len(indices) > self.rows_capacity:
             raise LayoutError(
-                f"a batch of {len(samples)} indices {list(indices)!r} does not fit a slot of "
+                f"a batch of {len(indices)} indices {list(indices)!r} does not fit a slot of "
                 f"{self.rows_capacity} rows (sized from the first batch); give the batch_sampler "
                 "a batch_size attribute with its largest batch size"
             )
+
+    def rows_view(self, arrays: list[np.ndarray], rows: int) -> Any:
+        """The first ``rows`` rows of a slot's field arrays, in the structure of a sample:
+        the ``out`` a batch-protocol dataset's ``read_into`` writes (docs/batch_protocol.md)."""
+        views = [array[:rows] if field.batched else array
+                 for field, array in zip(self.fields, arrays)]
+        return _rebuild(self.spec, views, [])
+
+    def write_samples(self, arrays: list[np.ndarray], samples: Sequence[Any],
+                      indices: Sequence[Any]) -> list[list]:
+        """Copy each sample into its row of the slot; returns the object-leaf lists."""
+        self.check_fits(indices)
         if self._array_samples and _stack_into(arrays[0], samples, self.fields[0]):
             return []
         objects: list[list] = [[] for _ in self.object_paths]

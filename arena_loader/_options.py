@@ -11,6 +11,7 @@ from typing import Any
 from ._output import OUTPUTS
 
 DEFAULT_PREFETCH_FACTOR = 2
+WORKER_MODES = ("process", "thread")
 
 
 def is_iterable_dataset(dataset: Any) -> bool:
@@ -70,6 +71,7 @@ class LoaderOptions:
     iterable: bool = False
     output: str = "numpy"
     device: Any = None
+    worker_mode: str = "process"
 
     def __post_init__(self) -> None:
         # Checks run in torch's order, so a call with several mistakes gets torch's error type.
@@ -101,9 +103,23 @@ class LoaderOptions:
             # torch accepts 0, which silently yields an empty epoch; we refuse it.
             _check_int("prefetch_factor", self.prefetch_factor, minimum=1,
                        fix="use prefetch_factor=None for the default of 2")
+        if self.worker_mode not in WORKER_MODES:
+            raise ValueError(f"worker_mode must be one of {WORKER_MODES!r}, got "
+                             f"{self.worker_mode!r}; use \"thread\" when loading releases the "
+                             "GIL (compiled gathers, file reads), else \"process\"")
+        if self.worker_mode == "thread" and self.multiprocessing_context is not None:
+            raise ValueError(
+                "multiprocessing_context must be None with worker_mode='thread', got "
+                f"{self.multiprocessing_context!r}: thread workers start no process; drop one "
+                "of the two options")
+        if self.worker_mode == "thread" and self.iterable and self.num_workers > 0:
+            raise ValueError(
+                "worker_mode must be 'process' for an iterable-style dataset, got 'thread': "
+                "such datasets shard by torch.utils.data.get_worker_info(), which is one value "
+                "per process, so every thread would yield the whole dataset")
         # Validates the start method now, at construction, as torch does.
         object.__setattr__(self, "context", _resolve_context(self.multiprocessing_context)
-                           if self.num_workers > 0 else None)
+                           if self.num_workers > 0 and self.worker_mode == "process" else None)
         if self.iterable:
             self._check_iterable_options()
         if self.sampler is not None and self.shuffle:

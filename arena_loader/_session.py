@@ -48,6 +48,7 @@ from ._options import LoaderOptions
 from ._pool import SlotState, Waker
 from ._process import JOIN_TIMEOUT_S, WorkerGroup, is_main_thread
 from ._slab import Slab
+from ._threads import ThreadWorkerGroup
 from ._worker import WorkerSetup
 from .errors import LoaderClosedError, LoaderTimeoutError
 
@@ -79,7 +80,7 @@ class _Session:
         # when the first worker reports the first batch's layout (docs/design.md, "Data flow").
         self._reserve: Slab | None = None
         self._epoch = -1  # iterable-style datasets: tasks carry it, workers restart on a change
-        self.workers: WorkerGroup | None = None
+        self.workers: WorkerGroup | ThreadWorkerGroup | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
         self._finished = False  # closed because the epoch ended: next() is StopIteration
@@ -158,7 +159,7 @@ class _Session:
             self._thread = thread
             self._started = True
 
-    def _start_workers(self) -> WorkerGroup:
+    def _start_workers(self) -> WorkerGroup | ThreadWorkerGroup:
         options, arena = self._options, self.arena
         layout = arena.layout if arena is not None else None
         slab = arena.slab if arena is not None else self._reserve
@@ -170,6 +171,8 @@ class _Session:
                         publish_to_torch="torch" in sys.modules)
             for i in range(options.num_workers)
         ]
+        if options.worker_mode == "thread":
+            return ThreadWorkerGroup(setups, slab)
         return WorkerGroup(options.context, setups)
 
     def _finish_epoch(self) -> None:

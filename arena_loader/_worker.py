@@ -13,6 +13,7 @@ import pickle
 import random
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -54,11 +55,18 @@ class WorkerInfo:
 
 
 _worker_info: WorkerInfo | None = None
+# Thread workers (worker_mode="thread") share the process: each sets its own info here.
+_thread_worker = threading.local()
 
 
 def get_worker_info() -> WorkerInfo | None:
-    """This worker's ``WorkerInfo``, or ``None`` in the main process."""
-    return _worker_info
+    """This worker's ``WorkerInfo`` (process or thread worker), or ``None`` elsewhere."""
+    return getattr(_thread_worker, "info", None) or _worker_info
+
+
+def set_thread_worker_info(info: WorkerInfo | None) -> None:
+    """Set ``get_worker_info()`` for the calling thread only."""
+    _thread_worker.info = info
 
 
 @dataclass(frozen=True)
@@ -197,11 +205,12 @@ class _WorkerState:
 
 
 def _serve(state: _WorkerState, task_conn: Connection, result_conn: Connection,
-           parent_pid: int) -> None:
+           parent_pid: int | None) -> None:
+    """The task loop; ``parent_pid=None`` (thread workers) skips the reparenting check."""
     worker_id = state.setup.worker_id
     while True:
         if not task_conn.poll(PARENT_CHECK_S):
-            if os.getppid() != parent_pid:
+            if parent_pid is not None and os.getppid() != parent_pid:
                 return  # reparented: the parent is gone
             continue
         try:

@@ -40,6 +40,9 @@ class ArenaLoader:
     ``slots`` (keyword-only) is how many batches the slab holds: those being loaded, those
     loaded and waiting, and those your code still references. Batches are numpy arrays that
     view the slab; a slot is reused only after every view of its batch is gone.
+    ``worker_mode`` (keyword-only) is ``"process"`` (default) or ``"thread"``: workers as
+    threads of this process, for datasets whose loading releases the GIL (docs/design.md,
+    "Thread workers").
 
     ``pin_memory=True`` page-locks the slab in place (needs CUDA; see docs/design.md, "Device
     copies"). ``device="cuda"`` or ``"cuda:N"`` (keyword-only) copies each batch to that GPU on
@@ -69,6 +72,7 @@ class ArenaLoader:
         slots: int = 16,
         output: str = "numpy",
         device: Any = None,
+        worker_mode: str = "process",
     ) -> None:
         iterable = is_iterable_dataset(dataset)
         self.options = LoaderOptions(
@@ -78,6 +82,7 @@ class ArenaLoader:
             multiprocessing_context=multiprocessing_context, generator=generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             in_order=in_order, slots=slots, output=output, iterable=iterable, device=device,
+            worker_mode=worker_mode,
         )
         pinner, self._device = (_open_cuda(self.options)
                                 if pin_memory or self.options.device is not None else (None, None))
@@ -96,6 +101,7 @@ class ArenaLoader:
         self.persistent_workers = persistent_workers
         self.in_order = in_order
         self.slots = slots
+        self.worker_mode = worker_mode
         self.output = output
         self.device = self.options.device
         # With a device stage, host iterators hand it slot leases; it makes the batches.

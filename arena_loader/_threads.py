@@ -1,0 +1,170 @@
+"""Thread workers (``worker_mode="thread"``): the worker loop run by threads of the main
+process, writing into the same slab through the same pipes and messages as worker processes.
+
+``ThreadWorkerGroup`` offers ``_session`` the interface of ``_process.WorkerGroup`` (send,
+waitables, worker_of, crash_error, shutdown, pids), so ordering, prefetching, slot handling and
+errors are the dispatch thread's, unchanged. Each thread runs ``_worker._serve`` over a private
+pair of OS pipes; when a thread ends for any reason it closes its ends, so the dispatch thread
+reads EOF exactly as for a dead process (docs/design.md, "Thread workers").
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import select
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ._layout import BatchLayout
+from ._messages import RemoteError, Stop, WorkerFailed
+from ._process import JOIN_TIMEOUT_S, _enlarge_pipe
+from ._slab import Slab
+from ._worker import WorkerInfo, WorkerSetup, _serve, _WorkerState, set_thread_worker_info
+from .errors import WorkerCrashedError
+
+
+class _ThreadWorkerState(_WorkerState):
+    """A worker's state, writing through the main process's own mapping of the slab (no
+    descriptor to map or close: the thread shares the process's)."""
+
+    def __init__(self, setup: WorkerSetup, slab: Slab):
+        super().__init__(setup)
+        self._slab = slab
+
+    def attach(self, layout: BatchLayout) -> None:
+        # Attach comes after the main process allocated the slab for this layout.
+        array = self._slab.array
+        self.slot_arrays = [layout.slot_arrays(array, slot) for slot in range(self.setup.slots)]
+        self.layout = layout
+
+
+class ThreadWorkerGroup:
+    """``num_workers`` daemon threads named ``arena_loader-worker-<id>``, each with a private
+    task pipe and result pipe."""
+
+    def __init__(self, setups: list[WorkerSetup], slab: Slab):
+        """``slab``: the main process's slab (reserved, or allocated for a known layout)."""
+        self.threads: list[threading.Thread] = []
+        self.task_conns: list[Connection] = []
+        self.result_conns: list[Connection] = []
+        self.stuck: list[str] = []  # threads still in user code after shutdown gave up on them
+        self._exits: dict[int, BaseException] = {}  # why a thread ended, if not asked to
+        self._closed = False
+        self._shutdown_lock = threading.Lock()
+        try:
+            for setup in setups:
+                task_reader, task_writer = multiprocessing.Pipe(duplex=False)
+                result_reader, result_writer = multiprocessing.Pipe(duplex=False)
+                _enlarge_pipe(task_writer)
+                _enlarge_pipe(result_writer)
+                thread = threading.Thread(
+                    target=self._main, args=(setup, slab, task_reader, result_writer),
+                    name=f"arena_loader-worker-{setup.worker_id}", daemon=True)
+                self.task_conns.append(task_writer)
+                self.result_conns.append(result_reader)
+                self.threads.append(thread)
+                try:
+                    thread.start()
+                except BaseException:
+                    task_reader.close()
+                    result_writer.close()
+                    raise
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+        # Thread workers live in this process: every "worker pid" is ours.
+        self.pids = [os.getpid()] * len(self.threads)
+        self._conn_ids = {id(conn): worker_id for worker_id, conn in enumerate(self.result_conns)}
+
+    def _main(self, setup: WorkerSetup, slab: Slab, task_conn: Connection,
+              result_conn: Connection) -> None:
+        try:
+            try:
+                state = _ThreadWorkerState(setup, slab)
+                if setup.layout is not None:
+                    state.attach(setup.layout)
+                # No global RNG is reseeded: random, numpy and torch state belong to the whole
+                # process. WorkerInfo.seed is there for a per-thread generator.
+                seed = (setup.base_seed + setup.worker_id) % 2**64
+                set_thread_worker_info(WorkerInfo(setup.worker_id, setup.num_workers, seed,
+                                                  setup.filler.dataset))
+                if setup.worker_init_fn is not None:
+                    setup.worker_init_fn(setup.worker_id)
+            except Exception as exc:
+                result_conn.send(WorkerFailed(setup.worker_id, RemoteError.capture(exc)))
+                return
+            _serve(state, task_conn, result_conn, parent_pid=None)
+        except BaseException as exc:  # SystemExit from user code, or its result pipe closed
+            self._exits[setup.worker_id] = exc
+        finally:
+            set_thread_worker_info(None)
+            # EOF on the result pipe is how the dispatch thread learns this worker is gone.
+            task_conn.close()
+            result_conn.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def waitables(self) -> list:
+        # No sentinel: a thread that ends closes its result pipe, which then reads EOF.
+        return list(self.result_conns)
+
+    def worker_of(self, waitable: Any) -> tuple[int, bool]:
+        """(worker id, is it the result pipe) for an object returned by ``wait``."""
+        return self._conn_ids[id(waitable)], True
+
+    def send(self, worker_id: int, message: Any) -> None:
+        self.task_conns[worker_id].send(message)
+
+    def crash_error(self, worker_id: int, owed: list[tuple[int, Any]]) -> WorkerCrashedError:
+        """The error for a thread that ended unasked; ``owed``: (idx, indices) it had."""
+        self.threads[worker_id].join(timeout=JOIN_TIMEOUT_S)  # it is closing its pipes
+        cause = self._exits.get(worker_id)
+        how = f"ended by {cause!r}" if cause is not None else "ended"
+        loading = (" while loading " + ", ".join(f"batch idx={idx} (indices {indices!r})"
+                                                  for idx, indices in owed)
+                   if owed else " while idle")
+        error = WorkerCrashedError(
+            f"DataLoader worker thread {worker_id} (pid {os.getpid()}) {how}{loading}; a "
+            "BaseException such as SystemExit in the dataset ends a thread worker: raise an "
+            "Exception instead", worker_id=worker_id, pid=os.getpid(), exitcode=None)
+        error.__cause__ = cause
+        return error
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop every thread: ask (``graceful``), then close the pipes, each step bounded by
+        ``JOIN_TIMEOUT_S``. Idempotent. A thread stuck in user code cannot be killed: it is
+        left running as a daemon and named in ``stuck``."""
+        with self._shutdown_lock:
+            if self._closed:
+                return
+            try:
+                self._shutdown(graceful)
+            finally:
+                self._closed = True
+
+    def _shutdown(self, graceful: bool) -> None:
+        if graceful:
+            for conn in self.task_conns:
+                try:
+                    if select.select([], [conn.fileno()], [], 0)[1]:
+                        conn.send(Stop())
+                except (OSError, ValueError):
+                    pass  # that thread has already closed its end
+            self._join_until(time.monotonic() + JOIN_TIMEOUT_S)
+        # EOF on the task pipe ends an idle thread; a closed result pipe ends one that finishes
+        # its batch (its send fails), before it can take another task.
+        for conn in (*self.task_conns, *self.result_conns):
+            conn.close()
+        self._join_until(time.monotonic() + JOIN_TIMEOUT_S)
+        self.stuck = [t.name for t in self.threads if t.is_alive()]
+
+    def _join_until(self, deadline: float) -> None:
+        for thread in self.threads:
+            if thread.ident is not None and thread is not threading.current_thread():
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
