@@ -98,7 +98,8 @@ class ThreadWorkerGroup:
                 return
             _serve(state, task_conn, result_conn, parent_pid=None)
         except BaseException as exc:  # SystemExit from user code, or its result pipe closed
-            self._exits[setup.worker_id] = exc
+            # Without its traceback: the frames hold slot arrays, which keep the slab mapped.
+            self._exits[setup.worker_id] = exc.with_traceback(None)
         finally:
             set_thread_worker_info(None)
             # EOF on the result pipe is how the dispatch thread learns this worker is gone.

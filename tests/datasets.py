@@ -8,6 +8,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -267,3 +268,39 @@ def as_torch_iterable(stream: ShardedStream) -> Any:
             return iter(stream)
 
     return TorchShardedStream()
+
+
+class ProtocolDataset:
+    """A user dataset implementing the batch protocol: ``{"index", "square"}`` samples,
+    ``read_into`` fills whole batches; counts calls of each path (per process)."""
+
+    def __init__(self, n: int, with_name: bool = False):
+        self.n, self.with_name = n, with_name
+        self.calls = {"getitem": 0, "read_into": 0}
+        self._lock = threading.Lock()  # thread workers share this object
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _count(self, path: str) -> None:
+        with self._lock:
+            self.calls[path] += 1
+
+    def __getitem__(self, index: int) -> dict:
+        self._count("getitem")
+        sample = {"index": index, "square": float(index) ** 2}
+        if self.with_name:
+            sample["name"] = f"sample-{index}"
+        return sample
+
+    def read_into(self, indices: np.ndarray, out: dict) -> None:
+        self._count("read_into")
+        out["index"][:] = indices
+        out["square"][:] = indices.astype(np.float64) ** 2
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()

@@ -20,17 +20,19 @@ from .datasets import (
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.mark.parametrize("num_workers", [0, 1, 2, 3])
+@pytest.mark.parametrize("num_workers, worker_mode", [
+    (0, "process"), (1, "process"), (2, "process"), (3, "process"), (1, "thread"), (3, "thread"),
+])
 @pytest.mark.parametrize("n, batch_size, drop_last", [
     (1, 1, False), (7, 3, False), (7, 3, True), (12, 4, False), (12, 4, True),
     (5, 8, False), (5, 8, True), (33, 5, False),
 ])
-def test_batches_match_stacked_reference(num_workers, n, batch_size, drop_last):
+def test_batches_match_stacked_reference(num_workers, worker_mode, n, batch_size, drop_last):
     """Sizes, partial last batch and drop_last give exactly the stacked samples."""
     dataset = ImageDataset(n, shape=(3, 4, 5), dtype=np.float32)
     expected = reference_epoch(dataset, batch_size, drop_last)
     with ArenaLoader(dataset, batch_size=batch_size, drop_last=drop_last,
-                     num_workers=num_workers) as loader:
+                     num_workers=num_workers, worker_mode=worker_mode) as loader:
         assert len(loader) == len(expected)
         for epoch in range(2):
             batches = list(loader)
@@ -40,12 +42,14 @@ def test_batches_match_stacked_reference(num_workers, n, batch_size, drop_last):
             del batches
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_nested_samples_keep_structure_and_dtypes(num_workers):
+@pytest.mark.parametrize("num_workers, worker_mode", [(0, "process"), (2, "process"),
+                                                      (2, "thread")])
+def test_nested_samples_keep_structure_and_dtypes(num_workers, worker_mode):
     """Dict, tuple and namedtuple samples with numpy, Python and string leaves."""
     dataset = NestedDataset(11)
     expected = reference_epoch(dataset, 4, False)
-    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers) as loader:
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers,
+                     worker_mode=worker_mode) as loader:
         batches = list(loader)
     assert len(batches) == 3
     for i, (actual, ref) in enumerate(zip(batches, expected)):
@@ -58,11 +62,12 @@ def test_nested_samples_keep_structure_and_dtypes(num_workers):
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int32, np.int64, np.float16,
                                    np.float64, np.complex64, np.bool_])
-def test_dtypes_round_trip(dtype):
-    """Every numeric dtype arrives bit-exact through worker processes."""
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+def test_dtypes_round_trip(dtype, worker_mode):
+    """Every numeric dtype arrives bit-exact through worker processes and threads."""
     dataset = ImageDataset(9, shape=(5, 3), dtype=dtype)
     expected = reference_epoch(dataset, 4, False)
-    with ArenaLoader(dataset, batch_size=4, num_workers=2) as loader:
+    with ArenaLoader(dataset, batch_size=4, num_workers=2, worker_mode=worker_mode) as loader:
         count = 0
         for actual, ref in zip(loader, expected):
             assert_batches_equal(actual, ref)
@@ -70,14 +75,15 @@ def test_dtypes_round_trip(dtype):
     assert count == len(expected) == 3
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_shuffle_with_seed_is_a_reproducible_permutation(num_workers):
+@pytest.mark.parametrize("num_workers, worker_mode", [(0, "process"), (2, "process"),
+                                                      (2, "thread")])
+def test_shuffle_with_seed_is_a_reproducible_permutation(num_workers, worker_mode):
     """shuffle=True covers every sample once; the same generator seed gives the same order."""
     dataset = ImageDataset(30, shape=(1,), dtype=np.int64)
 
     def epoch_order(seed):
         with ArenaLoader(dataset, batch_size=4, shuffle=True, generator=seed,
-                         num_workers=num_workers) as loader:
+                         num_workers=num_workers, worker_mode=worker_mode) as loader:
             return [[int(v) for v in batch[:, 0]] for batch in loader]
 
     first, again, other = epoch_order(7), epoch_order(7), epoch_order(8)
@@ -87,11 +93,13 @@ def test_shuffle_with_seed_is_a_reproducible_permutation(num_workers):
     assert first != other
 
 
-def test_out_of_order_delivery_yields_every_batch_once():
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+def test_out_of_order_delivery_yields_every_batch_once(worker_mode):
     """in_order=False delivers all batches, each exactly once, with correct contents."""
     dataset = ImageDataset(40, shape=(2,), dtype=np.int64)
     expected = {int(b[0, 0]): b for b in reference_epoch(dataset, 3, False)}
-    with ArenaLoader(dataset, batch_size=3, num_workers=3, in_order=False) as loader:
+    with ArenaLoader(dataset, batch_size=3, num_workers=3, in_order=False,
+                     worker_mode=worker_mode) as loader:
         seen = {}
         for batch in loader:
             key = int(batch[0, 0])
@@ -102,8 +110,9 @@ def test_out_of_order_delivery_yields_every_batch_once():
         np.testing.assert_array_equal(batch, expected[key])
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_custom_collate_fn_output_is_copied_into_the_slot(num_workers):
+@pytest.mark.parametrize("num_workers, worker_mode", [(0, "process"), (2, "process"),
+                                                      (2, "thread")])
+def test_custom_collate_fn_output_is_copied_into_the_slot(num_workers, worker_mode):
     """A collate_fn's arrays arrive intact; the partial last batch keeps its true length."""
     dataset = ImageDataset(10, shape=(3,), dtype=np.int32)
 
@@ -112,7 +121,7 @@ def test_custom_collate_fn_output_is_copied_into_the_slot(num_workers):
         return {"sum": stacked.sum(axis=1), "doubled": stacked * 2, "count": len(samples)}
 
     with ArenaLoader(dataset, batch_size=4, num_workers=num_workers,
-                     collate_fn=collate) as loader:
+                     collate_fn=collate, worker_mode=worker_mode) as loader:
         batches = list(loader)
     refs = [collate([dataset[i] for i in range(s, min(s + 4, 10))]) for s in (0, 4, 8)]
     for actual, ref in zip(batches, refs):
@@ -151,18 +160,19 @@ def test_batch_sampler_without_batch_size_attribute_sizes_slots_from_its_batches
     batch_size=st.integers(1, 9),
     drop_last=st.booleans(),
     num_workers=st.sampled_from([0, 1, 2, 3]),
+    worker_mode=st.sampled_from(["process", "thread"]),
     dtype=st.sampled_from([np.uint8, np.int16, np.float32, np.float64]),
     shape=st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple),
     nested=st.booleans(),
 )
 def test_property_any_configuration_matches_reference(n, batch_size, drop_last, num_workers,
-                                                      dtype, shape, nested):
-    """Hypothesis: any size, batch size, drop_last, worker count, dtype and shape."""
+                                                      worker_mode, dtype, shape, nested):
+    """Hypothesis: any size, batch size, drop_last, worker count and kind, dtype and shape."""
     dataset = NestedDataset(n) if nested else ImageDataset(n, shape=shape, dtype=dtype)
     expected = reference_epoch(dataset, batch_size, drop_last)
     count = 0
     with ArenaLoader(dataset, batch_size=batch_size, drop_last=drop_last,
-                     num_workers=num_workers) as loader:
+                     num_workers=num_workers, worker_mode=worker_mode) as loader:
         # Compared as they arrive: an epoch may have more batches than slots.
         for i, actual in enumerate(loader):
             assert_batches_equal(actual, expected[i], f"batch {i}")

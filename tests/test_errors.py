@@ -23,13 +23,15 @@ from .datasets import (
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_worker_exception_keeps_type_and_iteration_continues(num_workers):
+@pytest.mark.parametrize("num_workers, worker_mode", [(0, "process"), (2, "process"),
+                                                      (2, "thread")])
+def test_worker_exception_keeps_type_and_iteration_continues(num_workers, worker_mode):
     """A ValueError in __getitem__ is re-raised as ValueError naming worker, idx and indices;
     the next next() yields the following batch, as in torch."""
     dataset = RaisingDataset(12, bad={5})
     expected = reference_epoch(ImageDataset(12), 2, False)
-    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers) as loader:
+    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers,
+                     worker_mode=worker_mode) as loader:
         iterator = iter(loader)
         for i in range(2):
             np.testing.assert_array_equal(next(iterator), expected[i])
@@ -45,18 +47,20 @@ def test_worker_exception_keeps_type_and_iteration_continues(num_workers):
         del iterator
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers, worker_mode", [(0, "process"), (2, "process"),
+                                                      (2, "thread")])
 @pytest.mark.parametrize("odd_shape, odd_dtype, expected", [
     ((3, 8, 9), None, r"uint8\[3, 8, 8\].*got uint8\[3, 8, 9\]"),
     (None, np.float32, r"uint8\[3, 8, 8\].*got float32\[3, 8, 8\]"),
 ])
-def test_mismatched_sample_names_index_field_and_shapes(num_workers, odd_shape, odd_dtype,
-                                                        expected):
+def test_mismatched_sample_names_index_field_and_shapes(num_workers, worker_mode, odd_shape,
+                                                        odd_dtype, expected):
     """A sample unlike the first raises LayoutError with its index, field, expected/actual
     and the fix, for its batch only: the following batch still loads."""
     dataset = ShapeChangingDataset(12, odd_index=7, odd_shape=odd_shape, odd_dtype=odd_dtype)
     reference = reference_epoch(ImageDataset(12), 4, False)
-    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers) as loader:
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers,
+                     worker_mode=worker_mode) as loader:
         iterator = iter(loader)
         np.testing.assert_array_equal(next(iterator), reference[0])
         with pytest.raises(LayoutError, match=rf"sample 7: field sample must be {expected}.*"
@@ -146,10 +150,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_timeout_raises_runtime_error_naming_seconds():
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+def test_timeout_raises_runtime_error_naming_seconds(worker_mode):
     """timeout=: a batch slower than the limit raises LoaderTimeoutError (a RuntimeError)."""
-    with ArenaLoader(SlowDataset(8, range(2, 8), 5), batch_size=2, num_workers=1,
-                     timeout=0.3) as loader:
+    delay_s = 5 if worker_mode == "process" else 1.5  # a thread cannot be killed at close()
+    with ArenaLoader(SlowDataset(8, range(2, 8), delay_s), batch_size=2, num_workers=1,
+                     timeout=0.3, worker_mode=worker_mode) as loader:
         iterator = iter(loader)
         next(iterator)
         start = time.monotonic()

@@ -77,11 +77,12 @@ def test_abandoned_loader_is_cleaned_up_by_garbage_collection():
     assert not our_slab_mappings()
 
 
-def test_break_then_new_epoch_starts_from_the_beginning():
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+def test_break_then_new_epoch_starts_from_the_beginning(worker_mode):
     """After a break, the next iter() yields the full epoch again."""
     dataset = ImageDataset(21, shape=(2,), dtype=np.int64)
     expected = reference_epoch(dataset, 4, False)
-    with ArenaLoader(dataset, batch_size=4, num_workers=2) as loader:
+    with ArenaLoader(dataset, batch_size=4, num_workers=2, worker_mode=worker_mode) as loader:
         for i, _ in enumerate(loader):
             if i == 1:
                 break
@@ -90,13 +91,15 @@ def test_break_then_new_epoch_starts_from_the_beginning():
         assert i == len(expected) - 1
 
 
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
 @pytest.mark.parametrize("interrupt_at", [None, 1])
-def test_persistent_workers_survive_epochs(interrupt_at):
+def test_persistent_workers_survive_epochs(interrupt_at, worker_mode):
     """persistent_workers=True keeps the same worker processes across epochs, even after a
     break mid-epoch, and every epoch is complete and correct."""
     dataset = ImageDataset(30, shape=(3,), dtype=np.int64)
     expected = reference_epoch(dataset, 4, False)
-    with ArenaLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True) as loader:
+    with ArenaLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True,
+                     worker_mode=worker_mode) as loader:
         iterator = iter(loader)
         next(iterator)  # a loader's first epoch starts its workers at the first next()
         pids = iterator.worker_pids
@@ -216,13 +219,16 @@ def test_loader_used_as_a_temporary_in_a_for_loop(num_workers):
     del batch
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_error_in_the_first_batch_is_raised_by_next_and_iteration_continues(num_workers):
+@pytest.mark.parametrize("num_workers, worker_mode", [(0, "process"), (2, "process"),
+                                                      (2, "thread")])
+def test_error_in_the_first_batch_is_raised_by_next_and_iteration_continues(num_workers,
+                                                                           worker_mode):
     """iter() loads nothing; a failing first batch raises at next(), and the next next()
     yields batch 1 (the layout is learnt from it), with no slot lost."""
     dataset = RaisingDataset(8, bad={1})
     expected = reference_epoch(ImageDataset(8), 2, False)
-    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers, slots=5) as loader:
+    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers, slots=5,
+                     worker_mode=worker_mode) as loader:
         iterator = iter(loader)
         with pytest.raises(ValueError, match="sample 1 is corrupt"):
             next(iterator)

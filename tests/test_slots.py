@@ -58,12 +58,14 @@ def test_result_messages_carry_no_array_bytes():
     assert stats["result_bytes"] / stats["results_received"] < 512  # vs 49,152 array bytes
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_held_batches_keep_their_contents_while_iteration_continues(num_workers):
+@pytest.mark.parametrize("num_workers, worker_mode", [(0, "process"), (2, "process"),
+                                                      (2, "thread")])
+def test_held_batches_keep_their_contents_while_iteration_continues(num_workers, worker_mode):
     """Batches kept by the consumer are never overwritten by later batches."""
     dataset = ImageDataset(40, shape=(6,), dtype=np.int64)
     expected = reference_epoch(dataset, 2, False)
-    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers, slots=8) as loader:
+    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers, slots=8,
+                     worker_mode=worker_mode) as loader:
         kept = {}
         for i, batch in enumerate(loader):
             if i % 5 == 0:  # keep every fifth batch: 4 held at most, the rest recycle
@@ -74,16 +76,17 @@ def test_held_batches_keep_their_contents_while_iteration_continues(num_workers)
         del kept, batch
 
 
-@pytest.mark.parametrize("num_workers, persistent", [
-    (0, False), (1, False), (1, True), (2, False), (3, False), (3, True)])
-def test_holding_every_slot_raises_and_names_slots(num_workers, persistent):
+@pytest.mark.parametrize("num_workers, persistent, worker_mode", [
+    (0, False, "process"), (1, False, "process"), (1, True, "process"), (2, False, "process"),
+    (3, False, "process"), (3, True, "process"), (2, False, "thread"), (2, True, "thread")])
+def test_holding_every_slot_raises_and_names_slots(num_workers, persistent, worker_mode):
     """Keeping `slots` batches alive makes the next next() raise, not hang; freeing resumes.
     Persistent workers are checked in their second epoch (the reset path)."""
     dataset = ImageDataset(30, shape=(2,), dtype=np.int64)
     slots = 2 * num_workers + 2 if num_workers else 3
     with ArenaLoader(dataset, batch_size=2, num_workers=num_workers, slots=slots,
                      prefetch_factor=2 if num_workers else None,
-                     persistent_workers=persistent) as loader:
+                     persistent_workers=persistent, worker_mode=worker_mode) as loader:
         if persistent:
             assert sum(1 for _ in loader) == 15
         iterator = iter(loader)

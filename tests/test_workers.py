@@ -13,15 +13,18 @@ from .datasets import BatchedFetchDataset, ImageDataset, WorkerProbeDataset, fai
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_worker_info_names_the_loading_worker():
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+def test_worker_info_names_the_loading_worker(worker_mode):
     """get_worker_info() is None in the main process and names the worker inside one."""
     assert get_worker_info() is None
-    with ArenaLoader(WorkerProbeDataset(24), batch_size=2, num_workers=3) as loader:
+    with ArenaLoader(WorkerProbeDataset(24), batch_size=2, num_workers=3,
+                     worker_mode=worker_mode) as loader:
         batches = [(b["worker"].tolist(), b["num_workers"].tolist()) for b in loader]
     # Every batch, the first (whose layout sizes the slab) included, is loaded round-robin.
     assert len(batches) == 12
     for idx, (workers, counts) in enumerate(batches):
         assert workers == [idx % 3] * 2 and counts == [3, 3]
+    assert get_worker_info() is None
 
 
 def test_workers_draw_different_random_numbers_and_seeds_reproduce():
@@ -38,8 +41,9 @@ def test_workers_draw_different_random_numbers_and_seeds_reproduce():
     assert first != other
 
 
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
 @pytest.mark.parametrize("num_workers", [1, 3])
-def test_worker_init_fn_error_is_raised_with_its_type(num_workers):
+def test_worker_init_fn_error_is_raised_with_its_type(num_workers, worker_mode):
     """An exception in worker_init_fn reaches next() with its type, worker id and worker
     traceback, after every worker is stopped; it is fatal for the epoch (raised again), and
     the loader stays usable once the init succeeds."""
@@ -50,7 +54,7 @@ def test_worker_init_fn_error_is_raised_with_its_type(num_workers):
             fail_init(worker_id)
 
     with ArenaLoader(ImageDataset(8), batch_size=2, num_workers=num_workers,
-                     worker_init_fn=init) as loader:
+                     worker_init_fn=init, worker_mode=worker_mode) as loader:
         iterator = iter(loader)
         with pytest.raises(OSError, match=r"(?s)Caught builtins.OSError in DataLoader worker \d "
                                           r"while starting.*cannot open shard") as info:
@@ -69,11 +73,13 @@ def test_worker_init_fn_error_is_raised_with_its_type(num_workers):
         assert sum(1 for _ in loader) == 4
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_dataset_getitems_is_used_for_batched_fetch(num_workers):
+@pytest.mark.parametrize("num_workers, worker_mode", [(0, "process"), (2, "process"),
+                                                      (2, "thread")])
+def test_dataset_getitems_is_used_for_batched_fetch(num_workers, worker_mode):
     """A dataset with __getitems__ is fetched a batch at a time, as torch does."""
     dataset = BatchedFetchDataset(10, shape=(2,), dtype=np.int64)
-    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers) as loader:
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers,
+                     worker_mode=worker_mode) as loader:
         batches = [np.array(batch) for batch in loader]
     assert len(batches) == 3
     for start, batch in zip(range(0, 10, 4), batches):

@@ -1,0 +1,147 @@
+"""Thread workers (worker_mode="thread"): named threads of this process, joined by close(),
+with the same errors as processes and no effect on the process-wide RNGs."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from arena_loader import ArenaLoader, ArrayDataset, WorkerCrashedError, get_worker_info
+
+from .conftest import live_children, our_threads
+from .datasets import ImageDataset, SlowDataset, reference_epoch
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class ExitingDataset(ImageDataset):
+    """Raises SystemExit (a BaseException, which ends a thread) for one index."""
+
+    def __init__(self, n: int, fatal_index: int):
+        super().__init__(n)
+        self.fatal_index = fatal_index
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index == self.fatal_index:
+            sys.exit(3)
+        return super().__getitem__(index)
+
+
+class ThreadRecordingDataset(ImageDataset):
+    """Records the name of the thread that loads each sample and its worker info."""
+
+    def __init__(self, n: int):
+        super().__init__(n, shape=(2,), dtype=np.int64)
+        self.seen: list[tuple[str, int | None]] = []
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        info = get_worker_info()
+        self.seen.append((threading.current_thread().name, None if info is None else info.id))
+        return super().__getitem__(index)
+
+
+def test_thread_workers_are_named_threads_joined_by_close():
+    """Workers are threads arena_loader-worker-<id> of this process; close() joins them all."""
+    dataset = ThreadRecordingDataset(24)
+    loader = ArenaLoader(dataset, batch_size=2, num_workers=3, worker_mode="thread",
+                         persistent_workers=True)
+    iterator = iter(loader)
+    next(iterator)
+    names = {t.name for t in our_threads()}
+    assert {"arena_loader-worker-0", "arena_loader-worker-1", "arena_loader-worker-2"} <= names
+    assert iterator.worker_pids == [os.getpid()] * 3
+    assert not live_children()
+    rest = list(iterator)
+    assert len(rest) == 11
+    loader.close()
+    assert not our_threads()
+    # Every sample after the first batch came from worker thread idx % 3, which said so.
+    loaders = {name: worker for name, worker in dataset.seen[2:]}
+    assert loaders == {f"arena_loader-worker-{i}": i for i in range(3)}
+    assert dataset.seen[0] == ("MainThread", None)
+
+
+def test_thread_workers_leave_the_process_rngs_alone():
+    """Thread workers seed nothing global: random and numpy streams continue undisturbed."""
+    random.seed(11)
+    np.random.seed(11)
+    expected = (random.random(), np.random.random())
+    random.seed(11)
+    np.random.seed(11)
+    with ArenaLoader(ImageDataset(20), batch_size=2, num_workers=2, worker_mode="thread",
+                     worker_init_fn=lambda worker_id: None) as loader:
+        assert len(list(loader)) == 10
+    assert (random.random(), np.random.random()) == expected
+
+
+def test_thread_that_ends_raises_worker_crashed_and_shuts_down():
+    """A BaseException ending a worker thread is a WorkerCrashedError naming the thread and
+    its batch; the batches before it arrive; the other threads are joined."""
+    dataset = ExitingDataset(20, fatal_index=9)
+    expected = reference_epoch(ImageDataset(20), 2, False)
+    with ArenaLoader(dataset, batch_size=2, num_workers=2, worker_mode="thread") as loader:
+        iterator = iter(loader)
+        received = []
+        with pytest.raises(WorkerCrashedError, match=r"worker thread 0 \(pid \d+\) ended by "
+                                                     r"SystemExit\(3\) while loading batch "
+                                                     r"idx=4 \(indices \[8, 9\]\)"):
+            for batch in iterator:
+                received.append(np.array(batch))
+        assert len(received) == 4
+        for got, ref in zip(received, expected):
+            np.testing.assert_array_equal(got, ref)
+        with pytest.raises(WorkerCrashedError):
+            next(iterator)
+        assert not [t for t in our_threads() if t.name.startswith("arena_loader-worker")]
+        # A new epoch starts fresh threads and loads what it can until the same sample.
+        assert np.array_equal(next(iter(loader)), expected[0])
+        del iterator
+
+
+def test_close_gives_up_on_a_thread_stuck_in_user_code_within_bounds(monkeypatch):
+    """A thread cannot be killed: close() waits a bounded time, names it, and returns;
+    the thread exits by itself once the dataset returns, touching nothing else."""
+    monkeypatch.setattr("arena_loader._threads.JOIN_TIMEOUT_S", 0.2)
+    loader = ArenaLoader(SlowDataset(8, {2}, 2.0), batch_size=2, num_workers=1,
+                         worker_mode="thread")
+    iterator = iter(loader)
+    next(iterator)
+    time.sleep(0.2)  # the thread is now inside the slow sample
+    workers = iterator._session.workers
+    start = time.monotonic()
+    loader.close()
+    assert time.monotonic() - start < 1.5
+    assert workers.stuck == ["arena_loader-worker-0"]
+    del iterator
+
+
+def test_gil_free_gather_in_threads_matches_the_arrays():
+    """Many thread workers gathering from one ArrayDataset give exact, complete epochs."""
+    x = np.arange(5000 * 16, dtype=np.float32).reshape(5000, 16)
+    y = np.arange(5000)
+    with ArenaLoader(ArrayDataset(x, y), batch_size=256, shuffle=True, num_workers=4,
+                     worker_mode="thread", persistent_workers=True) as loader:
+        for _ in range(2):
+            seen = []
+            for batch_x, batch_y in loader:
+                np.testing.assert_array_equal(batch_x, x[batch_y])
+                seen.append(np.array(batch_y))
+            assert np.array_equal(np.sort(np.concatenate(seen)), y)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(worker_mode="threads"), r"worker_mode must be one of \('process', 'thread'\), got "
+                                  r"'threads'"),
+    (dict(worker_mode="thread", num_workers=2, multiprocessing_context="spawn"),
+     r"multiprocessing_context must be None with worker_mode='thread', got 'spawn'"),
+])
+def test_bad_worker_mode_options_are_rejected(kwargs, pattern):
+    """worker_mode is validated at construction with the rule and the fix."""
+    with pytest.raises(ValueError, match=pattern):
+        ArenaLoader(ImageDataset(4), **kwargs)
