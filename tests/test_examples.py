@@ -1,0 +1,37 @@
+"""The examples in examples/ run to completion on a CPU and their models learn."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_example(name: str, *args: str) -> tuple[float, float]:
+    """Run an example; return its first and last epoch losses."""
+    result = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True,
+                            text=True, timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"loss first=([\d.]+) last=([\d.]+)", result.stdout)
+    assert match, result.stdout
+    return float(match.group(1)), float(match.group(2))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+def test_train_numeric_example_reduces_the_loss(worker_mode):
+    """examples/train_numeric.py trains to a clearly lower cross-entropy."""
+    first, last = run_example("train_numeric.py", "--epochs", "3", "--worker-mode", worker_mode)
+    assert last < 0.5 * first
+
+
+@pytest.mark.timeout(120)
+def test_train_memmap_example_reduces_the_loss():
+    """examples/train_memmap.py trains over .npy files to a much lower squared error."""
+    first, last = run_example("train_memmap.py", "--epochs", "2")
+    assert last < 0.1 * first
