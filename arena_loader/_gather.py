@@ -13,6 +13,8 @@ numba is imported here only; this module is imported on the first gather, never 
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 
@@ -36,12 +38,13 @@ def _gather_byte_rows(source, indices, out):  # pragma: no cover - compiled
 
 
 def gather_rows(source: np.ndarray, indices: np.ndarray, out: np.ndarray,
-                name: str = "array") -> None:
+                name: str = "array", rows: np.ndarray | None = None) -> None:
     """Write ``source[indices]`` into ``out`` (shape ``(len(indices), *source.shape[1:])``).
 
     Negative indices count from the end, as in numpy and torch; an index outside
     ``[-len(source), len(source))`` raises ``IndexError`` naming it, ``name`` and the length.
     ``out`` must be C-contiguous with ``source``'s dtype (a slot's field rows are).
+    ``rows``: ``byte_rows(source)`` if the caller keeps it (it is the same for every batch).
     """
     indices = as_index_array(indices)
     n = source.shape[0]
@@ -53,7 +56,8 @@ def gather_rows(source: np.ndarray, indices: np.ndarray, out: np.ndarray,
         raise ValueError(f"out for {name} must be C-contiguous")
     if len(indices) == 0:
         return
-    rows = _byte_rows(source)
+    if rows is None:
+        rows = byte_rows(source)
     if rows is None:  # rows are not contiguous in memory (e.g. Fortran order): numpy's take
         _check_bounds(indices, n, name)
         np.take(source, indices, axis=0, out=out, mode="wrap")  # wrap: negative indices
@@ -66,13 +70,13 @@ def gather_rows(source: np.ndarray, indices: np.ndarray, out: np.ndarray,
         raise _index_error(int(indices[bad]), n, name)
 
 
-def _byte_rows(source: np.ndarray) -> np.ndarray | None:
+def byte_rows(source: np.ndarray) -> np.ndarray | None:
     """``source`` as ``(rows, row_nbytes)`` uint8 without copying, or None if a row's bytes
     are not contiguous."""
     n = source.shape[0]
     if source.ndim > 1 and n > 0 and not source[0].flags.c_contiguous:
         return None
-    row_size = int(np.prod(source.shape[1:], dtype=np.int64))
+    row_size = math.prod(source.shape[1:])
     # With contiguous rows the reshape merges the trailing axes without copying; a row stride
     # other than row_nbytes (a sliced array) stays as the first axis' stride.
     flat = np.lib.stride_tricks.as_strided(

@@ -76,12 +76,21 @@ class ArrayDataset:
 
     def read_into(self, indices: np.ndarray, out: Any) -> None:
         """Gather rows ``indices`` of every array into ``out`` (see ``BatchReadable``)."""
-        from ._gather import gather_rows  # numba is imported on the first batch
+        from ._gather import byte_rows, gather_rows  # numba is imported on the first batch
 
         indices = as_index_array(indices)
         leaves = [out[key] for key in self._keys] if self._keys is not None else list(out)
-        for name, array, leaf in zip(self._names, self._open(), leaves):
-            gather_rows(array, indices, leaf, name)
+        arrays = self._open()
+        rows = self.__dict__.get("_rows")
+        if rows is None or rows[0] is not arrays:  # byte views, made once per opened arrays
+            rows = self._rows = (arrays, [byte_rows(array) for array in arrays])
+        for name, array, leaf, array_rows in zip(self._names, arrays, leaves, rows[1]):
+            gather_rows(array, indices, leaf, name, array_rows)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_rows", None)  # views of the arrays: rebuilt on the first batch
+        return state
 
 
 class MemmapDataset(ArrayDataset):
@@ -114,7 +123,7 @@ class MemmapDataset(ArrayDataset):
         return arrays
 
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         state["_arrays"] = None  # reopened where it is unpickled
         del state["_open_lock"]
         return state

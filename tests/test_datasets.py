@@ -228,3 +228,15 @@ def test_memmap_dataset_rejects_fortran_order_and_unequal_lengths(tmp_path):
     np.save(tmp_path / "b.npy", np.zeros(5))
     with pytest.raises(ValueError, match=r"arrays\[1\] has 5 but arrays\[0\] has 4"):
         MemmapDataset(tmp_path / "a.npy", tmp_path / "b.npy")
+
+
+def test_array_dataset_pickles_its_arrays_once():
+    """After a batch, pickling (spawn) carries each array once and still gathers correctly."""
+    x = rows_array(1000, (8,), np.float64)
+    dataset = ArrayDataset(x)
+    dataset.read_into(np.array([3, 1]), (np.empty((2, 8)),))
+    payload = pickle.dumps(dataset)
+    assert x.nbytes < len(payload) < 1.5 * x.nbytes
+    out = (np.empty((2, 8)),)
+    pickle.loads(payload).read_into(np.array([999, -1000]), out)
+    np.testing.assert_array_equal(out[0], x[[999, 0]])
