@@ -46,6 +46,13 @@ class BatchFiller:
         self._read_into = (getattr(dataset, "read_into", None)
                            if collate_fn is None and auto_collation and not iterable else None)
 
+    def warm_up(self) -> None:
+        """Before forking workers: let a batch-protocol dataset prepare (compile its gather)
+        in the main process, so that every forked worker inherits the result."""
+        warm_up = getattr(self.dataset, "warm_up", None) if self._read_into else None
+        if warm_up is not None:
+            warm_up()
+
     def fetch_next(self, stream: Iterator) -> Fetched | None:
         """The next batch of an iterable-style dataset's ``stream``; None when it has no more
         (a final partial batch is dropped with ``drop_last``, per worker, as in torch)."""

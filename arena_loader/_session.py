@@ -173,6 +173,8 @@ class _Session:
         ]
         if options.worker_mode == "thread":
             return ThreadWorkerGroup(setups, slab)
+        if options.context.get_start_method() == "fork":
+            self._filler.warm_up()
         return WorkerGroup(options.context, setups)
 
     def _finish_epoch(self) -> None:

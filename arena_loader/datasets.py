@@ -38,6 +38,8 @@ class BatchReadable(Protocol):
 
     def read_into(self, indices: np.ndarray, out: Any) -> None: ...
 
+    # Optional: ``warm_up()``, called in the main process before fork workers start.
+
 
 class ArrayDataset:
     """Samples are rows of equally long arrays, like torch's ``TensorDataset``.
@@ -73,6 +75,18 @@ class ArrayDataset:
                              f"{self._length} samples")
         rows = [array[index] for array in self._open()]
         return dict(zip(self._keys, rows)) if self._keys is not None else tuple(rows)
+
+    def warm_up(self) -> None:
+        """Compile the gather for these arrays now (the loader calls this in the main process
+        before forking workers, which then inherit the machine code instead of each loading
+        numba and compiling or reading the on-disk cache)."""
+        arrays = self._open()
+        if all(len(array) for array in arrays):
+            self.read_into(np.zeros(1, np.int64),
+                           [np.empty((1, *array.shape[1:]), array.dtype) for array in arrays]
+                           if self._keys is None else
+                           {key: np.empty((1, *array.shape[1:]), array.dtype)
+                            for key, array in zip(self._keys, arrays)})
 
     def read_into(self, indices: np.ndarray, out: Any) -> None:
         """Gather rows ``indices`` of every array into ``out`` (see ``BatchReadable``)."""

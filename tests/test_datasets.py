@@ -4,6 +4,9 @@ of ``array[indices]`` into the slot, for every dtype, shape and worker kind."""
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -240,3 +243,23 @@ def test_array_dataset_pickles_its_arrays_once():
     out = (np.empty((2, 8)),)
     pickle.loads(payload).read_into(np.array([999, -1000]), out)
     np.testing.assert_array_equal(out[0], x[[999, 0]])
+
+
+def test_gather_is_compiled_in_the_parent_before_fork_workers_start():
+    """Forked workers inherit the compiled gather: the main process compiles it first (checked
+    in a fresh interpreter, where nothing else compiled it)."""
+    script = textwrap.dedent("""
+        import numpy as np
+        from arena_loader import ArenaLoader, ArrayDataset
+        x = np.arange(120, dtype=np.uint16).reshape(40, 3)
+        with ArenaLoader(ArrayDataset(x), batch_size=4, num_workers=2,
+                         multiprocessing_context="fork") as loader:
+            first = next(iter(loader))[0]
+            assert (first == x[:4]).all()
+            from arena_loader import _gather
+            print("signatures", len(_gather._gather_byte_rows.signatures))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "signatures 1" in result.stdout
