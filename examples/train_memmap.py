@@ -5,7 +5,8 @@ The example writes a synthetic dataset (inputs and targets) to a temporary direc
 paths, dtypes, shapes and offsets are pickled, so this works with spawn too) and gathers rows
 straight into the slab. Runs in a few seconds on a CPU:
 
-    python examples/train_memmap.py [--epochs 3] [--multiprocessing-context spawn]
+    python examples/train_memmap.py [--epochs 3] [--samples 30000]
+        [--multiprocessing-context spawn]
 
 It prints one line per epoch and finally ``loss first=<..> last=<..>``.
 """
@@ -38,16 +39,18 @@ def write_dataset(directory: Path, n: int, features: int) -> dict[str, Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=30_000)
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--multiprocessing-context", default=None)
     args = parser.parse_args()
 
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # a model this small gains nothing from more; leave cores to workers
     model = nn.Linear(32, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     losses = []
     with tempfile.TemporaryDirectory(prefix="arena_loader_example_") as tmp:
-        dataset = MemmapDataset(write_dataset(Path(tmp), 30_000, 32))
+        dataset = MemmapDataset(write_dataset(Path(tmp), args.samples, 32))
         with ArenaLoader(dataset, batch_size=128, shuffle=True, generator=0,
                          num_workers=args.num_workers, slots=16,
                          multiprocessing_context=args.multiprocessing_context) as loader:

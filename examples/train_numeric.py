@@ -4,7 +4,8 @@ The data lives in numpy arrays; ``ArrayDataset`` gathers each batch straight int
 the shared-memory slab with a compiled loop, and the model reads the slot through
 ``torch.from_numpy`` (no copy). Runs in a few seconds on a CPU:
 
-    python examples/train_numeric.py [--epochs 4] [--num-workers 2] [--worker-mode thread]
+    python examples/train_numeric.py [--epochs 4] [--samples 20000] [--num-workers 2]
+        [--worker-mode thread]
 
 It prints one line per epoch and finally ``loss first=<..> last=<..>``.
 """
@@ -32,12 +33,14 @@ def make_data(n: int, features: int, seed: int) -> tuple[np.ndarray, np.ndarray]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=20_000)
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--worker-mode", choices=["process", "thread"], default="process")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    x, y = make_data(20_000, 16, seed=0)
+    torch.set_num_threads(1)  # a model this small gains nothing from more; leave cores to workers
+    x, y = make_data(args.samples, 16, seed=0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     loss_fn = nn.CrossEntropyLoss()

@@ -26,12 +26,13 @@ def run_example(name: str, *args: str) -> tuple[float, float]:
 @pytest.mark.parametrize("worker_mode", ["process", "thread"])
 def test_train_numeric_example_reduces_the_loss(worker_mode):
     """examples/train_numeric.py trains to a clearly lower cross-entropy."""
-    first, last = run_example("train_numeric.py", "--epochs", "3", "--worker-mode", worker_mode)
+    first, last = run_example("train_numeric.py", "--epochs", "3", "--samples", "8192",
+                              "--worker-mode", worker_mode)
     assert last < 0.5 * first
 
 
 @pytest.mark.timeout(120)
 def test_train_memmap_example_reduces_the_loss():
     """examples/train_memmap.py trains over .npy files to a much lower squared error."""
-    first, last = run_example("train_memmap.py", "--epochs", "2")
+    first, last = run_example("train_memmap.py", "--epochs", "2", "--samples", "12000")
     assert last < 0.1 * first
