@@ -403,9 +403,15 @@ class _Session:
     def _kill_workers(self, graceful: bool = True) -> None:
         """Stop the group; then every slot it was writing is safe to reuse."""
         self.workers.shutdown(graceful)
+        # A thread worker left stuck in user code may still write the slot of the task it is on
+        # (its oldest): that slot stays ASSIGNED for good, so it is never handed out again.
+        stuck = set(getattr(self.workers, "stuck_ids", ()))
         with self._cv:
-            for _, slot, _ in self._in_flight.values():
-                if slot != NO_SLOT:
+            for idx in sorted(self._in_flight):
+                worker, slot, _ = self._in_flight[idx]
+                if worker in stuck:
+                    stuck.discard(worker)
+                elif slot != NO_SLOT:
                     self.arena.pool.reclaim(slot)
             self._in_flight.clear()
 

@@ -50,7 +50,9 @@ class ThreadWorkerGroup:
         self.threads: list[threading.Thread] = []
         self.task_conns: list[Connection] = []
         self.result_conns: list[Connection] = []
-        self.stuck: list[str] = []  # threads still in user code after shutdown gave up on them
+        # Threads still in user code after shutdown gave up on them (names, worker ids).
+        self.stuck: list[str] = []
+        self.stuck_ids: list[int] = []
         self._exits: dict[int, BaseException] = {}  # why a thread ended, if not asked to
         self._closed = False
         self._shutdown_lock = threading.Lock()
@@ -163,7 +165,8 @@ class ThreadWorkerGroup:
         for conn in (*self.task_conns, *self.result_conns):
             conn.close()
         self._join_until(time.monotonic() + JOIN_TIMEOUT_S)
-        self.stuck = [t.name for t in self.threads if t.is_alive()]
+        self.stuck_ids = [i for i, thread in enumerate(self.threads) if thread.is_alive()]
+        self.stuck = [self.threads[i].name for i in self.stuck_ids]
 
     def _join_until(self, deadline: float) -> None:
         for thread in self.threads:

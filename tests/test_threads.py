@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from arena_loader import ArenaLoader, ArrayDataset, WorkerCrashedError, get_worker_info
+from arena_loader._pool import SlotState
 
 from .conftest import live_children, our_threads
 from .datasets import ImageDataset, SlowDataset, reference_epoch
@@ -119,6 +120,30 @@ def test_close_gives_up_on_a_thread_stuck_in_user_code_within_bounds(monkeypatch
     assert time.monotonic() - start < 1.5
     assert workers.stuck == ["arena_loader-worker-0"]
     del iterator
+
+
+def test_slot_a_stuck_thread_may_write_is_never_reused(monkeypatch):
+    """The slot a stuck thread is still loading stays out of use, so when the thread finally
+    writes it, no batch of a later epoch is overwritten."""
+    monkeypatch.setattr("arena_loader._threads.JOIN_TIMEOUT_S", 0.2)
+    dataset = SlowDataset(12, {2}, 1.0, shape=(2,), dtype=np.int64)
+    expected = reference_epoch(ImageDataset(12, shape=(2,), dtype=np.int64), 2, False)
+    with ArenaLoader(dataset, batch_size=2, num_workers=1, worker_mode="thread",
+                     slots=8) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        time.sleep(0.2)  # the thread is now inside the slow sample of batch idx=1
+        workers = iterator._session.workers
+        iterator.close()
+        assert workers.stuck_ids == [0]
+        assert loader._source._arena.pool.counts()[SlotState.ASSIGNED] == 1
+        held = list(loader)  # a new epoch, while the stuck thread finishes and writes
+        workers.threads[0].join(timeout=5)
+        assert not workers.threads[0].is_alive()
+        assert len(held) == len(expected)
+        for i, (batch, ref) in enumerate(zip(held, expected)):
+            np.testing.assert_array_equal(batch, ref, err_msg=f"batch {i}")
+        del held, iterator
 
 
 def test_gil_free_gather_in_threads_matches_the_arrays():
