@@ -16,7 +16,7 @@ from arena_loader import ArenaLoader, ArrayDataset, WorkerCrashedError, get_work
 from arena_loader._pool import SlotState
 
 from .conftest import live_children, our_threads
-from .datasets import ImageDataset, SlowDataset, reference_epoch
+from .datasets import ImageDataset, ShardedStream, SlowDataset, reference_epoch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -170,3 +170,10 @@ def test_bad_worker_mode_options_are_rejected(kwargs, pattern):
     """worker_mode is validated at construction with the rule and the fix."""
     with pytest.raises(ValueError, match=pattern):
         ArenaLoader(ImageDataset(4), **kwargs)
+
+
+def test_iterable_datasets_need_process_workers():
+    """Iterable-style datasets shard by torch's process-wide worker info: threads refused."""
+    with pytest.raises(ValueError, match=r"worker_mode must be 'process' for an iterable-style "
+                                         r"dataset, got 'thread'"):
+        ArenaLoader(ShardedStream(8), batch_size=2, num_workers=2, worker_mode="thread")
