@@ -484,12 +484,21 @@ class _Session:
         message, indices = entry
         if isinstance(message, BatchFailed):
             raise rebuild_worker_error(message, indices, message.idx)
+        try:
+            return self._hand_out(message, indices)
+        except BaseException:
+            # Not delivered (a bad object leaf, close() from another thread, or Ctrl-C right
+            # here): the slot would otherwise stay FILLED, lost to every later epoch.
+            if self.arena.pool.state(message.slot) is SlotState.FILLED:
+                self.arena.pool.reclaim(message.slot)
+            raise
+
+    def _hand_out(self, message: BatchReady, indices: Any) -> Any:
         objects = None
         if message.objects is not None:
             try:
                 objects = pickle.loads(message.objects)
             except Exception as exc:
-                self.arena.pool.reclaim(message.slot)
                 raise RuntimeError(
                     f"the non-array values of batch idx={message.idx} (indices {indices!r}) "
                     f"did not unpickle in the main process: {exc!r}; return only numbers, "

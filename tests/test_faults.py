@@ -326,3 +326,36 @@ def test_crashed_iterator_is_collected_once_dropped():
         assert collected() is None
         assert session._closed
 
+
+
+def test_interrupt_while_handing_out_a_batch_gives_its_slot_back(monkeypatch):
+    """Ctrl-C landing after a batch is taken but before it is handed over: KeyboardInterrupt
+    reaches the caller, the batch's slot is free again (not lost to later epochs), and the
+    epoch goes on with the next batch."""
+    import arena_loader._session as session_module
+
+    class Tagged(ImageDataset):
+        def __getitem__(self, i):
+            return {"x": super().__getitem__(i), "tag": str(i)}
+
+    real_loads, calls = session_module.pickle.loads, []
+
+    def interrupted_once(data):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_loads(data)
+
+    monkeypatch.setattr(session_module.pickle, "loads", interrupted_once)
+    with ArenaLoader(Tagged(8), batch_size=2, num_workers=1, slots=3,
+                     persistent_workers=True) as loader:
+        iterator = iter(loader)
+        assert next(iterator)["tag"] == ["0", "1"]
+        with pytest.raises(KeyboardInterrupt):
+            next(iterator)
+        assert [next(iterator)["tag"] for _ in range(2)] == [["4", "5"], ["6", "7"]]
+        with pytest.raises(StopIteration):
+            next(iterator)
+        gc.collect()
+        assert loader._source._arena.pool.counts()[SlotState.FREE] == 3
+        del iterator
