@@ -62,6 +62,7 @@ CONSUMER_POLL_S = 0.5
 # daemon thread to exit by itself when the sampler returns (it checks the stop flag first).
 THREAD_JOIN_TIMEOUT_S = 10.0
 CLOSE_JOIN_TIMEOUT_S = 0.5
+_NO_PENDING = object()
 
 
 class _Session:
@@ -101,7 +102,9 @@ class _Session:
 
     def _reset_epoch_state(self, batches: Iterator) -> None:
         self._batches = batches
-        self._pending: Any = None  # indices taken from the sampler, waiting for a slot
+        # Indices taken from the sampler, waiting for a slot. A sentinel, not None: an
+        # iterable-style dataset's "indices" are None.
+        self._pending: Any = _NO_PENDING
         self._started = False
         self._send_idx = 0
         self._rcvd_idx = 0
@@ -257,7 +260,7 @@ class _Session:
                 if self.arena is None and self._in_flight:
                     return True  # learning the layout: one batch at a time until it is known
             indices = self._pending
-            if indices is None:
+            if indices is _NO_PENDING:
                 # Indices before a slot: the end of the epoch is StopIteration even while the
                 # consumer holds every slot, and indices waiting for a slot are never lost.
                 try:
@@ -286,7 +289,7 @@ class _Session:
                 if slot is None:
                     self._cv.notify_all()  # next() may be deciding whether it starves
                     return True  # the waker fires when a slot comes back
-                idx, indices, self._pending = self._send_idx, self._pending, None
+                idx, indices, self._pending = self._send_idx, self._pending, _NO_PENDING
                 self._send_idx += 1
                 if self._filler.iterable:
                     indices = None
@@ -526,7 +529,8 @@ class _Session:
         """Nothing in flight or ready, a batch's indices waiting for a slot, and the consumer
         holds every slot. (While the sampler is still producing those indices, or ends the
         epoch, this is not starvation.)"""
-        if self._in_flight or self._done or self._pending is None or self.arena is None:
+        if (self._in_flight or self._done or self._pending is _NO_PENDING
+                or self.arena is None):
             return False
         return self.arena.pool.counts()[SlotState.FREE] == 0
 

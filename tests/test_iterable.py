@@ -153,3 +153,24 @@ def test_torch_output_for_a_stream():
     assert all(isinstance(b["x"], torch.Tensor) and b["index"].dtype == torch.int64
                for b in batches)
     del batches
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_holding_every_slot_raises_and_loses_no_sample(num_workers):
+    """An iterable-style dataset whose consumer keeps every batch gets SlotsExhaustedError
+    naming `slots` (never a hang); after letting go, the epoch goes on with no sample lost
+    or repeated."""
+    from arena_loader import SlotsExhaustedError
+
+    with ArenaLoader(ShardedStream(20), batch_size=2, num_workers=num_workers,
+                     slots=3) as loader:
+        iterator = iter(loader)
+        held = []
+        with pytest.raises(SlotsExhaustedError, match="slots"):
+            while True:
+                held.append(next(iterator))
+        seen = [int(i) for batch in held for i in batch["index"]]
+        del held
+        seen += [int(i) for batch in iterator for i in batch["index"]]
+        del iterator
+    assert sorted(seen) == list(range(20))
