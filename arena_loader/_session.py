@@ -194,7 +194,16 @@ class _Session:
                 self._fatal = fresh_copy(exc)
             raise
         if self._in_flight and self.workers is not None and not self.workers.closed:
-            self._drain_in_flight()
+            try:
+                self._drain_in_flight()
+            except BaseException as exc:
+                # E.g. the first batch's layout arrived during the drain and the slab could
+                # not be sized: the workers may hold a stale slab, so this session is over
+                # (broken: the next iter() starts a new one).
+                self._kill_workers(graceful=False)
+                with self._cv:
+                    self._fatal = fresh_copy(exc)
+                raise
         self._reclaim_done()
         if self.workers is not None and self.workers.closed:
             self.workers = None  # stopped after a crash or a stuck drain: start afresh
@@ -389,7 +398,12 @@ class _Session:
             worker_id, _, indices = self._in_flight[found.idx]
             self._in_flight[found.idx] = (worker_id, slot, indices)
         for other in range(self._options.num_workers):
-            self.workers.send(other, Attach(found.layout, slot if other == worker_id else None))
+            try:
+                self.workers.send(other, Attach(found.layout,
+                                                slot if other == worker_id else None))
+            except OSError:  # its task pipe is closed: that worker is dead
+                crash = self._crash_error(other)
+                raise crash from crash.__cause__
 
     def _fail(self, exc: BaseException) -> None:
         """A fatal error: stop the workers, then hand next() the error, so that when it is

@@ -15,7 +15,7 @@ import pytest
 from arena_loader import ArenaLoader, LoaderClosedError, LoaderTimeoutError, WorkerCrashedError
 from arena_loader._pool import SlotState
 
-from .conftest import our_slab_mappings
+from .conftest import our_slab_mappings, wait_until
 from .datasets import ImageDataset, SlowDataset, SuicidalDataset, reference_epoch
 
 pytestmark = pytest.mark.timeout(60)
@@ -359,3 +359,55 @@ def test_interrupt_while_handing_out_a_batch_gives_its_slot_back(monkeypatch):
         gc.collect()
         assert loader._source._arena.pool.counts()[SlotState.FREE] == 3
         del iterator
+
+
+class SlowRows(ImageDataset):
+    def __getitem__(self, index):
+        time.sleep(0.05)
+        return super().__getitem__(index)
+
+
+def test_capacity_error_while_switching_epochs_before_the_layout_is_known(monkeypatch):
+    """Persistent workers, a new epoch begun while the first batch's layout is still being
+    learned, and /dev/shm full when it arrives: ShmCapacityError from iter(), and the next
+    iter() loads a whole correct epoch on fresh workers (not stale-slab attach errors)."""
+    import arena_loader._slab as slab_module
+    from arena_loader import ShmCapacityError
+
+    dataset = SlowRows(8, shape=(4,), dtype=np.int64)
+    expected = reference_epoch(dataset, 2, False)
+    with ArenaLoader(dataset, batch_size=2, num_workers=2, persistent_workers=True) as loader:
+        session = iter(loader)._session  # workers start; the first batch is loading
+        assert wait_until(lambda: session._in_flight, timeout_s=5)
+        with monkeypatch.context() as patch:
+            patch.setattr(slab_module, "shm_available_bytes", lambda: 0)
+            with pytest.raises(ShmCapacityError, match="fewer `slots`"):
+                iter(loader)
+        assert loader._persistent.broken
+        for batch, reference in zip(loader, expected, strict=True):
+            np.testing.assert_array_equal(batch, reference)
+
+
+def exit_worker_one_soon(worker_id):
+    if worker_id == 1:
+        time.sleep(0.3)
+        os._exit(3)
+
+
+def test_worker_dying_while_the_slab_is_sized_is_a_worker_crash(monkeypatch):
+    """A worker that dies while the main process sizes the slab for the first batch (a slow
+    posix_fallocate) is reported as WorkerCrashedError with its exit code, not as a raw
+    BrokenPipeError from telling it to attach."""
+    from arena_loader._arena import ArenaSource
+
+    real_claim = ArenaSource.claim
+
+    def slow_claim(self, layout, slab=None):
+        time.sleep(0.6)
+        return real_claim(self, layout, slab)
+
+    monkeypatch.setattr(ArenaSource, "claim", slow_claim)
+    with ArenaLoader(ImageDataset(8), batch_size=2, num_workers=2,
+                     worker_init_fn=exit_worker_one_soon) as loader:
+        with pytest.raises(WorkerCrashedError, match=r"worker 1 \(pid \d+\) exited with code 3"):
+            list(loader)
