@@ -10,7 +10,6 @@ runs on host arrays; the simulator has no ``mempin`` (so it takes the staging pa
 from __future__ import annotations
 
 import ctypes
-import gc
 import sys
 import threading
 import warnings
@@ -25,6 +24,7 @@ from numba import cuda
 
 from ._arena import LeasedSlot
 from ._inprocess import InProcessIterator
+from ._pool import collect_unlocked
 from .errors import LoaderClosedError, SlotsExhaustedError
 
 SIMULATED = ".simulator" in type(cuda.gpus).__module__
@@ -480,11 +480,7 @@ class _Stage:
                 if self._ring.starved:
                     if collected:
                         raise self._exhausted_error()
-                    self._cv.release()
-                    try:
-                        gc.collect()  # batches caught in cycles release their buffers here
-                    finally:
-                        self._cv.acquire()
+                    collect_unlocked(self._cv)
                     collected = True
                     continue
                 if not self._cv.wait(POLL_S) and not self._thread.is_alive():

@@ -9,6 +9,7 @@ Any other transition is a bug and raises (docs/design.md, "Slot lifecycle").
 from __future__ import annotations
 
 import enum
+import gc
 import os
 import threading
 import weakref
@@ -181,3 +182,14 @@ class SlotPool:
                 f"before becoming {new.value} (arena_loader bug: please report it)"
             )
         self._states[slot] = new
+
+
+def collect_unlocked(cv: threading.Condition) -> None:
+    """Run the garbage collector with ``cv`` (held by the caller) released: views caught in
+    reference cycles give their slot or buffer back only then, and their finalizers may need
+    locks that the waiting side holds."""
+    cv.release()
+    try:
+        gc.collect()
+    finally:
+        cv.acquire()

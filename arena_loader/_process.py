@@ -45,10 +45,7 @@ class WorkerGroup:
         self._shutdown_lock = threading.Lock()
         try:
             for setup in setups:
-                task_reader, task_writer = context.Pipe(duplex=False)
-                result_reader, result_writer = context.Pipe(duplex=False)
-                _enlarge_pipe(task_writer)
-                _enlarge_pipe(result_writer)
+                task_reader, task_writer, result_reader, result_writer = worker_pipes(context)
                 process = context.Process(
                     target=worker_main, args=(setup, task_reader, result_writer),
                     name=f"arena_loader-worker-{setup.worker_id}", daemon=True,
@@ -138,6 +135,16 @@ class WorkerGroup:
         for process in self.processes:
             if process.exitcode is not None:
                 process.close()
+
+
+def worker_pipes(context: Any) -> tuple[Connection, Connection, Connection, Connection]:
+    """A worker's private channels, enlarged: (task reader, task writer, result reader,
+    result writer)."""
+    task_reader, task_writer = context.Pipe(duplex=False)
+    result_reader, result_writer = context.Pipe(duplex=False)
+    _enlarge_pipe(task_writer)
+    _enlarge_pipe(result_writer)
+    return task_reader, task_writer, result_reader, result_writer
 
 
 def _enlarge_pipe(conn: Connection) -> None:

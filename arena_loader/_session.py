@@ -16,7 +16,6 @@ references, so an abandoned iterator is collected and its ``weakref.finalize`` s
 
 from __future__ import annotations
 
-import gc
 import os
 import pickle
 import selectors
@@ -45,7 +44,7 @@ from ._messages import (
     rebuild_worker_error,
 )
 from ._options import LoaderOptions
-from ._pool import SlotState, Waker
+from ._pool import SlotState, Waker, collect_unlocked
 from ._process import JOIN_TIMEOUT_S, WorkerGroup, is_main_thread
 from ._slab import Slab
 from ._threads import ThreadWorkerGroup
@@ -482,11 +481,7 @@ class _Session:
                 if self._starved_locked():
                     if collected:
                         raise self.arena.exhausted_error()
-                    self._cv.release()
-                    try:
-                        gc.collect()  # batches caught in cycles release their slots here
-                    finally:
-                        self._cv.acquire()
+                    collect_unlocked(self._cv)
                     collected = True
                     self._cv.wait(0.05)  # let the thread dispatch into freed slots
                     continue

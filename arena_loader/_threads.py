@@ -20,7 +20,7 @@ from typing import Any
 
 from ._layout import BatchLayout
 from ._messages import RemoteError, Stop, WorkerFailed
-from ._process import JOIN_TIMEOUT_S, _enlarge_pipe
+from ._process import JOIN_TIMEOUT_S, worker_pipes
 from ._slab import Slab
 from ._worker import WorkerInfo, WorkerSetup, _serve, _WorkerState, set_thread_worker_info
 from .errors import WorkerCrashedError
@@ -58,10 +58,8 @@ class ThreadWorkerGroup:
         self._shutdown_lock = threading.Lock()
         try:
             for setup in setups:
-                task_reader, task_writer = multiprocessing.Pipe(duplex=False)
-                result_reader, result_writer = multiprocessing.Pipe(duplex=False)
-                _enlarge_pipe(task_writer)
-                _enlarge_pipe(result_writer)
+                task_reader, task_writer, result_reader, result_writer = worker_pipes(
+                    multiprocessing)
                 thread = threading.Thread(
                     target=self._main, args=(setup, slab, task_reader, result_writer),
                     name=f"arena_loader-worker-{setup.worker_id}", daemon=True)

@@ -53,12 +53,12 @@ def main() -> None:
         dataset = MemmapDataset(write_dataset(Path(tmp), args.samples, 32))
         with ArenaLoader(dataset, batch_size=128, shuffle=True, generator=0,
                          num_workers=args.num_workers, slots=16,
-                         multiprocessing_context=args.multiprocessing_context) as loader:
+                         multiprocessing_context=args.multiprocessing_context,
+                         output="torch") as loader:
             for epoch in range(args.epochs):
                 total, count = 0.0, 0
                 for batch in loader:
-                    inputs = torch.from_numpy(batch["inputs"])
-                    targets = torch.from_numpy(batch["targets"])
+                    inputs, targets = batch["inputs"], batch["targets"]
                     loss = nn.functional.mse_loss(model(inputs), targets)
                     optimizer.zero_grad()
                     loss.backward()

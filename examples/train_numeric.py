@@ -1,8 +1,8 @@
 """Train a small torch classifier on a synthetic numeric dataset fed by ArenaLoader.
 
 The data lives in numpy arrays; ``ArrayDataset`` gathers each batch straight into a slot of
-the shared-memory slab with a compiled loop, and the model reads the slot through
-``torch.from_numpy`` (no copy). Runs in a few seconds on a CPU:
+the shared-memory slab with a compiled loop, and the model reads the slot as tensors
+(``output="torch"``, no copy). Runs in a few seconds on a CPU:
 
     python examples/train_numeric.py [--epochs 4] [--samples 20000] [--num-workers 2]
         [--worker-mode thread]
@@ -48,12 +48,12 @@ def main() -> None:
     losses = []
     with ArenaLoader(ArrayDataset(x, y), batch_size=256, shuffle=True, generator=0,
                      num_workers=args.num_workers, worker_mode=args.worker_mode,
-                     persistent_workers=args.num_workers > 0, slots=16) as loader:
+                     persistent_workers=args.num_workers > 0, slots=16,
+                     output="torch") as loader:
         for epoch in range(args.epochs):
             total, count = 0.0, 0
-            for batch_x, batch_y in loader:
-                # Views of the slot: the batch's slot is reused once these are dropped.
-                inputs, targets = torch.from_numpy(batch_x), torch.from_numpy(batch_y)
+            for inputs, targets in loader:
+                # Tensors over the slot: the batch's slot is reused once these are dropped.
                 loss = loss_fn(model(inputs), targets)
                 optimizer.zero_grad()
                 loss.backward()

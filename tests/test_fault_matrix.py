@@ -20,14 +20,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from arena_loader._process import JOIN_TIMEOUT_S
 from arena_loader._slab import NAME_PREFIX, SHM_DIR
 
 from .conftest import wait_until
-from .fault_driver import BATCHES, FAULT_IDX, TIMEOUT_S
+from .fault_driver import BATCHES, FAULT_IDX, TIMEOUT_S, running
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,17 +77,6 @@ def assert_nothing_left(pids: list[int], driver_pid: int) -> None:
     assert wait_until(lambda: not running(pids), timeout_s=2.0), f"survivors: {running(pids)}"
     leaked = [n for n in os.listdir(SHM_DIR) if n.startswith(f"{NAME_PREFIX}{driver_pid}_")]
     assert not leaked, f"shared-memory objects left: {leaked}"
-
-
-def running(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def faulty_worker(num_workers: int) -> int:

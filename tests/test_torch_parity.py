@@ -14,7 +14,13 @@ from arena_loader import ArenaLoader, get_worker_info
 from arena_loader._options import LoaderOptions
 from arena_loader.samplers import DistributedSampler, SubsetRandomSampler, WeightedRandomSampler
 
-from .datasets import BatchedFetchDataset, ImageDataset, NestedDataset, WorkerProbeDataset
+from .datasets import (
+    BatchedFetchDataset,
+    ImageDataset,
+    NestedDataset,
+    WorkerProbeDataset,
+    host_copy,
+)
 
 
 class LazyModule:
@@ -131,19 +137,6 @@ def test_setting_sampling_attributes_after_construction_raises_like_torch():
 # ---------------------------------------------------------------------------------------------
 # Conformance: the same configuration through both loaders gives the same batches.
 
-def as_numpy(batch):
-    """torch's batch with every tensor as a numpy array, containers kept."""
-    if isinstance(batch, torch.Tensor):
-        return batch.numpy()
-    if isinstance(batch, dict):
-        return {key: as_numpy(value) for key, value in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(as_numpy(value) for value in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(as_numpy(value) for value in batch)
-    return batch
-
-
 def assert_same_batch(ours, theirs, where: str) -> None:
     """Same structure, dtype, shape and values. A tuple sample collates to a list in torch and
     to a tuple here (see test_tuple_samples_collate_to_a_list_like_torch)."""
@@ -200,7 +193,7 @@ def test_batches_equal_torch_dataloader(name, num_workers):
     """Every batch of two epochs equals torch's, element-wise, with torch's dtypes."""
     dataset, make_kwargs = CONFIGURATIONS[name]
     theirs_loader = tud.DataLoader(dataset, num_workers=num_workers, **make_kwargs())
-    theirs = [[as_numpy(batch) for batch in theirs_loader] for _ in range(2)]
+    theirs = [[host_copy(batch) for batch in theirs_loader] for _ in range(2)]
     del theirs_loader
     with ArenaLoader(dataset, num_workers=num_workers, **make_kwargs()) as loader:
         for epoch in range(2):
