@@ -1,32 +1,34 @@
-"""An arena: one layout, the slab sized for it, and the pool that owns its slots; plus the
-loader-level source that keeps one arena across epochs."""
+"""An arena: the slab of ``slots`` equal byte budgets and the pool that owns them; plus the
+loader-level source that keeps one arena across epochs and counts the batches the consumer
+holds outside it (docs/design.md, "Slot budget")."""
 
 from __future__ import annotations
 
 import gc
 import threading
+import warnings
+import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
-from ._fetch import BatchFiller, Fetched
-from ._layout import BatchLayout
+from ._layout import KIND_TORCH_RAW, FieldPlacement, Plan
+from ._output import make_converter, torch_raw_view
 from ._pool import SlotPool, SlotState
 from ._slab import Slab
 from .errors import LoaderClosedError, SlotsExhaustedError
 
+# A slot's budget is the first batch's size times this, rounded up to whole pages: batches
+# that vary a little still fit; a larger one takes a one-off segment.
+SLOT_HEADROOM = 1.25
+PAGE = 4096
 
-@dataclass(frozen=True)
-class Filled:
-    """A slot the main process filled itself (``num_workers=0``)."""
 
-    slot: int
-    indices: Any
-    rows: int
-    lengths: tuple[int, ...] | None
-    objects: list | None
+def slot_budget(first_nbytes: int) -> int:
+    return max(PAGE, -(-int(first_nbytes * SLOT_HEADROOM) // PAGE) * PAGE)
 
 
 class PinnedRegion(Protocol):
@@ -39,85 +41,67 @@ class PinnedRegion(Protocol):
 Pinner = Callable[[np.ndarray], "PinnedRegion | None"]
 
 
+class SegmentLease:
+    """The ``.base`` of every view of a batch stored in a one-off segment; counted while alive
+    as a batch the consumer holds outside the slab."""
+
+    __slots__ = ("__weakref__", "_bytes")
+
+    def __init__(self, storage: np.ndarray):
+        self._bytes = storage  # keeps the mapping alive while any view exists
+
+    @property
+    def __array_interface__(self) -> dict:
+        return self._bytes.__array_interface__
+
+
 @dataclass(frozen=True)
 class LeasedSlot:
-    """A delivered batch before assembly, for the device copy stage: the lease on its slot
-    (``np.asarray(lease)`` is the slot's bytes) and what ``BatchLayout.assemble`` needs."""
+    """A delivered batch before assembly, for the device copy stage: the lease on its storage
+    (``np.asarray(lease)`` is its bytes) and its plan."""
 
     lease: Any
-    layout: BatchLayout
-    rows: int
-    lengths: tuple[int, ...] | None
-    objects: list | None
-    pinned: bool  # the slab is page-locked in place
+    plan: Plan
+    objects: list
+    pinned: bool  # the storage is page-locked in place (a slot of a pinned slab)
 
-    def assemble(self, slot_bytes: Any, convert: Callable[[Any], Any] | None = None) -> Any:
-        """The batch as views of ``slot_bytes`` (a copy of the slot, e.g. on a GPU)."""
-        return self.layout.assemble(slot_bytes, self.rows, self.lengths, self.objects, convert,
-                                    host_bytes=np.asarray(self.lease))
+    @property
+    def nbytes(self) -> int:
+        return self.plan.nbytes
+
+    def assemble(self, storage: Any, convert: Callable[[Any], Any] | None = None) -> Any:
+        """The batch as views of ``storage`` (a copy of the slot, e.g. on a GPU)."""
+        return self.plan.assemble(storage, self.objects,
+                                  None if convert is None else (lambda v, f: convert(v)),
+                                  host_bytes=np.asarray(self.lease))
 
 
 class Arena:
-    def __init__(self, layout: BatchLayout, slots: int, slab: Slab | None = None,
-                 pinner: Pinner | None = None, lease_only: bool = False):
-        """``slab``: a reserved slab that workers already hold, allocated here for ``layout``
-        (closed if that fails); by default a new one. ``pinner`` page-locks the slab;
-        ``lease_only``: deliver ``LeasedSlot``s for a device stage instead of views."""
-        self.layout = layout
+    def __init__(self, slot_nbytes: int, slots: int, slab: Slab | None = None,
+                 pinner: Pinner | None = None):
+        """``slab``: a reserved slab that workers already hold, allocated here (closed if that
+        fails); by default a new one. ``pinner`` page-locks the slab."""
+        self.slot_nbytes = slot_nbytes
         self.slots = slots
         if slab is None:
-            slab = Slab(slots * layout.slot_nbytes, slots=slots)
+            slab = Slab(slots * slot_nbytes, slots=slots)
         else:
-            slab.allocate(slots * layout.slot_nbytes, slots=slots)
+            slab.allocate(slots * slot_nbytes, slots=slots)
         self.slab = slab
-        self.pool = SlotPool(self.slab.array, layout.slot_nbytes, slots)
-        self._main_arrays: dict[int, list[np.ndarray]] = {}
-        self._lease_only = lease_only
+        self.pool = SlotPool(self.slab.array, slot_nbytes, slots)
         try:
             self._pinned = pinner(self.slab.array) if pinner is not None else None
         except BaseException:
             self.close()
             raise
 
-    def acquire_or_raise(self) -> int:
-        """A free slot; if the consumer holds them all, collect garbage once, then raise."""
-        slot = self.pool.acquire()
-        if slot is None:
-            gc.collect()  # views caught in reference cycles are released only by the collector
-            slot = self.pool.acquire()
-        if slot is None:
-            raise self.exhausted_error()
-        return slot
+    @property
+    def pinned(self) -> bool:
+        return self._pinned is not None
 
-    def exhausted_error(self) -> SlotsExhaustedError:
-        held = self.pool.counts()[SlotState.LEASED]
-        return SlotsExhaustedError(
-            f"all {self.slots} slots are in use: your code still references {held} batches "
-            f"from this loader, so no slot is free for the next one; pass slots={self.slots * 2} "
-            "(or more) to ArenaLoader, or drop references to old batches (keep a copy with "
-            "np.array(batch) if you need one)"
-        )
-
-    def fill(self, slot: int, filler: BatchFiller, fetched: Fetched, indices: Any) -> Filled:
-        """Write ``fetched`` into an ASSIGNED ``slot`` from the main process."""
-        arrays = self._main_arrays.get(slot)
-        if arrays is None:
-            arrays = self._main_arrays[slot] = self.layout.slot_arrays(self.slab.array, slot)
-        try:
-            rows, lengths, objects = filler.write(self.layout, arrays, fetched, indices)
-        except BaseException:
-            self.pool.reclaim(slot)
-            raise
-        self.pool.mark_filled(slot)
-        return Filled(slot, indices, rows, lengths, objects)
-
-    def deliver(self, slot: int, rows: int, lengths: tuple[int, ...] | None,
-                objects: list | None) -> Any:
-        """Lease a FILLED slot to the consumer and return the batch as views of it."""
-        lease = self.pool.lease(slot)
-        if self._lease_only:
-            return LeasedSlot(lease, self.layout, rows, lengths, objects, self._pinned is not None)
-        return self.layout.assemble(np.asarray(lease), rows, lengths, objects)
+    def slot_bytes(self, slot: int) -> np.ndarray:
+        start = slot * self.slot_nbytes
+        return self.slab.array[start: start + self.slot_nbytes]
 
     def close(self) -> None:
         """No new batch can be made; the mapping lives on only in views still referenced."""
@@ -126,44 +110,67 @@ class Arena:
         pinned, self._pinned = getattr(self, "_pinned", None), None
         if pinned is not None:
             pinned.close()
-        self._main_arrays.clear()
         self.pool.close()
         self.slab.close()
 
 
 class ArenaSource:
-    """The loader's arena, made from the first batch's layout and kept across epochs.
+    """The loader's arena, sized from the first batch and kept across epochs; and the
+    delivery of batches to the consumer (views, tensors, or leases for a device stage).
 
-    One iterator at a time uses it; a second live iterator of the same loader gets a private
-    arena of its own, closed when that iterator gives it back.
+    One iterator at a time uses the arena; a second live iterator of the same loader gets a
+    private one, closed when that iterator gives it back.
     """
 
-    def __init__(self, slots: int, pinner: Pinner | None = None, lease_only: bool = False):
+    def __init__(self, slots: int, pinner: Pinner | None = None, lease_only: bool = False,
+                 output: str | None = None, held_batch_limit: int | None = None):
         self.slots = slots
-        self._arena_options: dict[str, Any] = dict(pinner=pinner, lease_only=lease_only)
-        self.layout: BatchLayout | None = None
+        self.held_batch_limit = held_batch_limit
+        self._pinner = pinner
+        self._lease_only = lease_only
+        self._output = output
+        self._to_torch = None if output == "numpy" or lease_only else make_converter("torch",
+                                                                                   lazy=True)
+        self.slot_nbytes: int | None = None  # fixed by the first arena
         self._arena: Arena | None = None
         self._claimed = False
         self._closed = False
         self._lock = threading.Lock()
+        # Segment batches handed out, and those whose views all died (appended by finalizers
+        # in any thread: deque.append takes no lock the dropping thread might hold).
+        self._segments_given = 0
+        self._segments_released: deque[None] = deque()
+        self._warned = False
 
-    def claim(self, layout: BatchLayout, slab: Slab | None = None) -> Arena:
-        """The loader's arena, or a private one if it is in use. ``slab``: the reserved slab
-        the caller's workers hold, which the arena must then use."""
+    @property
+    def layout(self) -> int | None:
+        """The slot budget once known (None before the first batch)."""
+        return self.slot_nbytes
+
+    def claim(self, slot_nbytes: int | None = None, slab: Slab | None = None) -> Arena | None:
+        """The loader's arena, or a private one if it is in use; None while no budget is
+        known. ``slab``: the reserved slab the caller's workers hold, which the arena must
+        then use (with ``slot_nbytes``, the budget learned from the caller's first batch)."""
         with self._lock:
             if self._closed:
                 if slab is not None:
                     slab.close()
                 raise LoaderClosedError("this ArenaLoader was closed; create a new one")
             if self._arena is None:
-                self._arena = Arena(layout, self.slots, slab, **self._arena_options)
-                self.layout = layout
+                if slot_nbytes is None and self.slot_nbytes is None:
+                    return None
+                if self.slot_nbytes is None:
+                    self.slot_nbytes = slot_nbytes
+                self._arena = Arena(self.slot_nbytes, self.slots, slab, self._pinner)
                 self._claimed = True
                 return self._arena
             if not self._claimed and slab is None:
                 self._claimed = True
                 return self._arena
-        return Arena(layout, self.slots, slab, **self._arena_options)
+            budget = self.slot_nbytes
+        if slot_nbytes is None and slab is None:
+            return Arena(budget, self.slots, None, self._pinner)
+        return Arena(slot_nbytes or budget, self.slots, slab, self._pinner)
 
     def unclaim(self, arena: Arena) -> None:
         with self._lock:
@@ -172,9 +179,94 @@ class ArenaSource:
                 return
         arena.close()
 
+    # -- held batches --------------------------------------------------------------------
+
+    def held(self, arena: Arena | None) -> int:
+        """Batches the consumer holds: leased slots plus batches in segments."""
+        leased = arena.pool.counts()[SlotState.LEASED] if arena is not None else 0
+        return leased + self._segments_given - len(self._segments_released)
+
+    def over_limit(self, arena: Arena | None) -> bool:
+        limit = self.held_batch_limit
+        return limit is not None and self.held(arena) >= limit
+
+    def limit_error(self, arena: Arena | None) -> SlotsExhaustedError:
+        held = self.held(arena)
+        return SlotsExhaustedError(
+            f"your code holds {held} batches from this loader, the held_batch_limit="
+            f"{self.held_batch_limit} you set, so no next batch is made; drop references to old "
+            "batches (keep copies with np.array(x) / x.clone()), or raise or remove "
+            "held_batch_limit")
+
+    def note_overflow(self, arena: Arena | None) -> None:
+        """A batch goes to a segment because every slot is held: warn, once per loader."""
+        if self._warned:
+            return
+        held = self.held(arena)
+        if held < 2:
+            return
+        self._warned = True
+        warnings.warn(
+            f"your code holds {held} batches from this ArenaLoader (every one of its "
+            f"{self.slots} slots is in use), so new batches go to extra shared memory, which "
+            "grows while they are held and is freed when they are dropped. To keep memory "
+            "flat, keep copies of what you need (np.array(x), x.clone(), x.item()); to get an "
+            "error instead, pass held_batch_limit=N", UserWarning,
+            stacklevel=4)
+
+    def collect_or_overflow(self, arena: Arena) -> int | None:
+        """num_workers=0: a free slot (collecting garbage once if none), or None: the batch
+        goes to a segment. Raises when the consumer holds ``held_batch_limit`` batches."""
+        slot = arena.pool.acquire()
+        if slot is None:
+            gc.collect()  # views caught in reference cycles are released only by the collector
+            slot = arena.pool.acquire()
+        if slot is None:
+            if self.over_limit(arena):
+                raise self.limit_error(arena)
+            self.note_overflow(arena)
+        return slot
+
+    # -- delivery ------------------------------------------------------------------------
+
+    def deliver(self, arena: Arena | None, slot: int | None, storage: np.ndarray | None,
+                plan: Plan, idx: int, indices: Any) -> Any:
+        """Hand batch ``idx`` to the consumer: from a FILLED ``slot`` of ``arena`` (leased
+        now) or from a segment's ``storage``."""
+        if slot is not None:
+            lease: Any = arena.pool.lease(slot)
+            pinned = arena.pinned
+        else:
+            lease = SegmentLease(storage)
+            self._segments_given += 1
+            weakref.finalize(lease, self._segments_released.append, None).atexit = False
+            pinned = False
+        host = np.asarray(lease)
+        try:
+            objects = plan.objects(host)
+        except Exception as exc:
+            raise RuntimeError(
+                f"the non-array values of batch idx={idx} (indices {indices!r}) did not "
+                f"unpickle in the main process: {exc!r}; return only numbers, arrays, str or "
+                "bytes from the dataset, or objects that unpickle") from exc
+        if self._lease_only:
+            return LeasedSlot(lease, plan, objects, pinned)
+        batch = plan.assemble(host, objects, _raw_field if _has_raw(plan) else None)
+        if self._to_torch is not None and (self._output == "torch" or plan.torch):
+            batch = self._to_torch(batch)
+        return batch
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
+
+
+def _has_raw(plan: Plan) -> bool:
+    return any(f.kind == KIND_TORCH_RAW for f in plan.fields)
+
+
+def _raw_field(view: np.ndarray, field: FieldPlacement) -> Any:
+    return torch_raw_view(view, field.torch_dtype) if field.kind == KIND_TORCH_RAW else view

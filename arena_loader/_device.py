@@ -349,7 +349,7 @@ class _Stage:
                     self._wait_taken(item)  # the next batch is loaded once this error is seen
                     item = None
                     continue
-                taken = self._take_buffer(item.layout.slot_nbytes)
+                taken = self._take_buffer(item.nbytes)
                 if taken is None or self._stop:
                     return
                 copied, held = self._copy(item, taken, stream, staging, copies)

@@ -10,8 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._layout import BatchLayout
-from .errors import LayoutError
+from ._layout import Prepared, prepare_batch, prepare_rows, prepare_samples, rows_view
 
 _END = object()
 
@@ -45,6 +44,8 @@ class BatchFiller:
         # writes a whole batch into the slot itself.
         self._read_into = (getattr(dataset, "read_into", None)
                            if collate_fn is None and auto_collation and not iterable else None)
+        self._direct_sample: tuple[Any, Any] | None = None  # read_into: a sample to plan from
+        self._direct_plans: dict[int, Prepared] = {}  # read_into: plans by row count
 
     def warm_up(self) -> None:
         """Before forking workers: let a batch-protocol dataset prepare (compile its gather)
@@ -131,41 +132,29 @@ class BatchFiller:
             return Fetched(rows=len(samples), samples=samples)
         return Fetched(rows=len(samples), samples=None, batch=self.collate_fn(samples))
 
-    def layout_for(self, fetched: Fetched, indices: Any) -> BatchLayout:
-        if fetched.direct:  # learned from one sample; read_into then writes whole batches
-            layout = BatchLayout.from_sample(self.dataset[indices[0]], self.batch_size,
-                                             indices[0])
-            if layout.object_paths:
-                raise LayoutError(
-                    f"sample {indices[0]!r}: {type(self.dataset).__name__} defines read_into, "
-                    f"but leaves {list(layout.object_paths)} are not numeric, so read_into "
-                    "cannot write them into shared memory; return only numbers and arrays, or "
-                    "remove read_into")
-            return layout
+    def prepare(self, fetched: Fetched, indices: Any) -> Prepared:
+        """The batch's plan (fields, shapes, dtypes, objects) and what to write."""
+        if fetched.direct:  # planned from one sample; read_into then writes whole batches
+            prepared = self._direct_plans.get(fetched.rows)
+            if prepared is None:
+                if self._direct_sample is None:
+                    self._direct_sample = (self.dataset[indices[0]], indices[0])
+                prepared = prepare_rows(*self._direct_sample[:1], fetched.rows,
+                                        self._direct_sample[1])[0]
+                self._direct_plans[fetched.rows] = prepared
+            return prepared
         if fetched.samples is not None:
-            return BatchLayout.from_sample(fetched.samples[0], self.batch_size, indices[0])
-        if not self.auto_collation:
-            return BatchLayout.from_batch(fetched.batch, None, None, _label(self, indices))
-        return BatchLayout.from_batch(fetched.batch, self.batch_size, fetched.rows,
-                                      _label(self, indices))
+            return prepare_samples(fetched.samples, indices)
+        return prepare_batch(fetched.batch, _label(self, indices))
 
-    def write(self, layout: BatchLayout, arrays: list[np.ndarray], fetched: Fetched,
-              indices: Any) -> tuple[int, tuple[int, ...] | None, list | None]:
-        """Write ``fetched`` into a slot's field arrays: (rows, lengths, objects)."""
-        if fetched.direct:
-            self._read_batch(layout, arrays, indices)
-            return fetched.rows, None, None
-        if fetched.samples is not None:
-            objects = layout.write_samples(arrays, fetched.samples, indices)
-            return fetched.rows, None, objects or None
-        lengths, objects = layout.write_batch(arrays, fetched.batch,
-                                              lambda: _label(self, indices))
-        return fetched.rows, lengths, objects or None
-
-    def _read_batch(self, layout: BatchLayout, arrays: list[np.ndarray], indices: Any) -> None:
-        layout.check_fits(indices)
+    def write(self, prepared: Prepared, fetched: Fetched, storage: np.ndarray,
+              indices: Any) -> None:
+        """Write the batch into ``storage`` (``prepared.nbytes`` bytes)."""
+        if not fetched.direct:
+            prepared.write(storage)
+            return
         try:
-            self._read_into(as_index_array(indices), layout.rows_view(arrays, len(indices)))
+            self._read_into(as_index_array(indices), rows_view(prepared.plan, storage))
         except StopIteration as exc:
             raise RuntimeError(f"the dataset's read_into raised StopIteration for indices "
                                f"{indices!r}; raise IndexError or another error instead"

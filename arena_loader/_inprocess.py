@@ -7,8 +7,9 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._arena import Arena, ArenaSource
+from ._arena import Arena, ArenaSource, slot_budget
 from ._fetch import BatchFiller, Fetched
+from ._slab import map_new_segment
 
 
 class InProcessIterator:
@@ -27,6 +28,7 @@ class InProcessIterator:
         # no slot is free, so no batch is lost.
         self._pending: tuple[Any, Fetched | None] | None = None
         self._finalizer: weakref.finalize | None = None
+        self._count = 0  # batches made: names a batch in errors
 
     def __iter__(self) -> InProcessIterator:
         return self
@@ -51,21 +53,36 @@ class InProcessIterator:
                 self._pending = None  # that batch is consumed; the next next() goes on
                 raise
             self._pending = (indices, fetched)
+        try:
+            prepared = filler.prepare(fetched, indices)
+        except BaseException:
+            self._pending = None
+            raise
+        source = self._source
         if self._arena is None:
-            # Claimed at the first batch, whose layout sizes the slab.
-            try:
-                layout = filler.layout_for(fetched, indices)
-            except BaseException:
-                self._pending = None
-                raise
-            self._arena = self._source.claim(layout)
-            self._finalizer = weakref.finalize(self, self._source.unclaim, self._arena)
+            # Claimed at the first batch, whose size sets the slot budget.
+            self._arena = source.claim(slot_budget(prepared.nbytes))
+            self._finalizer = weakref.finalize(self, source.unclaim, self._arena)
         arena = self._arena
-        slot = arena.acquire_or_raise()
+        slot = source.collect_or_overflow(arena) if prepared.nbytes <= arena.slot_nbytes \
+            else None
         self._pending = None
-        filled = arena.fill(slot, filler, fetched, indices)
-        batch = arena.deliver(slot, filled.rows, filled.lengths, filled.objects)
-        return batch if self._convert is None else self._convert(batch)
+        if slot is None:
+            storage = map_new_segment(prepared.nbytes)
+        else:
+            storage = arena.slot_bytes(slot)
+        try:
+            filler.write(prepared, fetched, storage, indices)
+        except BaseException:
+            if slot is not None:
+                arena.pool.reclaim(slot)
+            raise
+        if slot is not None:
+            arena.pool.mark_filled(slot)
+        batch = source.deliver(arena, slot, storage if slot is None else None, prepared.plan,
+                               self._count, indices)
+        self._count += 1
+        return batch
 
     def _take(self) -> tuple[Any, Fetched | None]:
         filler = self._filler

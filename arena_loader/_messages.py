@@ -1,4 +1,6 @@
-"""Messages between the main process and workers: small frozen dataclasses, never arrays."""
+"""Messages between the main process and workers: small frozen dataclasses, never arrays.
+
+A loaded batch is not one of these: it is a record (``_layout.PlanEncoder``)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-# Task.slot before the slab has a layout: the worker reports the layout (LayoutFound) and
-# keeps the batch until told where to write it (Attach).
+# Task.slot when the batch has no slot (the slab is not sized yet, or the consumer holds every
+# slot): the worker writes it into a one-off segment.
 NO_SLOT = -1
 
 
@@ -28,52 +30,14 @@ class Task:
 
 @dataclass(frozen=True)
 class Attach:
-    """Main -> worker: the slab now has room for ``layout``; map it. ``slot``: where to write
-    the batch this worker reported with ``LayoutFound`` (None for the other workers)."""
+    """Main -> worker: the slab now has ``slots`` slots of ``slot_nbytes`` bytes; map it."""
 
-    layout: Any  # a BatchLayout
-    slot: int | None
-
-
-@dataclass(frozen=True)
-class LayoutFound:
-    """Worker -> main: batch ``idx`` (loaded, held by the worker) has this layout."""
-
-    idx: int
-    worker_id: int
-    layout: Any  # a BatchLayout
-
-
-@dataclass(frozen=True)
-class StreamEnd:
-    """Worker -> main: this worker's iterator of an iterable-style dataset is exhausted, so
-    batch ``idx`` does not exist; ``slot`` may be reused."""
-
-    idx: int
-    slot: int
-    worker_id: int
+    slot_nbytes: int
 
 
 @dataclass(frozen=True)
 class Stop:
     """Main -> worker: finish and exit."""
-
-
-@dataclass(frozen=True)
-class BatchReady:
-    """Worker -> main: ``slot`` now holds batch ``idx``.
-
-    ``rows`` is the batch's true row count; ``lengths`` the leading size of each batched field
-    when a collate_fn produced the batch (None: all equal to ``rows``); ``objects`` the
-    pickled values of non-numeric leaves, unpickled by the consumer so that a value that fails
-    to rebuild is that batch's error, not the dispatch thread's.
-    """
-
-    idx: int
-    slot: int
-    rows: int
-    lengths: tuple[int, ...] | None
-    objects: bytes | None
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,11 @@ def is_iterable_dataset(dataset: Any) -> bool:
     return hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")
 
 
-def _resolve_context(value: Any) -> multiprocessing.context.BaseContext:
+def _resolve_context(value: Any) -> multiprocessing.context.BaseContext | None:
+    """The context for a ``multiprocessing_context`` value; None for None, which means the
+    program's start method at each ``iter()`` (``start_context``)."""
     if value is None:
-        return multiprocessing.get_context("fork" if "fork" in _start_methods() else None)
+        return None
     if isinstance(value, str):
         if value not in _start_methods():
             raise ValueError(
@@ -65,11 +67,12 @@ class LoaderOptions:
     prefetch_factor: int | None = None
     persistent_workers: bool = False
     in_order: bool = True
-    slots: int = 16
+    slots: int | None = None
+    held_batch_limit: int | None = None
     # Set by the loader for an iterable-style dataset (is_iterable_dataset), which forbids
     # shuffle, sampler and batch_sampler as torch does.
     iterable: bool = False
-    output: str = "numpy"
+    output: str | None = None
     device: Any = None
     worker_mode: str = "process"
 
@@ -151,9 +154,12 @@ class LoaderOptions:
             raise ValueError(f"drop_last must be a bool (True or False), got {self.drop_last!r}")
         if self.output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS!r}, got {self.output!r}")
-        _check_int("slots", self.slots, minimum=self.min_slots,
-                   fix=f"pass slots={self.min_slots} or more"
-                   + (", or lower prefetch_factor" if self.num_workers else ""))
+        if self.slots is not None:
+            _check_int("slots", self.slots, minimum=1,
+                       fix="pass a positive int, or slots=None for prefetch_factor * num_workers + 2")
+        if self.held_batch_limit is not None:
+            _check_int("held_batch_limit", self.held_batch_limit, minimum=1,
+                       fix="pass a positive int, or None to let held batches grow memory")
         object.__setattr__(self, "device", _check_device(self.device))
 
     def _check_iterable_options(self) -> None:
@@ -182,10 +188,22 @@ class LoaderOptions:
         return self.effective_prefetch_factor * self.num_workers
 
     @property
-    def min_slots(self) -> int:
-        # One slot for the batch the consumer holds while asking for the next one (a `for`
-        # loop keeps its previous batch alive during `next()`), the rest for prefetching.
-        return max(2, self.max_in_flight + 1)
+    def slots_or_default(self) -> int:
+        """``slots``, or by default room for the read-ahead, the batch a ``for`` loop still
+        holds while asking for the next, and one more."""
+        if self.slots is not None:
+            return self.slots
+        return self.max_in_flight + 2
+
+    def start_context(self) -> multiprocessing.context.BaseContext:
+        """The worker start method: the option's, else the program's
+        (``multiprocessing.set_start_method``), else fork where there is fork."""
+        if self.context is not None:
+            return self.context
+        method = multiprocessing.get_start_method(allow_none=True)
+        if method is None:
+            method = "fork" if "fork" in _start_methods() else None
+        return multiprocessing.get_context(method)
 
     @property
     def auto_collation(self) -> bool:

@@ -12,30 +12,52 @@ from typing import Any
 
 import numpy as np
 
-OUTPUTS = ("numpy", "torch")
+OUTPUTS = (None, "numpy", "torch")
 
 
-def make_converter(output: str) -> Callable[[Any], Any] | None:
-    """The function applied to every batch, or None to hand out numpy views unchanged."""
+def torch_raw_view(view: np.ndarray, torch_dtype: str) -> Any:
+    """A field stored as raw bits (a torch dtype numpy lacks, e.g. bfloat16) as a tensor of
+    that dtype, sharing the memory."""
+    import torch
+
+    return torch.from_numpy(view).view(getattr(torch, torch_dtype))
+
+
+def make_converter(output: str | None, lazy: bool = False) -> Callable[[Any], Any] | None:
+    """The function applied to every batch, or None to hand out numpy views unchanged.
+    ``lazy``: import torch at the first batch that needs it, not now."""
     if output == "numpy":
         return None
-    import torch  # only loaded when asked for: importing arena_loader must not need torch
+    torch = None if lazy else _import_torch()
 
     def to_torch(value: Any) -> Any:
-        if isinstance(value, np.ndarray):
-            # Strings and other dtypes torch has no tensor type for stay numpy arrays.
-            return torch.from_numpy(value) if value.dtype.kind in "biufc" else value
-        if isinstance(value, Mapping):
-            converted = {key: to_torch(item) for key, item in value.items()}
-            try:
-                return type(value)(converted)
-            except TypeError:  # a mapping type that is not built from a dict
-                return converted
-        if isinstance(value, tuple) and hasattr(type(value), "_fields"):
-            return type(value)(*(to_torch(item) for item in value))
-        if isinstance(value, (tuple, list)):
-            # torch's default_collate turns a tuple of fields into a list
-            return [to_torch(item) for item in value]
-        return value
+        nonlocal torch
+        if torch is None:
+            torch = _import_torch()
+        return _to_torch(torch, value)
 
     return to_torch
+
+
+def _import_torch() -> Any:
+    import torch  # only loaded when asked for: importing arena_loader must not need torch
+
+    return torch
+
+
+def _to_torch(torch: Any, value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        # Strings and other dtypes torch has no tensor type for stay numpy arrays.
+        return torch.from_numpy(value) if value.dtype.kind in "biufc" else value
+    if isinstance(value, Mapping):
+        converted = {key: _to_torch(torch, item) for key, item in value.items()}
+        try:
+            return type(value)(converted)
+        except TypeError:  # a mapping type that is not built from a dict
+            return converted
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        return type(value)(*(_to_torch(torch, item) for item in value))
+    if isinstance(value, (tuple, list)):
+        # torch's default_collate turns a tuple of fields into a list
+        return [_to_torch(torch, item) for item in value]
+    return value

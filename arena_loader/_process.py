@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import select
 import signal
+import socket
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -39,6 +41,7 @@ class WorkerGroup:
         self.processes: list[Any] = []
         self.task_conns: list[Connection] = []
         self.result_conns: list[Connection] = []
+        self.fd_sockets: list[socket.socket] = []  # one-off segments' descriptors arrive here
         self._closed = False
         # Held for a whole shutdown: a second caller (close() while the dispatch thread is
         # stopping the group after a crash) returns only once every worker is gone.
@@ -46,6 +49,9 @@ class WorkerGroup:
         try:
             for setup in setups:
                 task_reader, task_writer, result_reader, result_writer = worker_pipes(context)
+                fd_main, fd_worker = fd_socket_pair()
+                self.fd_sockets.append(fd_main)
+                setup = dataclasses.replace(setup, fd_socket=fd_worker)
                 process = context.Process(
                     target=worker_main, args=(setup, task_reader, result_writer),
                     name=f"arena_loader-worker-{setup.worker_id}", daemon=True,
@@ -55,6 +61,7 @@ class WorkerGroup:
                 # worker's result pipe then reads EOF at once.
                 task_reader.close()
                 result_writer.close()
+                fd_worker.close()
                 self.processes.append(process)
                 self.task_conns.append(task_writer)
                 self.result_conns.append(result_reader)
@@ -130,7 +137,7 @@ class WorkerGroup:
             deadline = time.monotonic() + JOIN_TIMEOUT_S
             for process in alive:
                 process.join(timeout=max(0.0, deadline - time.monotonic()))
-        for conn in (*self.task_conns, *self.result_conns):
+        for conn in (*self.task_conns, *self.result_conns, *self.fd_sockets):
             conn.close()
         for process in self.processes:
             if process.exitcode is not None:
@@ -145,6 +152,12 @@ def worker_pipes(context: Any) -> tuple[Connection, Connection, Connection, Conn
     _enlarge_pipe(task_writer)
     _enlarge_pipe(result_writer)
     return task_reader, task_writer, result_reader, result_writer
+
+
+def fd_socket_pair() -> tuple[socket.socket, socket.socket]:
+    """(main end, worker end) of the socket a worker passes segment descriptors over;
+    datagram-like, so each descriptor arrives with its own tag."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
 def _enlarge_pipe(conn: Connection) -> None:

@@ -29,15 +29,13 @@ from multiprocessing.connection import wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from ._arena import Arena, ArenaSource
+from ._arena import Arena, ArenaSource, slot_budget
 from ._fetch import BatchFiller
+from ._layout import RECORD_MAGIC, PlanDecoder, Record
 from ._messages import (
     NO_SLOT,
     Attach,
     BatchFailed,
-    BatchReady,
-    LayoutFound,
-    StreamEnd,
     Task,
     WorkerFailed,
     fresh_copy,
@@ -46,7 +44,7 @@ from ._messages import (
 from ._options import LoaderOptions
 from ._pool import SlotState, Waker, collect_unlocked
 from ._process import JOIN_TIMEOUT_S, WorkerGroup, is_main_thread
-from ._slab import Slab
+from ._slab import Slab, receive_segment
 from ._threads import ThreadWorkerGroup
 from ._worker import WorkerSetup
 from .errors import LoaderClosedError, LoaderTimeoutError
@@ -64,6 +62,16 @@ CLOSE_JOIN_TIMEOUT_S = 0.5
 _NO_PENDING = object()
 
 
+class _Loaded:
+    """A batch a worker reported: its record, and its storage when that is a segment."""
+
+    __slots__ = ("record", "storage")
+
+    def __init__(self, record: Record, storage: Any):
+        self.record = record
+        self.storage = storage  # None: the batch is in slot record.slot of the arena
+
+
 class _Session:
     def __init__(self, options: LoaderOptions, filler: BatchFiller, source: ArenaSource,
                  base_seed: int):
@@ -76,9 +84,13 @@ class _Session:
         self._waker = Waker()
         self.arena: Arena | None = None
         self._arena_claimed = False
-        # Before the layout is known: the slab the workers are started with, given its size
-        # when the first worker reports the first batch's layout (docs/design.md, "Data flow").
+        # Before the slot budget is known: the slab the workers are started with, given its
+        # size when the first batch arrives (docs/design.md, "Slot budget").
         self._reserve: Slab | None = None
+        # Loaded-but-not-consumed batches (in flight or waiting) are at most this: torch's
+        # prefetch_factor * num_workers, or fewer when `slots` is smaller.
+        self._window = max(1, min(options.max_in_flight, options.slots_or_default - 1))
+        self._decoders: list[PlanDecoder] = []
         self._epoch = -1  # iterable-style datasets: tasks carry it, workers restart on a change
         self.workers: WorkerGroup | ThreadWorkerGroup | None = None
         self._thread: threading.Thread | None = None
@@ -108,7 +120,10 @@ class _Session:
         self._send_idx = 0
         self._rcvd_idx = 0
         self._in_flight: dict[int, tuple[int, int, Any]] = {}  # idx -> (worker, slot, indices)
-        self._done: dict[int, tuple[BatchReady | BatchFailed, Any]] = {}  # idx -> (msg, indices)
+        self._done: dict[int, tuple[_Loaded | BatchFailed, Any]] = {}  # idx -> (what, indices)
+        # The consumer holds held_batch_limit batches: the dispatch thread waits for one back.
+        self._held_blocked = False
+        self._held_overflow = False  # a batch went to a segment because every slot is held
         self._completion_order: deque[int] = deque()  # in_order=False only
         self._exhausted = False
         self._sampler_error: BaseException | None = None
@@ -128,8 +143,7 @@ class _Session:
         ``_cv`` only while the session is open, and undone otherwise.
         """
         if self.arena is None and self._reserve is None:
-            layout = self._source.layout
-            arena = self._source.claim(layout) if layout is not None else None
+            arena = self._source.claim()  # None until the first batch sets the slot budget
             reserve = Slab.reserve() if arena is None else None
             with self._cv:
                 published = not self._closed
@@ -163,11 +177,12 @@ class _Session:
 
     def _start_workers(self) -> WorkerGroup | ThreadWorkerGroup:
         options, arena = self._options, self.arena
-        layout = arena.layout if arena is not None else None
         slab = arena.slab if arena is not None else self._reserve
+        self._decoders = [PlanDecoder() for _ in range(options.num_workers)]
         setups = [
             WorkerSetup(worker_id=i, num_workers=options.num_workers, filler=self._filler,
-                        layout=layout, slab=slab.handle(), slots=options.slots,
+                        slot_nbytes=arena.slot_nbytes if arena is not None else 0,
+                        slab=slab.handle(), slots=self._source.slots, fd_socket=None,
                         base_seed=self._base_seed, worker_init_fn=options.worker_init_fn,
                         arm_parent_death_signal=is_main_thread(),
                         publish_to_torch="torch" in sys.modules)
@@ -175,9 +190,10 @@ class _Session:
         ]
         if options.worker_mode == "thread":
             return ThreadWorkerGroup(setups, slab)
-        if options.context.get_start_method() == "fork":
+        context = options.start_context()
+        if context.get_start_method() == "fork":
             self._filler.warm_up()
-        return WorkerGroup(options.context, setups)
+        return WorkerGroup(context, setups)
 
     def _finish_epoch(self) -> None:
         """Stop the thread and take back every slot the old epoch had not delivered."""
@@ -263,10 +279,8 @@ class _Session:
                     return False
                 if self._exhausted:
                     return bool(self._in_flight)
-                if len(self._in_flight) >= options.max_in_flight:
+                if len(self._in_flight) + len(self._done) >= self._window:
                     return True
-                if self.arena is None and self._in_flight:
-                    return True  # learning the layout: one batch at a time until it is known
             indices = self._pending
             if indices is _NO_PENDING:
                 # Indices before a slot: the end of the epoch is StopIteration even while the
@@ -293,7 +307,7 @@ class _Session:
                     continue
                 # Published under _cv: next() tells "slots held" from "sampler busy" by it.
                 self._pending = indices
-                slot = NO_SLOT if self.arena is None else self.arena.pool.acquire()
+                slot = self._choose_slot_locked()
                 if slot is None:
                     self._cv.notify_all()  # next() may be deciding whether it starves
                     return True  # the waker fires when a slot comes back
@@ -309,6 +323,21 @@ class _Session:
                 crash = self._crash_error(worker_id)
                 # Not `from None`: a WorkerFailed error returned here keeps its cause.
                 raise crash from crash.__cause__
+
+    def _choose_slot_locked(self) -> int | None:
+        """A free slot; NO_SLOT (a one-off segment) before the slab exists or while the
+        consumer holds every slot; None while it holds ``held_batch_limit`` batches."""
+        if self.arena is None:
+            return NO_SLOT
+        slot = self.arena.pool.acquire()
+        if slot is not None:
+            self._held_blocked = False
+            return slot
+        if self._source.over_limit(self.arena):
+            self._held_blocked = True
+            return None
+        self._held_overflow = True
+        return NO_SLOT
 
     def _pick_worker(self, idx: int) -> int | None:
         """The worker for batch ``idx``; None when every iterable's iterator has ended."""
@@ -330,7 +359,7 @@ class _Session:
             payload = ready.recv_bytes()
         except (EOFError, OSError):
             return self._crash_error(worker_id)
-        self._handle(payload)
+        self._handle(worker_id, payload)
         return None
 
     def _crash_error(self, worker_id: int) -> BaseException:
@@ -339,7 +368,7 @@ class _Session:
         conn = self.workers.result_conns[worker_id]
         try:
             while conn.poll(0):
-                self._handle(conn.recv_bytes())
+                self._handle(worker_id, conn.recv_bytes())
         except (EOFError, OSError):
             pass
         if self._worker_failure is not None:
@@ -349,11 +378,11 @@ class _Session:
                     if worker == worker_id]
         return self.workers.crash_error(worker_id, owed)
 
-    def _handle(self, payload: bytes) -> None:
-        message = ForkingPickler.loads(payload)
-        if isinstance(message, LayoutFound):
-            self._attach(message)
+    def _handle(self, worker_id: int, payload: bytes) -> None:
+        if payload[:1] == RECORD_MAGIC:
+            self._file_record(worker_id, self._decoders[worker_id].decode(payload))
             return
+        message = ForkingPickler.loads(payload)
         with self._cv:
             self.result_bytes += len(payload)
             self.results_received += 1
@@ -361,47 +390,79 @@ class _Session:
                 # Not _fatal yet: next() raises it only once the workers are stopped (_fail).
                 self._worker_failure = self._worker_failure or rebuild_worker_error(message)
             else:
-                _, slot, indices = self._in_flight.pop(message.idx)
-                if isinstance(message, StreamEnd):
-                    self._active[message.worker_id] = False
-                if slot == NO_SLOT:
-                    pass
-                elif not isinstance(message, BatchReady) or self._stop_requested:
+                _, slot, indices = self._check_owed(worker_id, message.idx, message.slot)
+                if slot != NO_SLOT:
                     self.arena.pool.reclaim(slot)
-                else:
-                    self.arena.pool.mark_filled(slot)
                 if not self._stop_requested:
-                    self._done[message.idx] = (message, indices)
-                    if not self._options.in_order:
-                        self._completion_order.append(message.idx)
+                    self._file_locked(message.idx, message, indices)
             self._cv.notify_all()
 
-    def _attach(self, found: LayoutFound) -> None:
-        """The first batch's layout, from the worker holding that batch: size the reserved
-        slab for it, tell that worker which slot to write the batch into, and every other
-        worker to map the slab. A full /dev/shm raises ShmCapacityError here (-> next())."""
+    def _check_owed(self, worker_id: int, idx: int, slot: int) -> tuple[int, int, Any]:
+        """The in-flight entry a worker's message answers; a RuntimeError (fatal: the
+        session stops) when the worker names a batch or slot it was not given."""
+        entry = self._in_flight.get(idx)
+        if entry is None or entry[0] != worker_id or slot not in (entry[1], NO_SLOT):
+            raise RuntimeError(
+                f"arena_loader worker {worker_id} reported batch idx={idx} in slot {slot}, but "
+                f"that is not a batch it was loading ({entry and (entry[0], entry[1])}); the "
+                "worker process is corrupt (a dataset writing to its result pipe?)")
+        return self._in_flight.pop(idx)
+
+    def _file_locked(self, idx: int, what: Any, indices: Any) -> None:
+        self._done[idx] = (what, indices)
+        if not self._options.in_order:
+            self._completion_order.append(idx)
+
+    def _file_record(self, worker_id: int, record: Record) -> None:
+        """A batch loaded (or an iterator ended): map its segment, size the slab from the
+        session's first batch, and file it for the consumer."""
+        storage = None
+        if record.segment:
+            storage = receive_segment(self.workers.fd_sockets[worker_id], record.idx,
+                                      record.plan.nbytes)
+        if self.arena is None and record.plan is not None:
+            self._attach(record.plan.nbytes)
+        with self._cv:
+            self.result_bytes += 1
+            self.results_received += 1
+            _, slot, indices = self._check_owed(worker_id, record.idx, record.slot)
+            if record.ended:
+                self._active[worker_id] = False
+            if slot != NO_SLOT and (record.slot == NO_SLOT or self._stop_requested
+                                    or record.ended):
+                self.arena.pool.reclaim(slot)  # unused (segment, ended) or not wanted now
+            elif slot != NO_SLOT:
+                if record.plan.nbytes > self.arena.slot_nbytes:
+                    raise RuntimeError(f"arena_loader worker {worker_id} wrote batch "
+                                       f"idx={record.idx} of {record.plan.nbytes} bytes into a "
+                                       f"slot of {self.arena.slot_nbytes}")
+                self.arena.pool.mark_filled(slot)
+            if not self._stop_requested:
+                self._file_locked(record.idx, record if record.ended else
+                                  _Loaded(record, storage), indices)
+            self._cv.notify_all()
+
+    def _attach(self, first_nbytes: int) -> None:
+        """The session's first batch sets the slot budget: size the reserved slab for it and
+        tell every worker to map it. A full /dev/shm raises ShmCapacityError here (-> next())."""
         with self._cv:  # whoever takes the reserve (this or close()) owns it
             reserve, self._reserve = self._reserve, None
             if self._closed or reserve is None:
                 if reserve is not None:
                     reserve.close()
                 raise LoaderClosedError("this iterator was closed")
-        arena = self._source.claim(found.layout, slab=reserve)
+        arena = self._source.claim(slot_budget(first_nbytes), slab=reserve)
         with self._cv:
             if self._closed:
                 self._source.unclaim(arena)
                 raise LoaderClosedError("this iterator was closed")
             self.arena, self._arena_claimed = arena, True
             arena.pool.waker = self._waker
-            slot = arena.pool.acquire()  # a new arena: every slot is free
-            worker_id, _, indices = self._in_flight[found.idx]
-            self._in_flight[found.idx] = (worker_id, slot, indices)
-        for other in range(self._options.num_workers):
+        for worker_id in range(self._options.num_workers):
             try:
-                self.workers.send(other, Attach(found.layout,
-                                                slot if other == worker_id else None))
+                self.workers.send(worker_id, Attach(arena.slot_nbytes))
             except OSError:  # its task pipe is closed: that worker is dead
-                crash = self._crash_error(other)
+                crash = self._crash_error(worker_id)
                 raise crash from crash.__cause__
 
     def _fail(self, exc: BaseException) -> None:
@@ -433,9 +494,9 @@ class _Session:
 
     def _reclaim_done(self) -> None:
         with self._cv:
-            for message, _ in self._done.values() if self.arena is not None else ():
-                if isinstance(message, BatchReady):
-                    self.arena.pool.reclaim(message.slot)
+            for what, _ in self._done.values() if self.arena is not None else ():
+                if isinstance(what, _Loaded) and what.storage is None:
+                    self.arena.pool.reclaim(what.record.slot)
             self._done.clear()
             self._completion_order.clear()
 
@@ -480,10 +541,11 @@ class _Session:
                     raise StopIteration
                 if self._starved_locked():
                     if collected:
-                        raise self.arena.exhausted_error()
+                        raise self._source.limit_error(self.arena)
                     collect_unlocked(self._cv)
                     collected = True
-                    self._cv.wait(0.05)  # let the thread dispatch into freed slots
+                    self._waker.wake()  # batches freed by the collector: dispatch again
+                    self._cv.wait(0.05)
                     continue
                 wait_s = CONSUMER_POLL_S
                 if deadline is not None:
@@ -493,34 +555,30 @@ class _Session:
                 if not self._cv.wait(wait_s) and not self._thread_alive():
                     if self._fatal is None and not (self._exhausted and not self._in_flight):
                         raise RuntimeError("the arena_loader dispatch thread stopped unexpectedly")
-        message, indices = entry
-        if isinstance(message, BatchFailed):
-            raise rebuild_worker_error(message, indices, message.idx)
+        what, indices = entry
+        if isinstance(what, BatchFailed):
+            raise rebuild_worker_error(what, indices, what.idx)
+        if self._held_overflow:
+            self._held_overflow = False
+            self._source.note_overflow(self.arena)
+        record = what.record
         try:
-            return self._hand_out(message, indices)
+            with self._cv:
+                if self._closed:  # closed by another thread while this batch was taken
+                    raise LoaderClosedError("this iterator was closed; call iter(loader) for "
+                                            "a new one")
+            return self._source.deliver(self.arena, None if what.storage is not None
+                                        else record.slot, what.storage, record.plan,
+                                        record.idx, indices)
         except BaseException:
             # Not delivered (a bad object leaf, close() from another thread, or Ctrl-C right
             # here): the slot would otherwise stay FILLED, lost to every later epoch.
-            if self.arena.pool.state(message.slot) is SlotState.FILLED:
-                self.arena.pool.reclaim(message.slot)
+            if what.storage is None and \
+                    self.arena.pool.state(record.slot) is SlotState.FILLED:
+                self.arena.pool.reclaim(record.slot)
             raise
 
-    def _hand_out(self, message: BatchReady, indices: Any) -> Any:
-        objects = None
-        if message.objects is not None:
-            try:
-                objects = pickle.loads(message.objects)
-            except Exception as exc:
-                raise RuntimeError(
-                    f"the non-array values of batch idx={message.idx} (indices {indices!r}) "
-                    f"did not unpickle in the main process: {exc!r}; return only numbers, "
-                    "arrays, str or bytes from the dataset, or objects that unpickle") from exc
-        with self._cv:
-            if self._closed:  # closed by another thread while this batch was unpickled
-                raise LoaderClosedError("this iterator was closed; call iter(loader) for a new one")
-        return self.arena.deliver(message.slot, message.rows, message.lengths, objects)
-
-    def _take_locked(self) -> tuple[BatchReady | BatchFailed, Any] | None:
+    def _take_locked(self) -> tuple[_Loaded | BatchFailed, Any] | None:
         """The next batch to hand out; skips the batches an ended iterator did not make."""
         while True:
             if self._options.in_order:
@@ -531,17 +589,17 @@ class _Session:
                 entry = None
                 while entry is None and self._completion_order:
                     entry = self._done.pop(self._completion_order.popleft(), None)
-            if entry is None or not isinstance(entry[0], StreamEnd):
+            if entry is None or not isinstance(entry[0], Record):
                 return entry
 
     def _starved_locked(self) -> bool:
-        """Nothing in flight or ready, a batch's indices waiting for a slot, and the consumer
-        holds every slot. (While the sampler is still producing those indices, or ends the
-        epoch, this is not starvation.)"""
+        """Nothing in flight or ready, a batch's indices waiting, and the consumer holds
+        ``held_batch_limit`` batches. (While the sampler is still producing those indices, or
+        ends the epoch, this is not starvation.)"""
         if (self._in_flight or self._done or self._pending is _NO_PENDING
-                or self.arena is None):
+                or self.arena is None or not self._held_blocked):
             return False
-        return self.arena.pool.counts()[SlotState.FREE] == 0
+        return self._source.over_limit(self.arena)
 
     def _timeout_message(self, timeout: float) -> str:
         message = f"DataLoader timed out after {timeout} seconds"

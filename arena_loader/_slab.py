@@ -13,6 +13,8 @@ import errno
 import mmap
 import os
 import secrets
+import socket
+import struct
 from multiprocessing import reduction
 
 import numpy as np
@@ -140,3 +142,87 @@ class Slab:
                 mapping.close()
             except BufferError:
                 pass  # views remain: they hold the mmap, which unmaps when the last one dies
+
+
+class Segment:
+    """A one-off shared-memory segment for one batch that has no slot or does not fit one.
+
+    Created, unlinked at once and preallocated like the slab (a full ``/dev/shm`` is a
+    ShmCapacityError, never a SIGBUS); its descriptor is handed to the main process with
+    ``send_segment``, which maps it as the batch's storage (docs/design.md, "Slot budget").
+    """
+
+    def __init__(self, nbytes: int):
+        self.nbytes = max(nbytes, 1)
+        name = f"/{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+        shm.unlink()
+        self.fd = shm.fd
+        try:
+            if self.nbytes > shm_available_bytes():
+                raise _segment_error(self.nbytes, "checked before allocating")
+            try:
+                os.posix_fallocate(self.fd, 0, self.nbytes)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                    raise _segment_error(self.nbytes, f"posix_fallocate: {exc.strerror}") from exc
+                raise
+            self._mmap = mmap.mmap(self.fd, self.nbytes)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+
+    def close(self) -> None:
+        """Close the descriptor and this process's mapping (the receiver has its own)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.array = None  # type: ignore[assignment]
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a view escaped (the dataset kept its read_into output): unmapped with it
+
+
+def _segment_error(nbytes: int, cause: str) -> ShmCapacityError:
+    return ShmCapacityError(
+        errno.ENOSPC,
+        f"a batch needs a {nbytes:,}-byte shared-memory segment but {SHM_DIR} has "
+        f"{shm_available_bytes():,} bytes available ({cause}); fix: give the container more "
+        "shared memory (docker run --shm-size=...), use smaller batches, or hold fewer batches "
+        "(keep copies: np.array(x) / x.clone())",
+    )
+
+
+_FD_TAG = struct.Struct("<q")
+
+
+def send_segment(sock: socket.socket, idx: int, segment: Segment) -> None:
+    """Pass the segment's descriptor to the main process, tagged with its batch ``idx``."""
+    socket.send_fds(sock, [_FD_TAG.pack(idx)], [segment.fd])
+
+
+def receive_segment(sock: socket.socket, idx: int, nbytes: int) -> np.ndarray:
+    """Map the segment a worker sent for batch ``idx``: its bytes, as an array whose base owns
+    the mapping (unmapped when the last view of the batch dies). Descriptors left over from
+    a batch the worker failed to report are closed on the way."""
+    while True:
+        data, fds, _, _ = socket.recv_fds(sock, _FD_TAG.size, 1)
+        if not fds:
+            raise EOFError("the worker's descriptor socket closed")
+        fd = fds[0]
+        try:
+            if len(data) == _FD_TAG.size and _FD_TAG.unpack(data)[0] == idx:
+                return np.frombuffer(mmap.mmap(fd, max(nbytes, 1)), dtype=np.uint8)
+        finally:
+            os.close(fd)
+
+
+def map_new_segment(nbytes: int) -> np.ndarray:
+    """A segment made and mapped in this process (``num_workers=0``, thread workers)."""
+    segment = Segment(nbytes)
+    try:
+        return np.frombuffer(mmap.mmap(segment.fd, segment.nbytes), dtype=np.uint8)
+    finally:
+        segment.close()

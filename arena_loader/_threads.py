@@ -10,6 +10,7 @@ reads EOF exactly as for a dead process (docs/design.md, "Thread workers").
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import select
@@ -18,9 +19,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ._layout import BatchLayout
 from ._messages import RemoteError, Stop, WorkerFailed
-from ._process import JOIN_TIMEOUT_S, worker_pipes
+from ._process import JOIN_TIMEOUT_S, fd_socket_pair, worker_pipes
 from ._slab import Slab
 from ._worker import WorkerInfo, WorkerSetup, _serve, _WorkerState, set_thread_worker_info
 from .errors import WorkerCrashedError
@@ -34,11 +34,10 @@ class _ThreadWorkerState(_WorkerState):
         super().__init__(setup)
         self._slab = slab
 
-    def attach(self, layout: BatchLayout) -> None:
-        # Attach comes after the main process allocated the slab for this layout.
-        array = self._slab.array
-        self.slot_arrays = [layout.slot_arrays(array, slot) for slot in range(self.setup.slots)]
-        self.layout = layout
+    def attach(self, slot_nbytes: int) -> None:
+        # Attach comes after the main process allocated the slab.
+        self.slab = self._slab.array
+        self.slot_nbytes = slot_nbytes
 
 
 class ThreadWorkerGroup:
@@ -50,6 +49,7 @@ class ThreadWorkerGroup:
         self.threads: list[threading.Thread] = []
         self.task_conns: list[Connection] = []
         self.result_conns: list[Connection] = []
+        self.fd_sockets: list[Any] = []  # main ends; the worker ends close with their thread
         # Threads still in user code after shutdown gave up on them (names, worker ids).
         self.stuck: list[str] = []
         self.stuck_ids: list[int] = []
@@ -60,6 +60,9 @@ class ThreadWorkerGroup:
             for setup in setups:
                 task_reader, task_writer, result_reader, result_writer = worker_pipes(
                     multiprocessing)
+                fd_main, fd_worker = fd_socket_pair()
+                self.fd_sockets.append(fd_main)
+                setup = dataclasses.replace(setup, fd_socket=fd_worker)
                 thread = threading.Thread(
                     target=self._main, args=(setup, slab, task_reader, result_writer),
                     name=f"arena_loader-worker-{setup.worker_id}", daemon=True)
@@ -71,6 +74,7 @@ class ThreadWorkerGroup:
                 except BaseException:
                     task_reader.close()
                     result_writer.close()
+                    fd_worker.close()
                     raise
         except BaseException:
             self.shutdown(graceful=False)
@@ -84,8 +88,8 @@ class ThreadWorkerGroup:
         try:
             try:
                 state = _ThreadWorkerState(setup, slab)
-                if setup.layout is not None:
-                    state.attach(setup.layout)
+                if setup.slot_nbytes:
+                    state.attach(setup.slot_nbytes)
                 # No global RNG is reseeded: random, numpy and torch state belong to the whole
                 # process. WorkerInfo.seed is there for a per-thread generator.
                 seed = (setup.base_seed + setup.worker_id) % 2**64
@@ -105,6 +109,7 @@ class ThreadWorkerGroup:
             # EOF on the result pipe is how the dispatch thread learns this worker is gone.
             task_conn.close()
             result_conn.close()
+            setup.fd_socket.close()
 
     @property
     def closed(self) -> bool:
@@ -160,7 +165,7 @@ class ThreadWorkerGroup:
             self._join_until(time.monotonic() + JOIN_TIMEOUT_S)
         # EOF on the task pipe ends an idle thread; a closed result pipe ends one that finishes
         # its batch (its send fails), before it can take another task.
-        for conn in (*self.task_conns, *self.result_conns):
+        for conn in (*self.task_conns, *self.result_conns, *self.fd_sockets):
             conn.close()
         self._join_until(time.monotonic() + JOIN_TIMEOUT_S)
         self.stuck_ids = [i for i, thread in enumerate(self.threads) if thread.is_alive()]

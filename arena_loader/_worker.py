@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import pickle
 import random
 import signal
 import sys
@@ -23,20 +22,9 @@ from typing import Any
 import numpy as np
 
 from ._fetch import BatchFiller, Fetched
-from ._layout import BatchLayout
-from ._messages import (
-    NO_SLOT,
-    Attach,
-    BatchFailed,
-    BatchReady,
-    LayoutFound,
-    RemoteError,
-    Stop,
-    StreamEnd,
-    Task,
-    WorkerFailed,
-)
-from ._slab import SlabHandle
+from ._layout import PlanEncoder, encode_end
+from ._messages import Attach, BatchFailed, RemoteError, Stop, Task, WorkerFailed
+from ._slab import Segment, SlabHandle, send_segment
 
 # How often an idle worker checks that its parent is still alive, in case the parent-death
 # signal could not be armed (see _arm_parent_death_signal).
@@ -74,9 +62,10 @@ class WorkerSetup:
     worker_id: int
     num_workers: int
     filler: BatchFiller
-    layout: BatchLayout | None  # None: not known yet; an Attach message brings it
+    slot_nbytes: int  # 0: not known yet; an Attach message brings it
     slab: SlabHandle
     slots: int
+    fd_socket: Any  # a socket: one-off segments' descriptors go to the main process on it
     base_seed: int
     worker_init_fn: Callable[[int], None] | None
     arm_parent_death_signal: bool
@@ -108,12 +97,13 @@ def worker_main(setup: WorkerSetup, task_conn: Connection, result_conn: Connecti
     global _worker_info
     try:
         state = _WorkerState(setup)
-        if setup.layout is not None:
-            state.attach(setup.layout)
+        if setup.slot_nbytes:
+            state.attach(setup.slot_nbytes)
         if setup.publish_to_torch:
             # Before seeding: a spawned interpreter imports torch only now, and torch's
             # default seed is the same in every process.
             _import_torch()
+        _limit_torch_threads()
         seed = seed_worker(setup.base_seed, setup.worker_id)
         _worker_info = WorkerInfo(setup.worker_id, setup.num_workers, seed,
                                   setup.filler.dataset)
@@ -132,6 +122,15 @@ def _import_torch() -> None:
         import torch.utils.data  # noqa: F401
     except ImportError:
         pass
+
+
+def _limit_torch_threads() -> None:
+    """One intra-op thread per worker, as torch's own workers do: N workers each running
+    torch's full thread pool oversubscribe the cores, and an OpenMP pool inherited from a
+    parent that used it can hang the first parallel op of a forked child."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def _publish_to_torch(info: WorkerInfo) -> None:
@@ -162,20 +161,19 @@ class _WorkerState:
 
     def __init__(self, setup: WorkerSetup):
         self.setup = setup
-        self.layout: BatchLayout | None = None
-        self.slot_arrays: list[list[np.ndarray]] = []
-        self.held: tuple[Task, Fetched, Any] | None = None  # reported with LayoutFound
+        self.slab: np.ndarray | None = None  # the slab's bytes, once its size is known
+        self.slot_nbytes = 0
+        self.encoder = PlanEncoder()
         self._stream: Iterator | None = None
         self._stream_epoch = -1
         self._position = 0  # items taken from the iterator: names samples in errors
 
-    def attach(self, layout: BatchLayout) -> None:
+    def attach(self, slot_nbytes: int) -> None:
         setup = self.setup
-        slab_mmap = setup.slab.map(setup.slots * layout.slot_nbytes)
+        slab_mmap = setup.slab.map(setup.slots * slot_nbytes)
         os.close(setup.slab.fd)
-        slab = np.frombuffer(slab_mmap, dtype=np.uint8)
-        self.slot_arrays = [layout.slot_arrays(slab, slot) for slot in range(setup.slots)]
-        self.layout = layout
+        self.slab = np.frombuffer(slab_mmap, dtype=np.uint8)
+        self.slot_nbytes = slot_nbytes
 
     def fetch(self, task: Task) -> tuple[Fetched | None, Any]:
         """(the batch, its indices); (None, None) when an iterable's iterator is done."""
@@ -194,14 +192,29 @@ class _WorkerState:
         self._position += fetched.rows
         return fetched, indices
 
-    def write(self, task: Task, slot: int, fetched: Fetched, indices: Any) -> bytes:
+    def load(self, task: Task) -> bytes:
+        """Load batch ``task.idx``, write it into its slot (or, if it has none or does not
+        fit, a one-off segment sent over the descriptor socket) and return its record."""
+        fetched, indices = self.fetch(task)
+        if fetched is None:
+            return encode_end(task.idx, task.slot, self.setup.worker_id)
         filler = self.setup.filler
-        rows, lengths, objects = filler.write(self.layout, self.slot_arrays[slot], fetched,
-                                              indices)
-        # Pickled here, not in send(), so an object leaf that does not pickle becomes this
-        # batch's error instead of killing the worker.
-        pickled_objects = None if objects is None else pickle.dumps(objects, protocol=-1)
-        return ForkingPickler.dumps(BatchReady(task.idx, slot, rows, lengths, pickled_objects))
+        prepared = filler.prepare(fetched, indices)
+        nbytes = prepared.nbytes
+        if task.slot >= 0 and self.slab is not None and nbytes <= self.slot_nbytes:
+            start = task.slot * self.slot_nbytes
+            filler.write(prepared, fetched, self.slab[start: start + nbytes], indices)
+            return self.encoder.encode(prepared.plan, task.idx, task.slot,
+                                       self.setup.worker_id, segment=False)
+        segment = Segment(nbytes)
+        try:
+            filler.write(prepared, fetched, segment.array, indices)
+            record = self.encoder.encode(prepared.plan, task.idx, -1, self.setup.worker_id,
+                                         segment=True)
+            send_segment(self.setup.fd_socket, task.idx, segment)
+        finally:
+            segment.close()
+        return record
 
 
 def _serve(state: _WorkerState, task_conn: Connection, result_conn: Connection,
@@ -220,37 +233,18 @@ def _serve(state: _WorkerState, task_conn: Connection, result_conn: Connection,
         if isinstance(message, Stop):
             return
         if isinstance(message, Attach):
-            task, slot = None, message.slot
             try:
-                state.attach(message.layout)
-                if slot is None:
-                    continue
-                task, fetched, indices = state.held
-                state.held = None
-                payload = state.write(task, slot, fetched, indices)
-            except Exception as exc:
-                if task is None:  # the slab could not be mapped: this worker cannot work
-                    result_conn.send(WorkerFailed(worker_id, RemoteError.capture(exc)))
-                    return
-                payload = ForkingPickler.dumps(
-                    BatchFailed(task.idx, slot, worker_id, RemoteError.capture(exc)))
-            result_conn.send_bytes(payload)
+                state.attach(message.slot_nbytes)
+            except Exception as exc:  # the slab could not be mapped: this worker cannot work
+                result_conn.send(WorkerFailed(worker_id, RemoteError.capture(exc)))
+                return
             continue
         assert isinstance(message, Task), message
-        task = message
         try:
-            fetched, indices = state.fetch(task)
-            if fetched is None:
-                payload = ForkingPickler.dumps(StreamEnd(task.idx, task.slot, worker_id))
-            elif task.slot == NO_SLOT:
-                layout = state.setup.filler.layout_for(fetched, indices)
-                state.held = (task, fetched, indices)
-                payload = ForkingPickler.dumps(LayoutFound(task.idx, worker_id, layout))
-            else:
-                payload = state.write(task, task.slot, fetched, indices)
+            payload = state.load(message)
         except Exception as exc:
             payload = ForkingPickler.dumps(
-                BatchFailed(task.idx, task.slot, worker_id, RemoteError.capture(exc)))
+                BatchFailed(message.idx, message.slot, worker_id, RemoteError.capture(exc)))
         result_conn.send_bytes(payload)
 
 

@@ -18,7 +18,6 @@ from ._arena import ArenaSource
 from ._fetch import BatchFiller
 from ._inprocess import InProcessIterator
 from ._options import LoaderOptions, is_iterable_dataset
-from ._output import make_converter
 from ._session import MultiProcessIterator
 from .errors import LoaderClosedError
 from .samplers import (
@@ -69,8 +68,9 @@ class ArenaLoader:
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
         in_order: bool = True,
-        slots: int = 16,
-        output: str = "numpy",
+        slots: int | None = None,
+        held_batch_limit: int | None = None,
+        output: str | None = None,
         device: Any = None,
         worker_mode: str = "process",
     ) -> None:
@@ -81,7 +81,7 @@ class ArenaLoader:
             drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
             multiprocessing_context=multiprocessing_context, generator=generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            in_order=in_order, slots=slots, output=output, iterable=iterable, device=device,
+            in_order=in_order, slots=slots, held_batch_limit=held_batch_limit, output=output, iterable=iterable, device=device,
             worker_mode=worker_mode,
         )
         pinner, self._device = (_open_cuda(self.options)
@@ -100,12 +100,14 @@ class ArenaLoader:
         self.prefetch_factor = prefetch_factor
         self.persistent_workers = persistent_workers
         self.in_order = in_order
-        self.slots = slots
+        self.slots = self.options.slots_or_default
+        self.held_batch_limit = held_batch_limit
         self.worker_mode = worker_mode
         self.output = output
         self.device = self.options.device
-        # With a device stage, host iterators hand it slot leases; it makes the batches.
-        self._convert = make_converter(output) if self._device is None else None
+        # Batches are converted (to tensors) where they are delivered; with a device stage,
+        # host iterators hand it slot leases and it makes the batches.
+        self._convert = None
         self._iterable = iterable
         if iterable:
             pass  # each worker iterates its own replica of the dataset: no sampler
@@ -128,7 +130,8 @@ class ArenaLoader:
         self._filler = BatchFiller(dataset, collate_fn, self.options.auto_collation, rows,
                                    iterable=iterable, drop_last=drop_last,
                                    index_source=index_source)
-        self._source = ArenaSource(slots, pinner=pinner, lease_only=self._device is not None)
+        self._source = ArenaSource(self.slots, pinner=pinner, lease_only=self._device is not None,
+                                   output=output, held_batch_limit=held_batch_limit)
         self._persistent: MultiProcessIterator | None = None
         self._live: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
@@ -250,7 +253,8 @@ def _open_cuda(options: LoaderOptions) -> tuple[Any, Any]:
         gpu = _device.resolve_gpu(options.gpu_index)
         pinner = (_device.HostPinner(gpu, staging=options.device is not None)
                   if options.pin_memory else None)
-        copier = (_device.DeviceCopier(gpu, options.slots, options.pin_memory, options.output)
+        copier = (_device.DeviceCopier(gpu, options.slots_or_default, options.pin_memory,
+                                        options.output)
                   if options.device is not None else None)
         return pinner, copier
     if options.device is not None:
