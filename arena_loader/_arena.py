@@ -198,6 +198,14 @@ class ArenaSource:
             "batches (keep copies with np.array(x) / x.clone()), or raise or remove "
             "held_batch_limit")
 
+    def check_limit(self, arena: Arena | None) -> None:
+        """At next(): a SlotsExhaustedError while the consumer holds ``held_batch_limit``
+        batches (after collecting garbage once: views in reference cycles)."""
+        if self.over_limit(arena):
+            gc.collect()
+            if self.over_limit(arena):
+                raise self.limit_error(arena)
+
     def note_overflow(self, arena: Arena | None) -> None:
         """A batch goes to a segment because every slot is held: warn, once per loader."""
         if self._warned:
@@ -253,7 +261,7 @@ class ArenaSource:
             return LeasedSlot(lease, plan, objects, pinned)
         batch = plan.assemble(host, objects, _raw_field if _has_raw(plan) else None)
         if self._to_torch is not None and (self._output == "torch" or plan.torch):
-            batch = self._to_torch(batch)
+            batch = self._to_torch(batch, plan.collated)
         return batch
 
     def close(self) -> None:

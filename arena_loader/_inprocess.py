@@ -36,6 +36,8 @@ class InProcessIterator:
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
+        if self._arena is not None:
+            self._source.check_limit(self._arena)
         filler = self._filler
         if self._pending is None:
             # Indices before a slot, so the end of the epoch is StopIteration even while the

@@ -93,16 +93,20 @@ class _SequenceNode:
 class Plan:
     """Where one batch's fields and object leaves are in its storage, and its structure."""
 
-    __slots__ = ("fields", "nbytes", "objects_len", "objects_offset", "spec", "torch")
+    __slots__ = ("collated", "fields", "nbytes", "objects_len", "objects_offset", "spec",
+                 "torch")
 
     def __init__(self, spec: Any, fields: tuple[FieldPlacement, ...], objects_offset: int,
-                 objects_len: int, nbytes: int, torch: bool):
+                 objects_len: int, nbytes: int, torch: bool, collated: bool = True):
         self.spec = spec
         self.fields = fields
         self.objects_offset = objects_offset
         self.objects_len = objects_len  # bytes of the pickled object-leaf lists (0: none)
         self.nbytes = nbytes  # bytes of storage the batch uses
         self.torch = torch  # some leaf was a torch tensor: output=None hands out tensors
+        # Stacked by default collation (tuples become lists in torch output, as torch's
+        # default_collate makes them), not a collate_fn's batch (kept as it is).
+        self.collated = collated
 
     def objects(self, storage: np.ndarray) -> list:
         """The object-leaf values, unpickled from ``storage`` (host memory)."""
@@ -340,6 +344,8 @@ def _column(values: list, path: str, indices: Sequence[Any]) -> tuple[list, Fiel
             array = value
         elif type(value) in _PYTHON_NUMBER_DTYPES:
             array = np.asarray(value, dtype=_number_dtype([value], path, [index]))
+        elif value is None and type(first) is not type(None) and path == "sample":
+            _reject_none(value, f"dataset[{index!r}]")
         else:
             raise LayoutError(f"sample {index!r}: field {path} is {_describe(value)} where "
                               f"sample {indices[0]!r} has {_describe(first)}; return the same "
@@ -390,7 +396,7 @@ def _leaf_placement(value: Any, path: str, label: str) -> tuple[Any, FieldPlacem
 
 
 def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
-            objects: list | None) -> Prepared:
+            objects: list | None, collated: bool) -> Prepared:
     fields, offset, torch = [], 0, False
     for p in placements:
         fields.append(FieldPlacement(p.dtype, p.shape, offset, p.kind, p.torch_dtype))
@@ -402,7 +408,7 @@ def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
     objects_offset = offset
     nbytes = max(FIELD_ALIGNMENT, _align(offset + (len(pickled) if pickled else 0)))
     plan = Plan(spec, tuple(fields), objects_offset, len(pickled) if pickled else 0, nbytes,
-                torch)
+                torch, collated)
     return Prepared(plan, columns, pickled)
 
 
@@ -428,7 +434,7 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any]) -> Prepared:
         rows, placement = _column(values, path, indices)
         columns.append(rows)
         placements.append(placement)
-    return _finish(spec, columns, placements, objects)
+    return _finish(spec, columns, placements, objects, collated=True)
 
 
 def prepare_batch(batch: Any, label: str) -> Prepared:
@@ -443,8 +449,7 @@ def prepare_batch(batch: Any, label: str) -> Prepared:
         column, placement = _leaf_placement(value, path, label)
         columns.append(column)
         placements.append(placement)
-    objects = [[v] for v in builder.object_values]
-    return _finish(spec, columns, placements, objects)
+    return _finish(spec, columns, placements, builder.object_values, collated=False)
 
 
 def prepare_rows(sample: Any, rows: int, index: Any) -> tuple[Prepared, Any]:
@@ -481,6 +486,7 @@ _FIELD = struct.Struct("<qBBH")  # offset, kind, ndim, dtype descriptor bytes
 RECORD_MAGIC = b"R"
 FLAG_TORCH = 1
 FLAG_SEGMENT = 2  # the storage is a one-off segment whose descriptor follows on the side
+FLAG_COLLATED = 4
 
 
 class PlanEncoder:
@@ -496,11 +502,12 @@ class PlanEncoder:
             structure = b""
             if sid is None:
                 sid = len(self._structure_ids)
-                structure = pickle.dumps(plan.spec, protocol=pickle.HIGHEST_PROTOCOL)
+                structure = _pickle_structure(plan.spec)
                 self._structure_ids[plan.spec] = sid
         except TypeError:  # a structure that does not hash (unhashable keys): send it each time
-            sid, structure = 0xFFFFFFFF, pickle.dumps(plan.spec, protocol=pickle.HIGHEST_PROTOCOL)
-        flags = (FLAG_TORCH if plan.torch else 0) | (FLAG_SEGMENT if segment else 0)
+            sid, structure = 0xFFFFFFFF, _pickle_structure(plan.spec)
+        flags = (FLAG_TORCH if plan.torch else 0) | (FLAG_SEGMENT if segment else 0) | (
+            FLAG_COLLATED if plan.collated else 0)
         parts = [RECORD_MAGIC, HEADER.pack(idx, slot, worker_id, 0, flags, len(plan.fields), sid,
                                            len(structure), plan.nbytes, plan.objects_offset,
                                            plan.objects_len), structure]
@@ -514,6 +521,16 @@ class PlanEncoder:
             parts.append(raw)
             parts.append(struct.pack(f"<{len(f.shape)}q", *f.shape))
         return b"".join(parts)
+
+
+def _pickle_structure(spec: Any) -> bytes:
+    try:
+        return pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise LayoutError(
+            f"the batch's structure cannot be pickled to the main process ({exc}): a dict, "
+            "namedtuple or dataclass type in it cannot be pickled; define that type at module "
+            "level (not inside a function)") from exc
 
 
 def encode_end(idx: int, slot: int, worker_id: int) -> bytes:
@@ -574,7 +591,7 @@ class PlanDecoder:
             raise ValueError(f"batch record of {len(payload)} bytes has {len(payload) - pos} "
                              "bytes after its last field")
         plan = Plan(spec, tuple(fields), objects_offset, objects_len, nbytes,
-                    bool(flags & FLAG_TORCH))
+                    bool(flags & FLAG_TORCH), bool(flags & FLAG_COLLATED))
         return Record(idx, slot, worker_id, False, bool(flags & FLAG_SEGMENT), plan)
 
 

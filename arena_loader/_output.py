@@ -30,11 +30,13 @@ def make_converter(output: str | None, lazy: bool = False) -> Callable[[Any], An
         return None
     torch = None if lazy else _import_torch()
 
-    def to_torch(value: Any) -> Any:
+    def to_torch(value: Any, collated: bool = True) -> Any:
+        """``collated``: the batch was stacked by default collation, so tuples become lists
+        as in torch's ``default_collate``; a ``collate_fn``'s structure is kept as is."""
         nonlocal torch
         if torch is None:
             torch = _import_torch()
-        return _to_torch(torch, value)
+        return _to_torch(torch, value, collated)
 
     return to_torch
 
@@ -45,19 +47,30 @@ def _import_torch() -> Any:
     return torch
 
 
-def _to_torch(torch: Any, value: Any) -> Any:
+def _to_torch(torch: Any, value: Any, collated: bool) -> Any:
     if isinstance(value, np.ndarray):
         # Strings and other dtypes torch has no tensor type for stay numpy arrays.
         return torch.from_numpy(value) if value.dtype.kind in "biufc" else value
     if isinstance(value, Mapping):
-        converted = {key: _to_torch(torch, item) for key, item in value.items()}
+        converted = {key: _to_torch(torch, item, collated) for key, item in value.items()}
         try:
             return type(value)(converted)
         except TypeError:  # a mapping type that is not built from a dict
             return converted
     if isinstance(value, tuple) and hasattr(type(value), "_fields"):
-        return type(value)(*(_to_torch(torch, item) for item in value))
+        return type(value)(*(_to_torch(torch, item, collated) for item in value))
     if isinstance(value, (tuple, list)):
+        items = [_to_torch(torch, item, collated) for item in value]
         # torch's default_collate turns a tuple of fields into a list
-        return [_to_torch(torch, item) for item in value]
+        return items if collated or type(value) is list else type(value)(items)
+    if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
+        for name in value.__dataclass_fields__:
+            item = getattr(value, name)
+            converted = _to_torch(torch, item, collated)
+            if converted is not item:
+                try:
+                    setattr(value, name, converted)
+                except AttributeError:  # frozen: left as numpy
+                    pass
+        return value
     return value

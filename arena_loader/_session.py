@@ -515,6 +515,8 @@ class _Session:
     def next_batch(self) -> Any:
         if not self._started and not self._closed:
             self._begin()
+        if self.arena is not None:
+            self._source.check_limit(self.arena)
         timeout = self._options.timeout
         deadline = time.monotonic() + timeout if timeout > 0 else None
         collected = False

@@ -1,47 +1,63 @@
-"""Batch layout inference and slot writing, without any process."""
+"""Per-batch layout: planning, writing, the record on the wire and assembly, without any
+process."""
 
 from __future__ import annotations
 
 import itertools
+from collections import namedtuple
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
 from arena_loader import LayoutError
-from arena_loader._layout import FIELD_ALIGNMENT, BatchLayout
+from arena_loader._layout import (
+    FIELD_ALIGNMENT,
+    PlanDecoder,
+    PlanEncoder,
+    prepare_batch,
+    prepare_samples,
+)
 
 from .datasets import NestedDataset, stack_reference
 
+torch = pytest.importorskip("torch")
 
-def test_fields_are_aligned_and_sized_for_a_full_batch():
-    """Every field starts on a 64-byte boundary and holds batch_size rows."""
-    sample = NestedDataset(1)[0]
-    layout = BatchLayout.from_sample(sample, batch_size=5, sample_index=0)
-    paths = [f.path for f in layout.fields]
-    assert paths == ["sample['image']", "sample['pair'][0]", "sample['pair'][1]",
-                     "sample['point'].x", "sample['point'].y", "sample['label']",
-                     "sample['flag']"]
-    assert layout.object_paths == ("sample['name']",)
-    for field in layout.fields:
-        assert field.offset % FIELD_ALIGNMENT == 0
-        assert field.capacity == 5
-    image = layout.fields[0]
-    assert image.nbytes == 5 * 2 * 5 * 3
-    assert layout.slot_nbytes % FIELD_ALIGNMENT == 0
-    assert layout.slot_nbytes >= max(f.offset + f.nbytes for f in layout.fields)
-    ends = sorted((f.offset, f.offset + f.nbytes) for f in layout.fields)
+Box = namedtuple("Box", "xy label")
+
+
+@dataclass
+class Pair:
+    x: np.ndarray
+    tag: str
+
+
+def round_trip(prepared, idx=0, decoder=None, encoder=None):
+    """Write ``prepared`` into fresh storage, send its plan through a record, assemble."""
+    storage = np.zeros(prepared.nbytes, dtype=np.uint8)
+    prepared.write(storage)
+    record = (decoder or PlanDecoder()).decode(
+        (encoder or PlanEncoder()).encode(prepared.plan, idx, 3, 1, segment=False))
+    assert (record.idx, record.slot, record.worker_id, record.segment) == (idx, 3, 1, False)
+    return record.plan.assemble(storage, record.plan.objects(storage)), record
+
+
+def test_fields_are_aligned_disjoint_and_sized_for_the_batch():
+    samples = [NestedDataset(5)[i] for i in range(5)]
+    prepared = prepare_samples(samples, list(range(5)))
+    fields = prepared.plan.fields
+    assert all(f.offset % FIELD_ALIGNMENT == 0 for f in fields)
+    assert fields[0].shape == (5, 2, 5, 3)
+    ends = sorted((f.offset, f.offset + f.nbytes) for f in fields)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(ends))
+    assert prepared.nbytes % FIELD_ALIGNMENT == 0
+    assert prepared.nbytes >= prepared.plan.objects_offset + prepared.plan.objects_len
 
 
-def test_write_then_assemble_round_trips_a_partial_batch():
-    """Writing 3 samples into a 5-row slot and assembling gives np.stack of the 3."""
+def test_nested_samples_round_trip_as_default_collate_would():
     dataset = NestedDataset(3)
     samples = [dataset[i] for i in range(3)]
-    layout = BatchLayout.from_sample(samples[0], batch_size=5, sample_index=0)
-    slab = np.zeros(2 * layout.slot_nbytes, dtype=np.uint8)
-    objects = layout.write_samples(layout.slot_arrays(slab, 1), samples, [0, 1, 2])
-    assert not slab[: layout.slot_nbytes].any(), "slot 0 was written"
-    batch = layout.assemble(slab[layout.slot_nbytes:], 3, None, objects)
+    batch, _ = round_trip(prepare_samples(samples, [0, 1, 2]))
     expected = stack_reference(samples)
     assert batch["name"] == expected["name"]
     np.testing.assert_array_equal(batch["image"], expected["image"])
@@ -50,88 +66,109 @@ def test_write_then_assemble_round_trips_a_partial_batch():
     np.testing.assert_array_equal(batch["point"].y, expected["point"].y)
 
 
-def test_python_numbers_accept_compatible_kinds_only():
-    """An int field takes ints and numpy integers; a float into it is a LayoutError."""
-    layout = BatchLayout.from_sample({"n": 1, "x": 0.5}, batch_size=3, sample_index=0)
-    slab = np.zeros(layout.slot_nbytes, dtype=np.uint8)
-    arrays = layout.slot_arrays(slab, 0)
-    layout.write_samples(arrays, [{"n": 2, "x": 1}, {"n": np.int32(3), "x": np.float32(2)}],
-                         [0, 1])
-    assert arrays[0][:2].tolist() == [2, 3] and arrays[1][:2].tolist() == [1.0, 2.0]
-    with pytest.raises(LayoutError, match=r"sample 9: field sample\['n'\] must be a Python "
-                                          r"int \(stored as int64\).*got float"):
-        layout.write_samples(arrays, [{"n": 2.5, "x": 1.0}], [9])
+@pytest.mark.parametrize("values", [
+    [1, 2.5], [2.5, 1], [True, 2], [np.int32(1), np.float32(2)],
+    [np.zeros(2, np.int32), np.ones(2, np.float32)],
+    [np.zeros(2, np.float32), np.ones(2, np.float64)],
+    [np.zeros(2, np.int8), np.ones(2, np.uint8)],
+])
+def test_dtype_promotion_follows_torch_default_collate(values):
+    expected = torch.utils.data.default_collate(values)
+    batch, _ = round_trip(prepare_samples(values, list(range(len(values)))))
+    assert str(batch.dtype) == str(expected.dtype).removeprefix("torch.")
+    np.testing.assert_array_equal(batch, expected.numpy())
 
 
-def test_sequence_length_mismatch_is_named():
-    """A tuple sample with a different length names the index and path."""
-    layout = BatchLayout.from_sample((np.zeros(2), np.zeros(3)), batch_size=2, sample_index=0)
-    arrays = layout.slot_arrays(np.zeros(layout.slot_nbytes, np.uint8), 0)
-    with pytest.raises(LayoutError, match=r"sample 4: sample must be a tuple of 2 items like "
-                                          r"the first sample, got a tuple of 3 items"):
-        layout.write_samples(arrays, [(np.zeros(2), np.zeros(3), 1)], [4])
+def test_bfloat16_tensors_are_bit_exact_and_stay_tensors():
+    values = [torch.randn(3).to(torch.bfloat16) for _ in range(4)]
+    batch, record = round_trip(prepare_samples(values, list(range(4))))
+    assert record.plan.torch
+    from arena_loader._output import torch_raw_view
+
+    field = record.plan.fields[0]
+    storage = np.zeros(record.plan.nbytes, np.uint8)
+    prepare_samples(values, list(range(4))).write(storage)
+    tensor = torch_raw_view(storage[: field.nbytes].view(field.dtype).reshape(field.shape),
+                            field.torch_dtype)
+    assert tensor.dtype == torch.bfloat16
+    assert torch.equal(tensor, torch.stack(values))
 
 
-def test_batch_larger_than_slot_is_refused():
-    """More samples than the slot's rows raise LayoutError instead of writing out of bounds."""
-    layout = BatchLayout.from_sample(np.zeros(2), batch_size=2, sample_index=0)
-    arrays = layout.slot_arrays(np.zeros(layout.slot_nbytes, np.uint8), 0)
-    with pytest.raises(LayoutError, match=r"a batch of 3 indices \[0, 1, 2\] does not fit a "
-                                          r"slot of 2 rows"):
-        layout.write_samples(arrays, [np.zeros(2)] * 3, [0, 1, 2])
+def test_strings_of_varying_width_take_the_widest():
+    values = [np.array(["a", "bb"]), np.array(["cccc", "d"])]
+    batch, _ = round_trip(prepare_samples(values, [0, 1]))
+    assert batch.dtype == np.dtype("<U4")
+    assert batch.tolist() == [["a", "bb"], ["cccc", "d"]]
 
 
-def test_collated_batch_fields_must_fit_their_capacity():
-    """A collate_fn output larger than the first batch's (scaled) shape names the field."""
-    first = {"x": np.zeros((4, 3), np.float32), "n": np.int64(4)}
-    layout = BatchLayout.from_batch(first, batch_size=4, rows=4, label="collate_fn output")
-    arrays = layout.slot_arrays(np.zeros(layout.slot_nbytes, np.uint8), 0)
-    lengths, _ = layout.write_batch(arrays, {"x": np.ones((2, 3), np.float32), "n": np.int64(2)},
-                                    lambda: "batch 1")
-    assert lengths == (2, 1)
-    with pytest.raises(LayoutError, match=r"batch 2: field batch\['x'\] has shape \[4, 5\]"):
-        layout.write_batch(arrays, {"x": np.ones((4, 5), np.float32), "n": np.int64(4)},
-                           lambda: "batch 2")
+def test_collated_batches_keep_each_leaf_shape_lists_stay_lists():
+    batch = (np.zeros((2, 3, 5, 4), np.uint8),
+             [np.arange(3), np.arange(7, dtype=np.float32)],
+             ({"boxes": np.ones((2, 4)), "n": 2}, Box(np.zeros(2), "cat")))
+    out, record = round_trip(prepare_batch(batch, "collate_fn output"))
+    assert isinstance(out, tuple) and isinstance(out[1], list)
+    assert [a.shape for a in out[1]] == [(3,), (7,)]
+    assert out[1][1].dtype == np.float32
+    assert out[2][0]["n"] == 2 and isinstance(out[2][0]["n"], int)
+    assert isinstance(out[2][1], Box) and out[2][1].label == "cat"
+    np.testing.assert_array_equal(out[2][0]["boxes"], np.ones((2, 4)))
 
 
-def test_strings_and_none_leaves_travel_as_lists():
-    """Non-numeric leaves become lists of values, not fields."""
-    layout = BatchLayout.from_sample({"s": "a", "b": b"x", "o": None, "v": np.ones(1)},
-                                     batch_size=2, sample_index=0)
-    assert len(layout.fields) == 1 and len(layout.object_paths) == 3
-    arrays = layout.slot_arrays(np.zeros(layout.slot_nbytes, np.uint8), 0)
-    objects = layout.write_samples(
-        arrays, [{"s": "a", "b": b"x", "o": None, "v": np.ones(1)},
-                 {"s": "c", "b": b"y", "o": 3, "v": np.ones(1)}], [0, 1])
-    assert objects == [["a", "c"], [b"x", b"y"], [None, 3]]
+def test_dataclass_batches_travel_field_by_field():
+    out, _ = round_trip(prepare_batch(Pair(np.arange(4.0), "t"), "collate_fn output"))
+    assert isinstance(out, Pair) and out.tag == "t"
+    np.testing.assert_array_equal(out.x, np.arange(4.0))
+
+
+def test_the_structure_is_sent_once_per_encoder():
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    prepared = prepare_samples([{"a": np.zeros(2)}] * 3, [0, 1, 2])
+    first = encoder.encode(prepared.plan, 0, 0, 0, segment=False)
+    second = encoder.encode(prepared.plan, 1, 0, 0, segment=False)
+    assert len(second) < len(first)
+    assert decoder.decode(first).plan.spec == decoder.decode(second).plan.spec
+
+
+def test_unequal_sample_shapes_name_the_sample_field_and_the_fix():
+    with pytest.raises(LayoutError, match=r"sample 7: field sample\['x'\] has shape \[3\] but "
+                                          r"sample 5 has \[2\].*collate_fn"):
+        prepare_samples([{"x": np.zeros(2)}, {"x": np.zeros(3)}], [5, 7])
+
+
+def test_structure_mismatch_is_named():
+    with pytest.raises(LayoutError, match=r"sample 1: sample must be a tuple of 2 items"):
+        prepare_samples([(np.zeros(2), np.zeros(3)), (np.zeros(2),)], [0, 1])
+
+
+def test_none_and_object_arrays_are_layout_errors():
+    with pytest.raises(LayoutError, match=r"dataset\[4\] returned None"):
+        prepare_samples([np.zeros(1), None], [3, 4])
+    with pytest.raises(LayoutError, match="object-dtype"):
+        prepare_samples([np.array([1, "a"], dtype=object)], [0])
 
 
 def test_integers_outside_int64_are_a_layout_error():
-    """A Python int or uint64 too large for the int64 field names the sample and field."""
-    layout = BatchLayout.from_sample({"id": 1}, batch_size=2, sample_index=0)
-    arrays = layout.slot_arrays(np.zeros(layout.slot_nbytes, np.uint8), 0)
-    for big in (2**63, np.uint64(2**64 - 1)):
-        with pytest.raises(LayoutError, match=r"sample 5: field sample\['id'\] is \d+, outside "
-                                              r"the int64 range"):
-            layout.write_samples(arrays, [{"id": big}], [5])
+    with pytest.raises(LayoutError, match="outside the int64 range"):
+        prepare_samples([{"id": 1}, {"id": 2**64}], [0, 1])
 
 
-class _TaggedArray(np.ndarray):
-    """An ndarray subclass (like np.memmap rows): not the one-call stack path."""
+def test_strings_and_none_leaves_travel_as_lists():
+    samples = [{"s": "a", "b": b"x", "o": None, "v": np.ones(1)},
+               {"s": "bc", "b": b"y", "o": None, "v": np.zeros(1)}]
+    out, _ = round_trip(prepare_samples(samples, [0, 1]))
+    assert out["s"] == ["a", "bc"] and out["b"] == [b"x", b"y"] and out["o"] == [None, None]
 
 
-def test_plain_array_samples_are_stacked_and_others_written_row_by_row():
-    """Plain ndarray samples (the one-call stack path) and a batch with an ndarray subclass
-    (the per-row path) both land in the slot as np.stack would, without touching slot 0."""
-    rows = [np.arange(4, dtype=np.float32) + 10 * i for i in range(3)]
-    layout = BatchLayout.from_sample(rows[0], batch_size=4, sample_index=0)
-    for samples in (rows, [rows[0], rows[1].view(_TaggedArray), rows[2]]):
-        slab = np.zeros(2 * layout.slot_nbytes, dtype=np.uint8)
-        assert layout.write_samples(layout.slot_arrays(slab, 1), samples, [0, 1, 2]) == []
-        assert not slab[: layout.slot_nbytes].any(), "slot 0 was written"
-        batch = layout.assemble(slab[layout.slot_nbytes:], 3, None, [])
-        np.testing.assert_array_equal(batch, np.stack([np.asarray(s, np.float32)
-                                                       for s in samples]))
-    with pytest.raises(LayoutError, match="sample 7"):
-        layout.write_samples(layout.slot_arrays(slab, 0), [rows[0], np.zeros(5, np.float32)],
-                             [6, 7])
+def test_a_structure_that_does_not_pickle_is_a_clear_error():
+    Local = namedtuple("Local", "x")
+    with pytest.raises(LayoutError, match=r"Local.*cannot be pickled.*module level"):
+        round_trip(prepare_batch(Local(np.zeros(1)), "collate_fn output"))
+
+
+def test_a_malformed_record_is_refused():
+    prepared = prepare_samples([np.zeros(2)], [0])
+    record = PlanEncoder().encode(prepared.plan, 0, 0, 0, segment=False)
+    with pytest.raises(ValueError, match="after its last field"):
+        PlanDecoder().decode(record + b"junk")
+    with pytest.raises(ValueError, match="not a batch record"):
+        PlanDecoder().decode(b"\x80junk")

@@ -1,0 +1,356 @@
+"""Batches as real training code makes them (issue "Real batches"): shapes that change every
+batch, batches the loop keeps, torch datasets as they are. Each case runs the same script
+with torch's DataLoader and with ArenaLoader (num_workers 0 and 2) and compares."""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import sys
+import textwrap
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from arena_loader import ArenaLoader, SlotsExhaustedError
+
+torch = pytest.importorskip("torch")
+from torch.nn.utils.rnn import pad_sequence  # noqa: E402
+from torch.utils.data import DataLoader, default_collate  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+WORKERS = [0, 2]
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Text-like samples: int64 token ids of length 3..40 and a label."""
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        n = 3 + (i * 7) % 38
+        return torch.arange(i, i + n, dtype=torch.int64), i % 3
+
+
+def pad_collate(batch):
+    seqs, labels = zip(*batch)
+    return (pad_sequence(seqs, batch_first=True), torch.tensor([len(s) for s in seqs]),
+            torch.tensor(labels))
+
+
+def pad_time_first(batch):
+    return pad_sequence([s for s, _ in batch])
+
+
+class Detection(torch.utils.data.Dataset):
+    """Images of varying size with a varying number of boxes, as detection datasets give."""
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        h, w = 8 + i % 5, 6 + i % 3
+        image = torch.full((3, h, w), float(i))
+        boxes = torch.arange(4 * (i % 4), dtype=torch.float32).reshape(-1, 4) + i
+        return image, {"boxes": boxes, "labels": torch.ones(i % 4, dtype=torch.int64),
+                       "image_id": i}
+
+
+def detection_collate(batch):
+    return tuple(zip(*batch))
+
+
+def list_collate(batch):
+    return [s for s, _ in batch]
+
+
+class Promoting:
+    """int then float samples (torch's default_collate promotes), float32 then float64."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return {"n": i if i % 2 else float(i),
+                "x": np.full(2, i, np.float32 if i % 3 else np.float64),
+                "t": torch.full((2,), i, dtype=torch.bfloat16)}
+
+
+class Strings:
+    """numpy strings of different widths (Hugging Face's numpy format for text)."""
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return {"text": np.array(["w" * (1 + i)]), "label": np.int64(i)}
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor
+    n: int
+
+
+def dataclass_collate(samples):
+    return Batch(torch.stack([s for s, _ in samples if len(s) >= 0][:1] * 2), len(samples))
+
+
+class PrebatchedStream(torch.utils.data.IterableDataset):
+    """A pre-batched pipeline: each worker yields batches of its shard, the last partial."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        items = list(range(worker, 23, workers))
+        for start in range(0, len(items), 5):
+            yield np.array(items[start: start + 5], dtype=np.int64)
+
+
+def as_torch(value):
+    """A batch with numpy leaves turned into tensors (strings stay), for comparison."""
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value) if value.dtype.kind in "biufc" else value
+    if isinstance(value, dict):
+        return {k: as_torch(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(as_torch(v) for v in value)
+    return value
+
+
+def assert_same(ours, theirs, where="batch"):
+    ours = as_torch(ours)
+    if isinstance(theirs, torch.Tensor):
+        assert isinstance(ours, torch.Tensor), f"{where}: {type(ours)} is not a tensor"
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (
+            f"{where}: {ours.dtype}{list(ours.shape)} != {theirs.dtype}{list(theirs.shape)}")
+        assert torch.equal(ours, theirs), where
+    elif isinstance(theirs, dict):
+        assert list(ours) == list(theirs), where
+        for key in theirs:
+            assert_same(ours[key], theirs[key], f"{where}[{key!r}]")
+    elif isinstance(theirs, (list, tuple)):
+        assert len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            assert_same(a, b, f"{where}[{i}]")
+    elif isinstance(theirs, np.ndarray):
+        np.testing.assert_array_equal(ours, theirs)
+    else:
+        assert ours == theirs, where
+
+
+def compare(dataset, num_workers, **options):
+    expected = list(DataLoader(dataset, num_workers=num_workers, **options))
+    with ArenaLoader(dataset, num_workers=num_workers, **options) as loader:
+        for epoch in range(2):
+            got = list(loader)
+            assert len(got) == len(expected)
+            for i, (ours, theirs) in enumerate(zip(got, expected)):
+                assert_same(ours, theirs, f"epoch {epoch} batch {i}")
+    return got
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_pad_to_longest_batch_first(num_workers):
+    got = compare(Tokens(), num_workers, batch_size=5, collate_fn=pad_collate)
+    assert len({b[0].shape for b in got}) > 1, "every batch had the same shape"
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_pad_to_longest_time_first(num_workers):
+    compare(Tokens(), num_workers, batch_size=4, collate_fn=pad_time_first)
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_list_of_variable_length_tensors_stays_a_list(num_workers):
+    got = compare(Tokens(), num_workers, batch_size=6, collate_fn=list_collate)
+    assert isinstance(got[0], list) and len({len(t) for t in got[0]}) > 1
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_detection_tuple_zip_collate(num_workers):
+    got = compare(Detection(), num_workers, batch_size=4, collate_fn=detection_collate)
+    images, targets = got[1]
+    assert isinstance(images, tuple) and isinstance(targets[0], dict)
+    assert targets[0]["boxes"].shape[1:] == (4,) and isinstance(targets[0]["image_id"], int)
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_default_collate_promotes_dtypes_and_keeps_bfloat16(num_workers):
+    got = compare(Promoting(), num_workers, batch_size=3)
+    assert got[0]["t"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_numpy_strings_of_different_widths(num_workers):
+    expected = [f"{'w' * (1 + i)}" for i in range(10)]
+    with ArenaLoader(Strings(), batch_size=4, num_workers=num_workers) as loader:
+        texts = [t for batch in loader for t in batch["text"][:, 0].tolist()]
+        labels = [int(v) for batch in loader for v in batch["label"]]
+    assert texts == expected and labels == list(range(10))
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_prebatched_iterable_with_partial_last_batches(num_workers):
+    compare(PrebatchedStream(), num_workers, batch_size=None)
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_collate_fn_returning_a_dataclass(num_workers):
+    with ArenaLoader(Tokens(), batch_size=2, num_workers=num_workers,
+                     collate_fn=dataclass_collate) as loader:
+        batches = list(loader)
+    assert all(isinstance(b, Batch) and b.n == 2 for b in batches)
+    assert torch.equal(batches[3].x[0], Tokens()[6][0])
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_torch_dataset_batches_are_tensors_by_default(num_workers):
+    with ArenaLoader(Tokens(), batch_size=3, num_workers=num_workers,
+                     collate_fn=pad_collate) as loader:
+        x, lengths, labels = next(iter(loader))
+    assert isinstance(x, torch.Tensor) and isinstance(labels, torch.Tensor)
+    assert (x.float() @ torch.ones(x.shape[1])).shape == (3,)
+
+
+class Rows:
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, i):
+        return np.full(4, i, np.float32), i
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_keeping_every_batch_works_warns_once_and_memory_returns(num_workers):
+    with ArenaLoader(Rows(), batch_size=4, num_workers=num_workers) as loader:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kept = [y for _, y in loader]  # what a metrics loop keeps
+        held_warnings = [w for w in caught if "batches from this ArenaLoader" in str(w.message)]
+        assert len(held_warnings) == 1, [str(w.message) for w in caught]
+        assert "np.array" in str(held_warnings[0].message)
+        assert "held_batch_limit" in str(held_warnings[0].message)
+        assert np.concatenate(kept).tolist() == list(range(256))
+        assert loader._source.held(loader._source._arena) >= 60
+        del kept
+        assert loader._source.held(loader._source._arena) == 0
+        # A second epoch keeping one small view per batch, persistent or not, works too.
+        kept = [x[0] for x, _ in loader]
+        assert [int(v[0]) for v in kept] == list(range(0, 256, 4))
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_held_batch_limit_is_a_hard_cap_that_names_itself(num_workers):
+    with ArenaLoader(Rows(), batch_size=4, num_workers=num_workers,
+                     held_batch_limit=5) as loader:
+        kept = []
+        iterator = iter(loader)
+        with pytest.raises(SlotsExhaustedError, match="held_batch_limit=5"):
+            for batch in iterator:
+                kept.append(batch)
+        assert len(kept) == 5
+        kept.clear()
+        rest = [int(x[0, 0]) for x, _ in iterator]  # the batch that was refused is not lost
+        assert rest == list(range(20, 256, 4))
+
+
+def test_eight_workers_and_small_slots_work_with_defaults():
+    with ArenaLoader(Rows(), batch_size=16, num_workers=8) as loader:
+        assert loader.slots == 2 * 8 + 2
+        assert [int(x[0, 0]) for x, _ in loader] == list(range(0, 256, 16))
+    with ArenaLoader(Rows(), batch_size=16, num_workers=2, slots=2) as loader:
+        assert [int(x[0, 0]) for x, _ in loader] == list(range(0, 256, 16))
+
+
+class CountingRows(Rows):
+    """Counts the samples loaded, across workers, in shared memory."""
+
+    def __init__(self):
+        self.loaded = multiprocessing.Value("i", 0)
+
+    def __getitem__(self, i):
+        with self.loaded.get_lock():
+            self.loaded.value += 1
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("loader_type", [DataLoader, ArenaLoader])
+def test_read_ahead_is_bounded_as_torch(loader_type):
+    dataset = CountingRows()
+    loader = loader_type(dataset, batch_size=1, num_workers=2, prefetch_factor=2)
+    iterator = iter(loader)
+    next(iterator)
+    import time
+
+    time.sleep(0.5)  # let the workers load all they are allowed to
+    # torch: prefetch_factor * num_workers batches requested, one of them handed out, plus
+    # the one requested when it was.
+    assert dataset.loaded.value <= 2 * 2 + 1
+    del iterator
+    if hasattr(loader, "close"):
+        loader.close()
+
+
+class TorchOps(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        x = torch.randn(1, 2, 32)
+        y = torch.nn.functional.conv1d(x, torch.randn(3, 2, 3))
+        return torch.tensor([torch.get_num_threads(), y.shape[-1]])
+
+
+def test_workers_use_one_torch_thread_and_conv_after_fork_does_not_hang():
+    torch.nn.functional.conv1d(torch.randn(1, 2, 4096), torch.randn(3, 2, 3))  # parent pool
+    with ArenaLoader(TorchOps(), batch_size=2, num_workers=2, timeout=30) as loader:
+        rows = torch.cat(list(loader))
+    assert rows[:, 0].tolist() == [1, 1, 1, 1] and rows[:, 1].tolist() == [30] * 4
+
+
+class BarrierDataset:
+    """Every worker must be running at once: a barrier across the two workers."""
+
+    def __init__(self):
+        self.barrier = multiprocessing.Barrier(2)
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        self.barrier.wait(timeout=20)
+        return np.int64(i)
+
+
+def test_all_workers_start_at_iter_so_a_cross_worker_barrier_does_not_deadlock():
+    with ArenaLoader(BarrierDataset(), batch_size=1, num_workers=2, timeout=30) as loader:
+        assert [int(b[0]) for b in loader] == [0, 1, 2, 3]
+
+
+def test_set_start_method_is_honoured(tmp_path):
+    script = textwrap.dedent("""
+        import multiprocessing, os, numpy as np
+        from arena_loader import ArenaLoader
+
+        class Parent:
+            def __len__(self): return 2
+            def __getitem__(self, i):
+                return np.int64(os.getppid() == PARENT and FORKED_MARK[0])
+
+        PARENT, FORKED_MARK = os.getpid(), [0]
+        if __name__ == "__main__":
+            multiprocessing.set_start_method("spawn")
+            FORKED_MARK[0] = 1  # seen by a forked worker, not by a spawned one
+            with ArenaLoader(Parent(), batch_size=2, num_workers=1) as loader:
+                print(int(next(iter(loader)).sum()))
+    """)
+    path = tmp_path / "start_method.py"
+    path.write_text(script)
+    result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "0"
