@@ -124,6 +124,7 @@ class _Session:
         # The consumer holds held_batch_limit batches: the dispatch thread waits for one back.
         self._held_blocked = False
         self._held_overflow = False  # a batch went to a segment because every slot is held
+        self._window_full = False  # the dispatch thread waits for the consumer to take one
         self._completion_order: deque[int] = deque()  # in_order=False only
         self._exhausted = False
         self._sampler_error: BaseException | None = None
@@ -280,7 +281,9 @@ class _Session:
                 if self._exhausted:
                     return bool(self._in_flight)
                 if len(self._in_flight) + len(self._done) >= self._window:
+                    self._window_full = True  # the consumer wakes us when it takes one
                     return True
+                self._window_full = False
             indices = self._pending
             if indices is _NO_PENDING:
                 # Indices before a slot: the end of the epoch is StopIteration even while the
@@ -591,6 +594,9 @@ class _Session:
                 entry = None
                 while entry is None and self._completion_order:
                     entry = self._done.pop(self._completion_order.popleft(), None)
+            if entry is not None and self._window_full:
+                self._window_full = False
+                self._waker.wake()
             if entry is None or not isinstance(entry[0], Record):
                 return entry
 

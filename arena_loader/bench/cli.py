@@ -22,7 +22,17 @@ from typing import Any
 
 from . import report
 from .harness import CaseResult, environment, measure
-from .loaders import ARENA, LOADERS, QUEUE, SPDL, TORCH, LoaderKind, Setup, torch_missing
+from .loaders import (
+    ARENA,
+    LOADERS,
+    QUEUE,
+    SPDL,
+    TORCH,
+    TORCH_NUMPY,
+    LoaderKind,
+    Setup,
+    torch_missing,
+)
 from .workloads import Sizes, Workload, standard_workloads
 
 SCALING_LOADERS = (ARENA, TORCH, QUEUE, SPDL)
@@ -93,10 +103,14 @@ def run_case(kind: LoaderKind, workload: Workload, dataset: Any, workers: int,
     workers = workers if kind.uses_workers else 1
     result = CaseResult(workload.name, kind.name, workers)
     missing = kind.missing()
+    if workload.collate_fn is not None and not kind.takes_collate_fn:
+        missing = "takes no collate_fn (this workload's batches are made by one)"
+    elif workload.collate_fn is not None and kind.name == TORCH_NUMPY:
+        missing = "same as torch default collate here (the workload's collate_fn is used)"
     if missing:
         result.available, result.reason = False, missing
         return result
-    setup = Setup(workload.batch_size, workers, args.prefetch_factor)
+    setup = Setup(workload.batch_size, workers, args.prefetch_factor, workload.collate_fn)
     result.metrics = measure(lambda: kind.build(dataset, setup), args.repeats)
     return result
 

@@ -34,6 +34,7 @@ class Setup:
     batch_size: int
     workers: int
     prefetch_factor: int = 2
+    collate_fn: Callable[[list], Any] | None = None  # the workload's own, if it has one
 
     @property
     def slots(self) -> int:
@@ -287,6 +288,7 @@ def _torch_loader(dataset: Any, setup: Setup, collate_fn: Callable | None = None
     from torch.utils.data import DataLoader
 
     torch.set_num_threads(1)
+    collate_fn = setup.collate_fn or collate_fn
     kwargs = {} if collate_fn is None else {"collate_fn": collate_fn}
     return _Closing(DataLoader(dataset, batch_size=setup.batch_size,
                                num_workers=setup.workers, prefetch_factor=setup.prefetch_factor,
@@ -313,6 +315,8 @@ class _Closing:
 # --- ArenaLoader ----------------------------------------------------------------------------
 
 def _arena(dataset: Any, setup: Setup, **extra: Any) -> ArenaLoader:
+    if setup.collate_fn is not None:
+        extra["collate_fn"] = setup.collate_fn
     return ArenaLoader(dataset, batch_size=setup.batch_size, num_workers=setup.workers,
                        prefetch_factor=setup.prefetch_factor, persistent_workers=True,
                        slots=setup.slots, **extra)
@@ -331,6 +335,7 @@ class LoaderKind:
     build: Callable[[Any, Setup], Any]
     missing: Callable[[], str | None] = lambda: None
     uses_workers: bool = True
+    takes_collate_fn: bool = True  # runs workloads that bring their own collate_fn
 
 
 ARENA = "ArenaLoader"
@@ -347,8 +352,8 @@ LOADERS: list[LoaderKind] = [
     LoaderKind(TORCH, _torch_loader, torch_missing),
     LoaderKind(TORCH_NUMPY, functools.partial(_torch_loader, collate_fn=numpy_collate),
                torch_missing),
-    LoaderKind(QUEUE, QueuePicklingLoader),
-    LoaderKind(SPDL, SpdlArenaLoader, spdl_missing),
+    LoaderKind(QUEUE, QueuePicklingLoader, takes_collate_fn=False),
+    LoaderKind(SPDL, SpdlArenaLoader, spdl_missing, takes_collate_fn=False),
     LoaderKind(COPY, lambda dataset, setup: CopyLimit(dataset, setup.batch_size),
-               uses_workers=False),
+               uses_workers=False, takes_collate_fn=False),
 ]

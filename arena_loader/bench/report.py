@@ -17,6 +17,10 @@ TARGETS = [
     ("tiny", TORCH, "steady_batches_per_s", 3.0, "tiny rows batches/s >= 3x torch"),
     ("image", TORCH, "first_epoch_speed", 1.0, "first epoch incl. start-up faster than torch"),
     ("image", TORCH, "memory_headroom", 1.0, "peak memory (private RSS + shm) <= torch's"),
+    ("text", TORCH, "steady_batches_per_s", 3.0, "text pad-to-longest batches/s >= 3x torch"),
+    ("detect", TORCH, "steady_batches_per_s", 3.0, "detection tuple(zip) batches/s >= 3x torch"),
+    ("text", TORCH, "memory_headroom", 1 / 1.2, "text peak memory <= 1.2x torch's"),
+    ("detect", TORCH, "memory_headroom", 1 / 1.2, "detection peak memory <= 1.2x torch's"),
 ]
 
 

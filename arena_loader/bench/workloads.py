@@ -90,6 +90,58 @@ class MemmapImages:
         os.unlink(self.path)
 
 
+class Tokens:
+    """Text: int64 token ids of 16..512 tokens (a pool of 64 lengths), padded per batch to
+    its longest by ``pad_collate``: every batch has another shape."""
+
+    def __init__(self, n: int):
+        self.n = n
+        rng = np.random.default_rng(4)
+        self.pool = [rng.integers(0, 50_000, size=int(length), dtype=np.int64)
+                     for length in rng.integers(16, 513, size=POOL)]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.pool[index % POOL]
+
+
+def pad_collate(samples: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """Pad to the batch's longest sequence: ids, attention mask and lengths."""
+    lengths = np.array([len(s) for s in samples], dtype=np.int64)
+    ids = np.zeros((len(samples), int(lengths.max())), dtype=np.int64)
+    for row, sample in enumerate(samples):
+        ids[row, : len(sample)] = sample
+    return {"input_ids": ids, "attention_mask": ids != 0, "lengths": lengths}
+
+
+class Detection:
+    """Detection: uint8 images of varying size (3 x 192..320 x 192..320) and 0..15 boxes."""
+
+    def __init__(self, n: int):
+        self.n = n
+        rng = np.random.default_rng(5)
+        self.images = [rng.integers(0, 256, size=(3, int(h), int(w)), dtype=np.uint8)
+                       for h, w in rng.integers(192, 321, size=(POOL, 2))]
+        self.boxes = [rng.random((int(k), 4), dtype=np.float32) * 192
+                      for k in rng.integers(0, 16, size=POOL)]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, dict[str, Any]]:
+        row = index % POOL
+        boxes = self.boxes[row]
+        return self.images[row], {"boxes": boxes, "labels": np.ones(len(boxes), np.int64),
+                                  "image_id": index}
+
+
+def detection_collate(samples: list) -> tuple:
+    """torchvision's detection recipe: a tuple of images and a tuple of targets."""
+    return tuple(zip(*samples))
+
+
 @dataclass(frozen=True)
 class Workload:
     """One dataset shape to compare every loader on."""
@@ -99,6 +151,7 @@ class Workload:
     batch_size: int
     samples: int
     make: Callable[[str, int], Any]  # (temp directory, samples) -> dataset
+    collate_fn: Callable[[list], Any] | None = None  # loaders without one cannot run it
 
     def dataset(self, directory: str) -> Any:
         return self.make(directory, self.samples)
@@ -114,7 +167,7 @@ class Sizes:
 
 
 def standard_workloads(sizes: Sizes) -> list[Workload]:
-    """The five workloads of the standard suite, sized by ``sizes``."""
+    """The workloads of the standard suite, sized by ``sizes``."""
     image = sizes.image_shape
     image_nbytes = int(np.prod(image))
 
@@ -139,4 +192,9 @@ def standard_workloads(sizes: Sizes) -> list[Workload]:
         Workload("memmap", f"numpy.memmap file of uint8 {shape_label}, batch 64", 64,
                  count(2048, 64),
                  lambda directory, n: MemmapImages.create(directory, n, image)),
+        Workload("text", "int64 tokens, 16-512 per sample, padded to the batch's longest, "
+                 "batch 64", 64, count(8192, 64), lambda _dir, n: Tokens(n), pad_collate),
+        Workload("detect", "uint8 images 3x192..320x192..320 + 0..15 boxes, "
+                 "collate tuple(zip(*batch)), batch 16", 16, count(1024, 16),
+                 lambda _dir, n: Detection(n), detection_collate),
     ]
