@@ -198,7 +198,9 @@ def _owned_array(lease: DeviceLease) -> Any:
 
 
 class DeviceRing:
-    """Device buffers, one batch each, allocated on demand up to ``limit``.
+    """Device buffers, one batch each, allocated on demand up to ``limit``, and beyond it
+    while the consumer holds the others (``take(grow=True)``: GPU memory grows with the
+    batches kept, as in torch).
 
     A buffer is FREE, in use (copied into, queued, or held by the consumer), or released (its
     lease died). Released buffers become FREE at the consumer's next ``next()``, together with a
@@ -214,12 +216,18 @@ class DeviceRing:
         self._released: deque[int] = deque()
         self.starved = False  # the device thread waits for a buffer and may allocate no more
 
-    def take(self, nbytes: int) -> tuple[int, Any] | None:
+    def take(self, nbytes: int, grow: bool = False) -> tuple[int, Any] | None:
         """A free buffer (allocating one if allowed) and its fence; None if none can be had."""
         if self._free:
             self.starved = False
-            return self._free.popleft()
-        if len(self._buffers) < self.limit:
+            index, fence = self._free.popleft()
+            if self._buffers[index].nbytes < nbytes:  # a larger batch than this buffer holds
+                if fence is not None:
+                    fence.synchronize()  # the consumer's reads of it are done: replace it
+                self._buffers[index] = cuda.device_array(nbytes, dtype=np.uint8)
+                fence = None
+            return index, fence
+        if len(self._buffers) < self.limit or grow:
             self.starved = False
             self._buffers.append(cuda.device_array(nbytes, dtype=np.uint8))
             return len(self._buffers) - 1, None
@@ -289,10 +297,13 @@ class _Stage:
     so an abandoned ``DeviceIterator`` is collected and its finalizer closes the stage."""
 
     def __init__(self, host: Iterator, gpu: int, slots: int, pin_memory: bool,
-                 to_torch: bool, owns_host: bool):
+                 to_torch: bool, owns_host: bool, held_limit: int | None = None,
+                 auto_torch: bool = False):
         self._host = host
         self._gpu = gpu
         self._slots = slots
+        self._held_limit = held_limit
+        self._auto_torch = auto_torch
         self._pin_memory = pin_memory
         self._to_torch = to_torch
         self._convert = torch_converter(gpu) if to_torch else None
@@ -389,7 +400,9 @@ class _Stage:
     def _take_buffer(self, nbytes: int) -> tuple[int, Any] | None:
         with self._cv:
             while not self._stop:
-                taken = self._ring.take(nbytes)
+                # Fewer batches queued than the read-ahead allows: the consumer holds the
+                # other buffers, so a new one is allocated rather than waiting for them.
+                taken = self._ring.take(nbytes, grow=len(self._ready) + 1 < self._slots)
                 if taken is not None:
                     return taken
                 self._cv.notify_all()  # a consumer waiting in next() may have to raise
@@ -400,22 +413,29 @@ class _Stage:
               staging: list[Any], copies: int) -> tuple[Copied, LeasedSlot | None]:
         """Queue the copy of the slot into the device buffer; (the batch, what to hold)."""
         index, fence = taken
-        source = np.asarray(leased.lease)
+        # Only the batch's bytes: batches vary in size, a slot or segment may be larger.
+        source = np.asarray(leased.lease)[: leased.nbytes]
         held: LeasedSlot | None = leased
         if self._pin_memory and not leased.pinned:
             if len(staging) < STAGING_BUFFERS:
                 staging.append(cuda.pinned_array(source.nbytes, dtype=np.uint8))
             # The buffer used two copies ago: that copy was retired before this one.
-            buffer = staging[copies % STAGING_BUFFERS]
+            which = copies % STAGING_BUFFERS
+            if staging[which].nbytes < source.nbytes:  # a larger batch than any before
+                staging[which] = cuda.pinned_array(source.nbytes, dtype=np.uint8)
+            buffer = staging[which][: source.nbytes]
             np.copyto(buffer, source)
             source, held = buffer, None
         if fence is not None:
             fence.wait(stream)
-        self._ring.buffer(index).copy_to_device(source, stream=stream)
+        self._ring.buffer(index)[: source.nbytes].copy_to_device(source, stream=stream)
         event = _new_event()
         event.record(stream)
         lease = self._ring.lease(index)
-        batch = leased.assemble(_owned_array(lease), self._convert)
+        convert = self._convert
+        if convert is None and leased.plan.torch and self._auto_torch:
+            convert = torch_converter(self._gpu)  # output=None: a torch dataset's batches
+        batch = leased.assemble(_owned_array(lease), convert)
         return Copied(batch, event), held
 
     def _retire(self) -> None:
@@ -466,6 +486,12 @@ class _Stage:
             while True:
                 if self._ring.fence_released(stream):
                     self._cv.notify_all()
+                if self._held_limit is not None and self._held() >= self._held_limit:
+                    if collected:
+                        raise self._exhausted_error()
+                    collect_unlocked(self._cv)
+                    collected = True
+                    continue
                 if self._ready:
                     item = self._ready[0]
                     if not (isinstance(item, Raised) and item.fatal):
@@ -498,12 +524,16 @@ class _Stage:
             stream = self._consumer_streams[pointer] = cuda.external_stream(pointer)
         return stream
 
+    def _held(self) -> int:
+        """Device batches the consumer holds: buffers in use and not queued for it."""
+        return self._ring.held - len(self._ready)
+
     def _exhausted_error(self) -> SlotsExhaustedError:
         return SlotsExhaustedError(
-            f"all {self._slots} device buffers are in use: your code still references "
-            f"{self._ring.held} batches on the GPU from this loader, so no buffer is free for "
-            f"the next one; pass slots={self._slots * 2} (or more) to ArenaLoader, or drop "
-            "references to old batches (copy one if you need to keep it)")
+            f"your code holds {self._held()} batches on the GPU from this loader, the "
+            f"held_batch_limit={self._held_limit} you set, so no next batch is made; drop "
+            "references to old batches (copy one if you need to keep it), or raise or remove "
+            "held_batch_limit")
 
     # -- teardown -------------------------------------------------------------------------
 
@@ -553,10 +583,12 @@ class DeviceIterator:
     (numba device arrays, or torch CUDA tensors with ``output="torch"``)."""
 
     def __init__(self, owner: Any, host: Iterator, gpu: int, slots: int, pin_memory: bool,
-                 to_torch: bool, owns_host: bool):
+                 to_torch: bool, owns_host: bool, held_limit: int | None = None,
+                 auto_torch: bool = False):
         self._owner = owner  # the loader: `for b in ArenaLoader(...)` must keep it alive
         self._host = host
-        self._stage = _Stage(host, gpu, slots, pin_memory, to_torch, owns_host)
+        self._stage = _Stage(host, gpu, slots, pin_memory, to_torch, owns_host, held_limit,
+                             auto_torch)
         self._finalizer = weakref.finalize(self, self._stage.close)
 
     def __iter__(self) -> DeviceIterator:
@@ -578,11 +610,16 @@ class DeviceIterator:
 class DeviceCopier:
     """The loader's device leg: a ``DeviceIterator`` around each host iterator."""
 
-    def __init__(self, gpu: int, slots: int, pin_memory: bool, output: str):
+    def __init__(self, gpu: int, slots: int, pin_memory: bool, output: str | None,
+                 held_limit: int | None = None):
         self.gpu = gpu
         self._slots = slots
+        self._held_limit = held_limit
         self._pin_memory = pin_memory
         self._to_torch = output == "torch"
+        # output=None: batches of a torch dataset become CUDA tensors (not in the simulator,
+        # which has no __cuda_array_interface__ for torch to read).
+        self._auto_torch = output is None and not SIMULATED
         if self._to_torch:
             torch_converter(gpu)  # the simulator cannot: say so at construction
         self._shared: weakref.ref | None = None  # the iterator reading a persistent host one
@@ -590,7 +627,7 @@ class DeviceCopier:
     def wrap(self, owner: Any, host: Iterator, owns_host: bool) -> DeviceIterator:
         """``owns_host``: close ``host`` with the device iterator (it is not persistent)."""
         iterator = DeviceIterator(owner, host, self.gpu, self._slots, self._pin_memory,
-                                  self._to_torch, owns_host)
+                                  self._to_torch, owns_host, self._held_limit, self._auto_torch)
         if not owns_host:
             self._shared = weakref.ref(iterator)
         return iterator

@@ -19,6 +19,7 @@ The consumer's ``Plan.assemble`` builds views of the storage (docs/design.md, "B
 from __future__ import annotations
 
 import math
+import operator
 import pickle
 import struct
 import sys
@@ -316,17 +317,19 @@ def _number_dtype(values: list, path: str, indices: Sequence[Any]) -> np.dtype:
     return np.dtype(np.bool_)
 
 
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+
+
 def _column(values: list, path: str, indices: Sequence[Any]) -> tuple[list, FieldPlacement]:
     """The rows of one field as numpy values, and its dtype, shape and kind (offset 0)."""
     first = values[0]
-    if type(first) is np.ndarray:
-        dtype, shape = first.dtype, first.shape
-        for value in values:  # the hot path: every row an ndarray like the first
-            if type(value) is not np.ndarray or value.dtype != dtype or value.shape != shape:
-                break
-        else:
-            _check_dtype(dtype, path, indices[0])
-            return values, FieldPlacement(dtype, (len(values), *shape), 0)
+    # The hot path: every row an ndarray of one dtype and shape, checked by C-level maps.
+    if type(first) is np.ndarray and set(map(type, values)) == {np.ndarray}:
+        shapes, dtypes = set(map(_SHAPE, values)), set(map(_DTYPE, values))
+        if len(shapes) == 1 and len(dtypes) == 1:
+            _check_dtype(first.dtype, path, indices[0])
+            return values, FieldPlacement(first.dtype, (len(values), *first.shape), 0)
     if type(first) in _PYTHON_NUMBER_DTYPES:
         dtype = _number_dtype(values, path, indices)
         if dtype.kind == "i":

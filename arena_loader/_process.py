@@ -89,6 +89,9 @@ class WorkerGroup:
     def send(self, worker_id: int, message: Any) -> None:
         self.task_conns[worker_id].send(message)
 
+    def send_bytes(self, worker_id: int, payload: bytes) -> None:
+        self.task_conns[worker_id].send_bytes(payload)
+
     def crash_error(self, worker_id: int, owed: list[tuple[int, Any]]) -> WorkerCrashedError:
         """The error for a dead worker; ``owed``: (idx, indices) of the batches it had."""
         process = self.processes[worker_id]

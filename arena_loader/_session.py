@@ -36,8 +36,8 @@ from ._messages import (
     NO_SLOT,
     Attach,
     BatchFailed,
-    Task,
     WorkerFailed,
+    encode_task,
     fresh_copy,
     rebuild_worker_error,
 )
@@ -321,7 +321,7 @@ class _Session:
                     self._next_worker = worker_id + 1
                 self._in_flight[idx] = (worker_id, slot, indices)
             try:
-                self.workers.send(worker_id, Task(idx, slot, indices, self._epoch))
+                self.workers.send_bytes(worker_id, encode_task(idx, slot, indices, self._epoch))
             except OSError:  # its task pipe is closed: the worker is dead
                 crash = self._crash_error(worker_id)
                 # Not `from None`: a WorkerFailed error returned here keeps its cause.

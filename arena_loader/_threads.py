@@ -127,6 +127,9 @@ class ThreadWorkerGroup:
     def send(self, worker_id: int, message: Any) -> None:
         self.task_conns[worker_id].send(message)
 
+    def send_bytes(self, worker_id: int, payload: bytes) -> None:
+        self.task_conns[worker_id].send_bytes(payload)
+
     def crash_error(self, worker_id: int, owed: list[tuple[int, Any]]) -> WorkerCrashedError:
         """The error for a thread that ended unasked; ``owed``: (idx, indices) it had."""
         self.threads[worker_id].join(timeout=JOIN_TIMEOUT_S)  # it is closing its pipes

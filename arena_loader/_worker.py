@@ -23,7 +23,15 @@ import numpy as np
 
 from ._fetch import BatchFiller, Fetched
 from ._layout import PlanEncoder, encode_end
-from ._messages import Attach, BatchFailed, RemoteError, Stop, Task, WorkerFailed
+from ._messages import (
+    Attach,
+    BatchFailed,
+    RemoteError,
+    Stop,
+    Task,
+    WorkerFailed,
+    decode_message,
+)
 from ._slab import Segment, SlabHandle, send_segment
 
 # How often an idle worker checks that its parent is still alive, in case the parent-death
@@ -227,7 +235,7 @@ def _serve(state: _WorkerState, task_conn: Connection, result_conn: Connection,
                 return  # reparented: the parent is gone
             continue
         try:
-            message = task_conn.recv()
+            message = decode_message(task_conn.recv_bytes())
         except EOFError:
             return
         if isinstance(message, Stop):

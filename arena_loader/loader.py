@@ -254,7 +254,7 @@ def _open_cuda(options: LoaderOptions) -> tuple[Any, Any]:
         pinner = (_device.HostPinner(gpu, staging=options.device is not None)
                   if options.pin_memory else None)
         copier = (_device.DeviceCopier(gpu, options.slots_or_default, options.pin_memory,
-                                        options.output)
+                                        options.output, options.held_batch_limit)
                   if options.device is not None else None)
         return pinner, copier
     if options.device is not None:

@@ -282,16 +282,20 @@ def test_released_buffers_are_reused_behind_a_fence_on_the_consumer_stream(gated
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
-def test_holding_every_device_buffer_raises_naming_slots(num_workers):
-    """Keeping `slots` device batches is a SlotsExhaustedError naming slots, not a hang;
-    dropping them lets the epoch go on."""
+def test_holding_device_batches_grows_and_held_batch_limit_raises_naming_it(num_workers):
+    """Keeping device batches works (more buffers are allocated, as torch's memory grows);
+    with held_batch_limit it is a SlotsExhaustedError naming that option, not a hang, and
+    dropping them lets the epoch go on with no batch lost."""
     dataset = ImageDataset(20, shape=(4,))
-    with ArenaLoader(dataset, batch_size=2, slots=3, num_workers=num_workers,
-                     prefetch_factor=1 if num_workers else None, device="cuda") as loader:
+    options = dict(batch_size=2, slots=3, num_workers=num_workers,
+                   prefetch_factor=1 if num_workers else None, device="cuda")
+    with ArenaLoader(dataset, **options) as loader:
+        kept = list(loader)
+        assert [b.copy_to_host()[0][0] for b in kept] == [dataset[i][0] for i in range(0, 20, 2)]
+    with ArenaLoader(dataset, held_batch_limit=3, **options) as loader:
         iterator = iter(loader)
         held = [next(iterator) for _ in range(3)]
-        with pytest.raises(SlotsExhaustedError, match=r"all 3 device buffers are in use.*"
-                                                      r"pass slots=6"):
+        with pytest.raises(SlotsExhaustedError, match=r"held_batch_limit=3"):
             next(iterator)
         np.testing.assert_array_equal(held[2].copy_to_host()[0], dataset[4])
         del held
