@@ -170,7 +170,24 @@ def as_index_array(indices: Any) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.int64)
 
 
+class StreamPosition(int):
+    """A position in a worker's iterator of an iterable-style dataset: what names a sample of
+    such a dataset in error messages (it has no index)."""
+
+    def __repr__(self) -> str:
+        from ._worker import get_worker_info  # the worker this runs in, if any
+
+        info = get_worker_info()
+        where = "the iterator" if info is None else f"worker {info.id}'s iterator"
+        return f"item {int(self)} of {where}"
+
+
 def _label(filler: BatchFiller, indices: Any) -> str:
+    if filler.iterable:
+        items = list(indices)
+        span = repr(items[0]) if len(items) == 1 else f"{items[0]!r} to {int(items[-1])}"
+        what = "collate_fn output for " if filler.collate_fn is not None else ""
+        return f"{what}{span}"
     if not filler.auto_collation:
         what = "collate_fn output for " if filler.collate_fn is not None else ""
         return f"{what}dataset[{indices!r}]"

@@ -3,13 +3,15 @@ the same layout, slot lifecycle and errors as worker processes."""
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._arena import Arena, ArenaSource, slot_budget
-from ._fetch import BatchFiller, Fetched
+from ._fetch import BatchFiller, Fetched, StreamPosition
 from ._slab import map_new_segment
+from .errors import ShmCapacityError
 
 
 class InProcessIterator:
@@ -29,11 +31,20 @@ class InProcessIterator:
         self._pending: tuple[Any, Fetched | None] | None = None
         self._finalizer: weakref.finalize | None = None
         self._count = 0  # batches made: names a batch in errors
+        self._lock = threading.Lock()
+        self._slabless = False
 
     def __iter__(self) -> InProcessIterator:
         return self
 
     def __next__(self) -> Any:
+        # One batch at a time, even when several threads share the iterator (as a
+        # DataLoader iterator may be): without the lock two threads could take the same
+        # pending batch.
+        with self._lock:
+            return self._next()
+
+    def _next(self) -> Any:
         if self._done:
             raise StopIteration
         if self._arena is not None:
@@ -61,13 +72,18 @@ class InProcessIterator:
             self._pending = None
             raise
         source = self._source
-        if self._arena is None:
-            # Claimed at the first batch, whose size sets the slot budget.
-            self._arena = source.claim(slot_budget(prepared.nbytes))
-            self._finalizer = weakref.finalize(self, source.unclaim, self._arena)
+        if self._arena is None and not self._slabless:
+            # Claimed at the first batch, whose size sets the slot budget; with no room in
+            # /dev/shm for the slab, every batch gets a segment of its own instead.
+            try:
+                self._arena = source.claim(slot_budget(prepared.nbytes))
+            except ShmCapacityError:
+                self._slabless = True
+            else:
+                self._finalizer = weakref.finalize(self, source.unclaim, self._arena)
         arena = self._arena
-        slot = source.collect_or_overflow(arena) if prepared.nbytes <= arena.slot_nbytes \
-            else None
+        slot = source.collect_or_overflow(arena) if arena is not None and \
+            prepared.nbytes <= arena.slot_nbytes else None
         self._pending = None
         if slot is None:
             storage = map_new_segment(prepared.nbytes)
@@ -95,7 +111,8 @@ class InProcessIterator:
         fetched = filler.fetch_next(self._stream)
         if fetched is None:
             raise StopIteration
-        indices = list(range(self._position, self._position + fetched.rows))
+        indices = [StreamPosition(i) for i in range(self._position,
+                                                     self._position + fetched.rows)]
         self._position += fetched.rows
         return indices, fetched
 

@@ -364,6 +364,9 @@ def _column(values: list, path: str, indices: Sequence[Any]) -> tuple[list, Fiel
                 "pass a collate_fn (e.g. one that pads to the longest with pad_sequence)")
     dtypes = {a.dtype for a in rows}
     dtype = rows[0].dtype if len(dtypes) == 1 else _promote(list(dtypes))
+    if dtype.hasobject:  # name the sample that brought the object dtype in
+        index = next(i for a, i in zip(rows, indices) if a.dtype.hasobject)
+        _check_dtype(dtype, path, index)
     if kind == KIND_TORCH_RAW and len(dtypes) > 1:
         raise LayoutError(f"sample {indices[0]!r}: field {path} mixes {raw_name} with other "
                           "dtypes; convert every sample to one dtype in the dataset")
@@ -458,12 +461,14 @@ def prepare_batch(batch: Any, label: str) -> Prepared:
 def prepare_rows(sample: Any, rows: int, index: Any) -> tuple[Prepared, Any]:
     """The batch protocol (``read_into``): the plan for ``rows`` samples shaped like
     ``sample``, and the ``out`` structure over a storage (via ``rows_view``)."""
-    prepared = prepare_samples([sample], [index])
-    if prepared.plan.objects_len:
+    builder = _SpecBuilder()
+    builder.build(sample, "sample")
+    if builder.object_paths:
         raise LayoutError(
-            f"sample {index!r}: the dataset defines read_into, but some leaves are not numeric, "
-            "so read_into cannot write them into shared memory; return only numbers and "
-            "arrays, or remove read_into")
+            f"sample {index!r}: the dataset defines read_into, but leaves "
+            f"{builder.object_paths} are not numeric, so read_into cannot write them into "
+            "shared memory; return only numbers and arrays, or remove read_into")
+    prepared = prepare_samples([sample], [index])
     fields, offset = [], 0
     for f in prepared.plan.fields:
         placed = FieldPlacement(f.dtype, (rows, *f.shape[1:]), offset, f.kind, f.torch_dtype)

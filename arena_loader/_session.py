@@ -47,7 +47,7 @@ from ._process import JOIN_TIMEOUT_S, WorkerGroup, is_main_thread
 from ._slab import Slab, receive_segment
 from ._threads import ThreadWorkerGroup
 from ._worker import WorkerSetup
-from .errors import LoaderClosedError, LoaderTimeoutError
+from .errors import LoaderClosedError, LoaderTimeoutError, ShmCapacityError
 
 # The dispatch thread's longest sleep; results, worker exits, wanted slots and stop requests
 # all wake it at once, so this is only a backstop.
@@ -91,12 +91,14 @@ class _Session:
         # prefetch_factor * num_workers, or fewer when `slots` is smaller.
         self._window = max(1, min(options.max_in_flight, options.slots_or_default - 1))
         self._decoders: list[PlanDecoder] = []
+        # /dev/shm had no room for the slab: every batch goes to a segment of its own.
+        self._slabless = False
         self._epoch = -1  # iterable-style datasets: tasks carry it, workers restart on a change
         self.workers: WorkerGroup | ThreadWorkerGroup | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
         self._finished = False  # closed because the epoch ended: next() is StopIteration
-        self.result_bytes = 0  # pickled bytes received from workers (no arrays: tests check)
+        self.result_bytes = 0  # bytes of worker messages (records, no arrays: tests check)
         self.results_received = 0
         self._reset_epoch_state(iter(()))
 
@@ -383,7 +385,7 @@ class _Session:
 
     def _handle(self, worker_id: int, payload: bytes) -> None:
         if payload[:1] == RECORD_MAGIC:
-            self._file_record(worker_id, self._decoders[worker_id].decode(payload))
+            self._file_record(worker_id, self._decoders[worker_id].decode(payload), len(payload))
             return
         message = ForkingPickler.loads(payload)
         with self._cv:
@@ -416,17 +418,17 @@ class _Session:
         if not self._options.in_order:
             self._completion_order.append(idx)
 
-    def _file_record(self, worker_id: int, record: Record) -> None:
+    def _file_record(self, worker_id: int, record: Record, nbytes: int) -> None:
         """A batch loaded (or an iterator ended): map its segment, size the slab from the
         session's first batch, and file it for the consumer."""
         storage = None
         if record.segment:
             storage = receive_segment(self.workers.fd_sockets[worker_id], record.idx,
                                       record.plan.nbytes)
-        if self.arena is None and record.plan is not None:
+        if self.arena is None and record.plan is not None and not self._slabless:
             self._attach(record.plan.nbytes)
         with self._cv:
-            self.result_bytes += 1
+            self.result_bytes += nbytes
             self.results_received += 1
             _, slot, indices = self._check_owed(worker_id, record.idx, record.slot)
             if record.ended:
@@ -454,7 +456,13 @@ class _Session:
                 if reserve is not None:
                     reserve.close()
                 raise LoaderClosedError("this iterator was closed")
-        arena = self._source.claim(slot_budget(first_nbytes), slab=reserve)
+        try:
+            arena = self._source.claim(slot_budget(first_nbytes), slab=reserve)
+        except ShmCapacityError:
+            # No room for `slots` batches at once: go on with a segment per batch, which is
+            # all torch needs; a batch that does not fit either is that batch's error.
+            self._slabless = True
+            return
         with self._cv:
             if self._closed:
                 self._source.unclaim(arena)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ._fetch import BatchFiller, Fetched
+from ._fetch import BatchFiller, Fetched, StreamPosition
 from ._layout import PlanEncoder, encode_end
 from ._messages import (
     Attach,
@@ -196,7 +196,8 @@ class _WorkerState:
         fetched = filler.fetch_next(self._stream)
         if fetched is None:
             return None, None
-        indices = list(range(self._position, self._position + fetched.rows))
+        indices = [StreamPosition(i) for i in range(self._position,
+                                                     self._position + fetched.rows)]
         self._position += fetched.rows
         return fetched, indices
 

@@ -342,10 +342,23 @@ def run_main_killed(num_workers: int, persistent: bool) -> None:
     time.sleep(60)
 
 
+class HugeRows:
+    """2**22 rows of 32 KiB written by ``read_into``: a batch of 2**21 rows needs 64 GiB of
+    shared memory, far more than /dev/shm has, and nothing is ever materialized."""
+
+    def __len__(self) -> int:
+        return 2**22
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return np.zeros(4096, np.int64)
+
+    def read_into(self, indices: np.ndarray, out: np.ndarray) -> None:
+        out[...] = 0
+
+
 def run_capacity_case(num_workers: int) -> dict[str, Any]:
-    """A slab far larger than /dev/shm: 16 slots of 2**22 rows of 4 KiB samples (256 GiB)."""
-    loader = ArenaLoader(ImageDataset(4, shape=(512,), dtype=np.int64), batch_size=2**22,
-                         num_workers=num_workers)
+    """Batches far larger than /dev/shm: 2**21 rows of 32 KiB samples (64 GiB) each."""
+    loader = ArenaLoader(HugeRows(), batch_size=2**21, num_workers=num_workers)
     iterator = iter(loader)
     outcomes = []
     for _ in range(2):

@@ -109,7 +109,7 @@ def test_bench_cli_quick_writes_every_loader_and_metric(tmp_path):
     out = json.loads((tmp_path / "bench.json").read_text())
     names = [kind.name for kind in LOADERS]
     assert out["loaders"] == names
-    assert set(out["workloads"]) == {"image", "large", "tiny", "dict", "memmap"}
+    assert set(out["workloads"]) == {"image", "large", "tiny", "dict", "memmap", "text", "detect"}
     for workload in out["workloads"]:
         rows = {r["loader"]: r for r in out["results"] if r["workload"] == workload}
         assert set(rows) == set(names), workload

@@ -354,3 +354,93 @@ def test_set_start_method_is_honoured(tmp_path):
                             timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "0"
+
+
+def _shm_mapped_bytes() -> int:
+    total = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "/dev/shm/arena_loader_" in line:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                total += end - start
+    return total
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_one_view_kept_per_epoch_over_20_persistent_epochs(num_workers):
+    options = dict(persistent_workers=True) if num_workers else {}
+    with ArenaLoader(Rows(), batch_size=64, num_workers=num_workers, **options) as loader:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            kept = [next(iter(loader))[0][3] for _ in range(20)]
+            baseline = _shm_mapped_bytes()
+            assert [float(v[0]) for v in kept] == [3.0] * 20
+            del kept
+            import gc
+
+            gc.collect()
+            assert _shm_mapped_bytes() <= baseline
+            # Memory is back to the slab alone: an epoch holding nothing needs no segment.
+            slab = loader._source._arena.slab.nbytes
+            assert sum(1 for _ in loader) == 4 and _shm_mapped_bytes() <= slab + 4096
+
+
+class Growing:
+    """Batches of 1 KB to 4 MB: messages must not grow with them."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return np.full(256 * 4**(i % 7), i, np.float32)
+
+
+def test_no_array_bytes_travel_in_messages_as_batches_grow():
+    with ArenaLoader(Growing(), batch_size=None, num_workers=2,
+                     collate_fn=lambda x: [x, x[:3]]) as loader:
+        iterator = iter(loader)
+        sizes = [batch[0].nbytes for batch in iterator]
+        stats = iterator.stats
+    assert max(sizes) >= 4 * 2**20
+    assert stats["result_bytes"] / stats["results_received"] < 600
+
+
+class BadStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        for i in range(6):
+            bad = i >= 4 and (info is None or info.id == 1)
+            yield np.zeros(3 if bad else 2)
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_iterable_errors_name_the_worker_and_the_stream_position(num_workers):
+    from arena_loader import LayoutError
+
+    with ArenaLoader(BadStream(), batch_size=6, num_workers=num_workers) as loader:
+        if num_workers == 0:
+            with pytest.raises(LayoutError, match=r"sample item 4 of the iterator"):
+                list(loader)
+            return
+        with pytest.raises(LayoutError, match=r"sample item 4 of worker 1's iterator: field "
+                                              r"sample has shape \[3\]"):
+            list(loader)
+
+
+def test_num_workers_0_iterator_read_from_two_threads_delivers_each_batch_once():
+    import threading
+
+    with ArenaLoader(Rows(), batch_size=2, output="numpy") as loader:
+        iterator = iter(loader)
+        seen: list[int] = []
+
+        def drain():
+            for x, _ in iterator:
+                seen.append(int(x[0, 0]))
+
+        threads = [threading.Thread(target=drain) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert sorted(seen) == list(range(0, 256, 2))
