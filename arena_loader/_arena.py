@@ -159,9 +159,9 @@ class ArenaSource:
             if self._arena is None:
                 if slot_nbytes is None and self.slot_nbytes is None:
                     return None
-                if self.slot_nbytes is None:
-                    self.slot_nbytes = slot_nbytes
-                self._arena = Arena(self.slot_nbytes, self.slots, slab, self._pinner)
+                budget = self.slot_nbytes or slot_nbytes
+                self._arena = Arena(budget, self.slots, slab, self._pinner)
+                self.slot_nbytes = budget  # kept only once a slab of it exists
                 self._claimed = True
                 return self._arena
             if not self._claimed and slab is None:

@@ -146,7 +146,10 @@ class _Session:
         ``_cv`` only while the session is open, and undone otherwise.
         """
         if self.arena is None and self._reserve is None:
-            arena = self._source.claim()  # None until the first batch sets the slot budget
+            try:
+                arena = self._source.claim()  # None until the first batch sets the budget
+            except ShmCapacityError:
+                arena, self._slabless = None, True  # a segment per batch (see _attach)
             reserve = Slab.reserve() if arena is None else None
             with self._cv:
                 published = not self._closed

@@ -332,21 +332,21 @@ def test_interrupt_while_handing_out_a_batch_gives_its_slot_back(monkeypatch):
     """Ctrl-C landing after a batch is taken but before it is handed over: KeyboardInterrupt
     reaches the caller, the batch's slot is free again (not lost to later epochs), and the
     epoch goes on with the next batch."""
-    import arena_loader._session as session_module
+    from arena_loader._layout import Plan
 
     class Tagged(ImageDataset):
         def __getitem__(self, i):
             return {"x": super().__getitem__(i), "tag": str(i)}
 
-    real_loads, calls = session_module.pickle.loads, []
+    real_objects, calls = Plan.objects, []
 
-    def interrupted_once(data):
+    def interrupted_once(plan, storage):
         calls.append(1)
         if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real_loads(data)
+            raise KeyboardInterrupt  # while the batch's object leaves are unpickled
+        return real_objects(plan, storage)
 
-    monkeypatch.setattr(session_module.pickle, "loads", interrupted_once)
+    monkeypatch.setattr(Plan, "objects", interrupted_once)
     with ArenaLoader(Tagged(8), batch_size=2, num_workers=1, slots=3,
                      persistent_workers=True) as loader:
         iterator = iter(loader)
@@ -367,25 +367,27 @@ class SlowRows(ImageDataset):
         return super().__getitem__(index)
 
 
-def test_capacity_error_while_switching_epochs_before_the_layout_is_known(monkeypatch):
-    """Persistent workers, a new epoch begun while the first batch's layout is still being
-    learned, and /dev/shm full when it arrives: ShmCapacityError from iter(), and the next
-    iter() loads a whole correct epoch on fresh workers (not stale-slab attach errors)."""
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_no_room_for_the_slab_gives_every_batch_a_segment(monkeypatch, num_workers):
+    """/dev/shm too full for the slab when the first batch arrives (but not for one batch):
+    every batch goes to a segment of its own, epochs stay whole and correct, persistent
+    workers included, and nothing is left behind."""
     import arena_loader._slab as slab_module
     from arena_loader import ShmCapacityError
 
+    def no_room(self, nbytes, *, slots=None):
+        self.close()
+        raise ShmCapacityError(28, "no room for the slab (test)")
+
+    monkeypatch.setattr(slab_module.Slab, "allocate", no_room)
     dataset = SlowRows(8, shape=(4,), dtype=np.int64)
     expected = reference_epoch(dataset, 2, False)
-    with ArenaLoader(dataset, batch_size=2, num_workers=2, persistent_workers=True) as loader:
-        session = iter(loader)._session  # workers start; the first batch is loading
-        assert wait_until(lambda: session._in_flight, timeout_s=5)
-        with monkeypatch.context() as patch:
-            patch.setattr(slab_module, "shm_available_bytes", lambda: 0)
-            with pytest.raises(ShmCapacityError, match="fewer `slots`"):
-                iter(loader)
-        assert loader._persistent.broken
-        for batch, reference in zip(loader, expected, strict=True):
-            np.testing.assert_array_equal(batch, reference)
+    options = dict(persistent_workers=True) if num_workers else {}
+    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers, **options) as loader:
+        for _ in range(2):
+            for batch, reference in zip(loader, expected, strict=True):
+                np.testing.assert_array_equal(batch, reference)
+        assert loader._source._arena is None
 
 
 def exit_worker_one_soon(worker_id):
@@ -402,9 +404,9 @@ def test_worker_dying_while_the_slab_is_sized_is_a_worker_crash(monkeypatch):
 
     real_claim = ArenaSource.claim
 
-    def slow_claim(self, layout, slab=None):
+    def slow_claim(self, slot_nbytes=None, slab=None):
         time.sleep(0.6)
-        return real_claim(self, layout, slab)
+        return real_claim(self, slot_nbytes, slab)
 
     monkeypatch.setattr(ArenaSource, "claim", slow_claim)
     with ArenaLoader(ImageDataset(8), batch_size=2, num_workers=2,
