@@ -142,11 +142,6 @@ class ArenaSource:
         self._segments_released: deque[None] = deque()
         self._warned = False
 
-    @property
-    def layout(self) -> int | None:
-        """The slot budget once known (None before the first batch)."""
-        return self.slot_nbytes
-
     def claim(self, slot_nbytes: int | None = None, slab: Slab | None = None) -> Arena | None:
         """The loader's arena, or a private one if it is in use; None while no budget is
         known. ``slab``: the reserved slab the caller's workers hold, which the arena must
@@ -223,12 +218,10 @@ class ArenaSource:
             stacklevel=4)
 
     def collect_or_overflow(self, arena: Arena) -> int | None:
-        """num_workers=0: a free slot (collecting garbage once if none), or None: the batch
-        goes to a segment. Raises when the consumer holds ``held_batch_limit`` batches."""
+        """num_workers=0: a free slot, or None: the batch goes to a segment (no garbage
+        collection here: it would cost a collection per batch while the user keeps batches).
+        Raises when the consumer holds ``held_batch_limit`` batches."""
         slot = arena.pool.acquire()
-        if slot is None:
-            gc.collect()  # views caught in reference cycles are released only by the collector
-            slot = arena.pool.acquire()
         if slot is None:
             if self.over_limit(arena):
                 raise self.limit_error(arena)

@@ -98,7 +98,7 @@ def test_new_epoch_after_a_crash_reuses_the_loader_slab():
             for batch in crashed:
                 del batch
         gc.collect()
-        assert loader._source.layout is not None and not loader._source._claimed
+        assert loader._source.slot_nbytes is not None and not loader._source._claimed
         assert loader._source._arena.pool.counts()[SlotState.FREE] == 5
         loader.dataset.fatal_index = -1
         assert sum(1 for _ in loader) == 10

@@ -68,7 +68,7 @@ def test_every_stream_empty_ends_the_epoch_at_once():
     """No worker has data: StopIteration, and no slab is ever sized."""
     with ArenaLoader(ShardedStream(0, lengths=(0, 0)), batch_size=2, num_workers=2) as loader:
         assert list(loader) == []
-        assert loader._source.layout is None
+        assert loader._source.slot_nbytes is None
 
 
 def test_persistent_workers_restart_their_iterators_each_epoch():
@@ -156,17 +156,17 @@ def test_torch_output_for_a_stream():
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
-def test_holding_every_slot_raises_and_loses_no_sample(num_workers):
-    """An iterable-style dataset whose consumer keeps every batch gets SlotsExhaustedError
-    naming `slots` (never a hang); after letting go, the epoch goes on with no sample lost
-    or repeated."""
+def test_held_batch_limit_raises_and_loses_no_sample(num_workers):
+    """An iterable-style dataset whose consumer keeps held_batch_limit batches gets
+    SlotsExhaustedError naming it (never a hang); after letting go, the epoch goes on with no
+    sample lost or repeated."""
     from arena_loader import SlotsExhaustedError
 
-    with ArenaLoader(ShardedStream(20), batch_size=2, num_workers=num_workers,
-                     slots=3) as loader:
+    with ArenaLoader(ShardedStream(20), batch_size=2, num_workers=num_workers, slots=3,
+                     held_batch_limit=3) as loader:
         iterator = iter(loader)
         held = []
-        with pytest.raises(SlotsExhaustedError, match="slots"):
+        with pytest.raises(SlotsExhaustedError, match="held_batch_limit=3"):
             while True:
                 held.append(next(iterator))
         seen = [int(i) for batch in held for i in batch["index"]]

@@ -18,9 +18,9 @@ DATA = ImageDataset(10)
     (dict(num_workers=1.5), TypeError, r"num_workers must be an int"),
     (dict(timeout=True), TypeError, r"timeout must be a number of seconds, got bool"),
     (dict(num_workers=1, prefetch_factor=0), ValueError, r"prefetch_factor must be >= 1"),
-    (dict(slots=1), ValueError, r"slots must be >= 2, got 1; pass slots=2 or more"),
-    (dict(num_workers=4, prefetch_factor=4, slots=16), ValueError,
-     r"slots must be >= 17, got 16; pass slots=17 or more, or lower prefetch_factor"),
+    (dict(slots=0), ValueError, r"slots must be >= 1, got 0; pass a positive int, or "
+                                r"slots=None"),
+    (dict(held_batch_limit=0), ValueError, r"held_batch_limit must be >= 1, got 0"),
     (dict(generator="seed"), TypeError, r"generator must be None, an int seed"),
 ])
 def test_invalid_options_raise_named_errors(kwargs, error, pattern):
@@ -37,7 +37,10 @@ def test_torch_defaults_and_attributes():
     assert isinstance(loader.batch_sampler, BatchSampler)
     assert len(loader) == 10
     assert loader.collate_fn is None and loader.timeout == 0 and loader.prefetch_factor is None
-    assert not loader.persistent_workers and loader.in_order and loader.slots == 16
+    assert not loader.persistent_workers and loader.in_order and loader.slots == 2
+    assert loader.held_batch_limit is None and loader.output is None
+    assert ArenaLoader(DATA, num_workers=8).slots == 2 * 8 + 2
+    assert ArenaLoader(DATA, num_workers=2, prefetch_factor=4).slots == 4 * 2 + 2
     shuffled = ArenaLoader(DATA, batch_size=3, shuffle=True, drop_last=True)
     assert isinstance(shuffled.sampler, RandomSampler) and len(shuffled) == 3
 

@@ -23,13 +23,14 @@ def test_torch_tensors_view_the_slot_and_free_it_when_dropped(num_workers):
     dataset = ImageDataset(8, shape=(3, 4), dtype=np.float32)
     with ArenaLoader(dataset, batch_size=4, num_workers=num_workers, output="torch",
                      slots=5) as loader:
+        assert sum(1 for _ in loader) == 2  # the first epoch sizes the slab
         iterator = iter(loader)
         batch = next(iterator)
         arena = loader._source._arena
         slab_start = arena.slab.array.__array_interface__["data"][0]
         offset = batch.data_ptr() - slab_start
         assert isinstance(batch, torch.Tensor) and batch.dtype == torch.float32
-        assert 0 <= offset < arena.slab.nbytes and offset % arena.layout.slot_nbytes == 0
+        assert 0 <= offset < arena.slab.nbytes and offset % arena.slot_nbytes == 0
         np.testing.assert_array_equal(batch.numpy(), np.stack([dataset[i] for i in range(4)]))
         assert arena.pool.counts()[SlotState.LEASED] == 1
         del batch
@@ -84,6 +85,6 @@ def test_torch_tensor_samples_are_accepted():
 
 def test_output_must_be_numpy_or_torch():
     """Any other output is refused at construction, naming the parameter."""
-    with pytest.raises(ValueError, match=r"output must be one of \('numpy', 'torch'\), "
+    with pytest.raises(ValueError, match=r"output must be one of \(None, 'numpy', 'torch'\), "
                                          r"got 'jax'"):
         ArenaLoader(ImageDataset(4), output="jax")

@@ -27,16 +27,19 @@ def lease_of(array: np.ndarray) -> SlotLease:
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_batches_are_views_into_the_slab(num_workers):
-    """Yielded arrays share memory with the slab and are based on a slot lease."""
+    """Yielded arrays share memory with the slab and are based on a slot lease (from the
+    second epoch; the first batches of the first, loaded before the slab is sized by them,
+    are in segments of their own)."""
     dataset = ImageDataset(12, shape=(4, 4), dtype=np.float32)
     with ArenaLoader(dataset, batch_size=4, num_workers=num_workers) as loader:
+        assert sum(1 for _ in loader) == 3
         count = 0
         for batch in loader:
             count += 1
             slab = loader._source._arena.slab.array
             assert np.shares_memory(batch, slab)
             lease = lease_of(batch)
-            start = lease.slot * loader._source._arena.layout.slot_nbytes
+            start = lease.slot * loader._source._arena.slot_nbytes
             assert batch.__array_interface__["data"][0] == (
                 slab.__array_interface__["data"][0] + start)
         assert count == 3
@@ -53,7 +56,6 @@ def test_result_messages_carry_no_array_bytes():
             assert batch.nbytes == 16 * 3 * 32 * 32
             batches += 1
         stats = iterator.stats
-    # Batch 0's layout (a small message) sizes the slab; then every batch is written in place.
     assert stats["results_received"] == batches == 4
     assert stats["result_bytes"] / stats["results_received"] < 512  # vs 49,152 array bytes
 
@@ -79,34 +81,34 @@ def test_held_batches_keep_their_contents_while_iteration_continues(num_workers,
 @pytest.mark.parametrize("num_workers, persistent, worker_mode", [
     (0, False, "process"), (1, False, "process"), (1, True, "process"), (2, False, "process"),
     (3, False, "process"), (3, True, "process"), (2, False, "thread"), (2, True, "thread")])
-def test_holding_every_slot_raises_and_names_slots(num_workers, persistent, worker_mode):
-    """Keeping `slots` batches alive makes the next next() raise, not hang; freeing resumes.
-    Persistent workers are checked in their second epoch (the reset path)."""
+def test_held_batch_limit_raises_and_names_itself(num_workers, persistent, worker_mode):
+    """Keeping `held_batch_limit` batches alive makes the next next() raise, not hang; freeing
+    resumes. Persistent workers are checked in their second epoch (the reset path)."""
     dataset = ImageDataset(30, shape=(2,), dtype=np.int64)
-    slots = 2 * num_workers + 2 if num_workers else 3
-    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers, slots=slots,
+    limit = 2 * num_workers + 2 if num_workers else 3
+    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers, held_batch_limit=limit,
                      prefetch_factor=2 if num_workers else None,
                      persistent_workers=persistent, worker_mode=worker_mode) as loader:
         if persistent:
             assert sum(1 for _ in loader) == 15
         iterator = iter(loader)
-        held = [next(iterator) for _ in range(slots)]
+        held = [next(iterator) for _ in range(limit)]
         start = time.monotonic()
-        with pytest.raises(SlotsExhaustedError, match=rf"all {slots} slots.*{slots} batches.*"
-                                                      rf"slots={slots * 2}"):
+        with pytest.raises(SlotsExhaustedError, match=rf"holds {limit} batches.*"
+                                                      rf"held_batch_limit={limit}"):
             next(iterator)
         assert time.monotonic() - start < 1.0
         # No batch was lost: after dropping one, iteration resumes where it stopped.
         del held[0]
         following = next(iterator)
-        np.testing.assert_array_equal(following, reference_epoch(dataset, 2, False)[slots])
+        np.testing.assert_array_equal(following, reference_epoch(dataset, 2, False)[limit])
         del held, following, iterator
 
 
 def test_batches_in_reference_cycles_are_collected_before_raising():
     """A batch reachable only through a garbage cycle does not count as held."""
     dataset = ImageDataset(10, shape=(2,), dtype=np.int64)
-    with ArenaLoader(dataset, batch_size=1, slots=2) as loader:
+    with ArenaLoader(dataset, batch_size=1, held_batch_limit=2) as loader:
         gc.disable()
         try:
             for batch in loader:

@@ -126,10 +126,12 @@ def test_slot_a_stuck_thread_may_write_is_never_reused(monkeypatch):
     """The slot a stuck thread is still loading stays out of use, so when the thread finally
     writes it, no batch of a later epoch is overwritten."""
     monkeypatch.setattr("arena_loader._threads.JOIN_TIMEOUT_S", 0.2)
-    dataset = SlowDataset(12, {2}, 1.0, shape=(2,), dtype=np.int64)
+    dataset = SlowDataset(12, (), 1.0, shape=(2,), dtype=np.int64)
     expected = reference_epoch(ImageDataset(12, shape=(2,), dtype=np.int64), 2, False)
     with ArenaLoader(dataset, batch_size=2, num_workers=1, worker_mode="thread",
                      slots=8) as loader:
+        assert sum(1 for _ in loader) == 6  # sizes the slab: later batches go to slots
+        dataset.slow_indices = frozenset({2})
         iterator = iter(loader)
         next(iterator)
         time.sleep(0.2)  # the thread is now inside the slow sample of batch idx=1
