@@ -1,4 +1,9 @@
-"""Index samplers with torch's semantics, drawing randomness from numpy.
+"""Index samplers with torch's semantics.
+
+Where the program uses torch (a ``torch.Generator`` is passed, or ``generator=None`` and torch
+is imported), the random samplers draw with torch's very calls, so a seed gives torch's order:
+switching a training run from torch's DataLoader keeps its sample order. Without torch they
+draw from numpy (docs/migrating.md, "Sample order").
 
 Any iterable of sample indices (a torch sampler included) may be passed to ``ArenaLoader`` as
 ``sampler``, and any iterable of index lists as ``batch_sampler``; these classes are the
@@ -19,11 +24,13 @@ import numpy as np
 __all__ = [
     "BatchSampler",
     "DistributedSampler",
+    "InfiniteConstantSampler",
     "RandomSampler",
     "SequentialSampler",
     "SubsetRandomSampler",
     "WeightedRandomSampler",
     "as_numpy_generator",
+    "torch_for",
     "is_torch_generator",
 ]
 
@@ -31,6 +38,23 @@ __all__ = [
 def is_torch_generator(generator: Any) -> bool:
     """True for a ``torch.Generator``, without importing torch."""
     return type(generator).__module__.startswith("torch") and hasattr(generator, "initial_seed")
+
+
+def torch_for(generator: Any) -> Any:
+    """The torch module when sampling with ``generator`` must follow torch, else None.
+
+    Never imports torch: a ``torch.Generator`` exists only once torch is imported, and with
+    ``generator=None`` torch's global RNG is used only by a program that imported torch.
+    """
+    if is_torch_generator(generator):
+        return sys.modules["torch"]
+    return sys.modules.get("torch") if generator is None else None
+
+
+def _numpy_unless_torch(generator: Any) -> np.random.Generator | None:
+    # A torch.Generator is used as is, as torch does; drawing a numpy seed from it here would
+    # move its state away from torch's.
+    return None if is_torch_generator(generator) else as_numpy_generator(generator)
 
 
 def as_numpy_generator(generator: Any) -> np.random.Generator:
@@ -52,6 +76,15 @@ def as_numpy_generator(generator: Any) -> np.random.Generator:
         "generator must be None, an int seed, a numpy.random.Generator or a torch.Generator, "
         f"got {type(generator).__name__}"
     )
+
+
+class InfiniteConstantSampler:
+    """Yields ``None`` forever: the ``sampler`` of an iterable-style dataset, whose own
+    iterator decides what comes next and when the epoch ends (torch's
+    ``_InfiniteConstantSampler``)."""
+
+    def __iter__(self) -> Iterator[None]:
+        return itertools.repeat(None)
 
 
 class SequentialSampler:
@@ -86,7 +119,8 @@ class RandomSampler:
         self.data_source = data_source
         self.replacement = replacement
         self._num_samples = num_samples
-        self._rng = as_numpy_generator(generator)
+        self.generator = generator
+        self._rng = _numpy_unless_torch(generator)
 
     @property
     def num_samples(self) -> int:
@@ -96,6 +130,9 @@ class RandomSampler:
         n = len(self.data_source)
         if n == 0:
             return iter(())
+        torch = torch_for(self.generator)
+        if torch is not None:
+            return self._torch_indices(torch, n)
         if self.replacement:
             drawn = self._rng.integers(0, n, size=self.num_samples)
         else:
@@ -104,6 +141,25 @@ class RandomSampler:
             parts.append(self._rng.permutation(n)[:rest])
             drawn = np.concatenate(parts)
         return iter(drawn.tolist())
+
+    def _torch_indices(self, torch: Any, n: int) -> Iterator[int]:
+        """torch.utils.data.RandomSampler.__iter__'s draws, call for call (a generator, like
+        torch's, so its seed is drawn at the first next())."""
+        generator = self.generator
+        if generator is None:
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+        if self.replacement:
+            for _ in range(self.num_samples // 32):
+                yield from torch.randint(high=n, size=(32,), dtype=torch.int64,
+                                         generator=generator).tolist()
+            yield from torch.randint(high=n, size=(self.num_samples % 32,), dtype=torch.int64,
+                                     generator=generator).tolist()
+        else:
+            for _ in range(self.num_samples // n):
+                yield from torch.randperm(n, generator=generator).tolist()
+            yield from torch.randperm(n, generator=generator).tolist()[:self.num_samples % n]
 
     def __len__(self) -> int:
         return self.num_samples
@@ -142,10 +198,15 @@ class SubsetRandomSampler:
 
     def __init__(self, indices: Sequence[int], generator: Any = None) -> None:
         self.indices = indices
-        self._rng = as_numpy_generator(generator)
+        self.generator = generator
+        self._rng = _numpy_unless_torch(generator)
 
     def __iter__(self) -> Iterator[int]:
-        order = self._rng.permutation(len(self.indices)).tolist()
+        torch = torch_for(self.generator)
+        if torch is not None:
+            order = torch.randperm(len(self.indices), generator=self.generator).tolist()
+        else:
+            order = self._rng.permutation(len(self.indices)).tolist()
         return iter([self.indices[i] for i in order])
 
     def __len__(self) -> int:
@@ -194,9 +255,16 @@ class WeightedRandomSampler:
         self.num_samples = num_samples
         self.replacement = replacement
         self._probabilities = array / array.sum()
-        self._rng = as_numpy_generator(generator)
+        self.generator = generator
+        self._rng = _numpy_unless_torch(generator)
 
     def __iter__(self) -> Iterator[int]:
+        torch = torch_for(self.generator)
+        if torch is not None:
+            drawn = torch.multinomial(torch.as_tensor(self.weights, dtype=torch.double),
+                                      self.num_samples, self.replacement,
+                                      generator=self.generator)
+            return iter(drawn.tolist())
         drawn = self._rng.choice(len(self.weights), size=self.num_samples,
                                  replace=self.replacement, p=self._probabilities)
         return iter(drawn.tolist())
@@ -212,8 +280,9 @@ class DistributedSampler:
     start until it divides evenly; with ``drop_last`` its tail is cut so it does. Rank ``r``
     takes every ``num_replicas``-th index starting at ``r``, so ranks are disjoint apart from
     padding. With ``shuffle`` the order is a permutation that depends only on ``seed`` and the
-    epoch given to ``set_epoch`` (call it before each epoch), the same on every rank. The
-    permutation is numpy's, so it differs from torch's for the same seed.
+    epoch given to ``set_epoch`` (call it before each epoch), the same on every rank. In a
+    program that imported torch it is torch's permutation for ``seed + epoch`` (the same
+    order as torch's DistributedSampler); without torch, numpy's.
 
     ``num_replicas`` and ``rank`` default to the initialised ``torch.distributed`` group, else
     to the ``WORLD_SIZE`` and ``RANK`` environment variables that ``torchrun`` sets.
@@ -259,7 +328,12 @@ class DistributedSampler:
 
     def __iter__(self) -> Iterator[int]:
         size = len(self.dataset)
-        if self.shuffle:
+        torch = sys.modules.get("torch")
+        if self.shuffle and torch is not None:
+            generator = torch.Generator()  # torch's: seeded by seed + epoch only
+            generator.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(size, generator=generator).tolist()
+        elif self.shuffle:
             # A fresh generator from (seed, epoch) only: every rank computes the same order.
             rng = np.random.default_rng([self.seed % 2**64, self.epoch % 2**64])
             indices = rng.permutation(size).tolist()
