@@ -33,19 +33,22 @@ def describe_exit(exitcode: int | None) -> str:
 
 
 def torch_crash_text(pid: int | None, exitcode: int | None) -> str:
-    """torch's DataLoader wording for a dead worker (torch/csrc/DataLoader.cpp, and
-    dataloader.py's fallback), so that code and searches keyed on torch's text still match."""
+    """torch's DataLoader wording for a dead worker, so that code and searches keyed on
+    torch's text still match: its Python check's (dataloader.py), which reports a death it
+    finds on a timeout, then its SIGCHLD handler's (torch/csrc/DataLoader.cpp), which names the
+    signal or exit code."""
+    text = f"DataLoader worker (pid(s) {pid}) exited unexpectedly"
     if exitcode is not None and exitcode < 0:
         try:
             name = signal.strsignal(-exitcode) or f"Unknown signal: {-exitcode}"
         except ValueError:
             name = f"Unknown signal: {-exitcode}"
-        return f"DataLoader worker (pid {pid}) is killed by signal: {name}. "
-    if exitcode:
-        return (f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}. "
-                "Details are lost due to multiprocessing. Rerunning with num_workers=0 may "
-                "give better error trace.")
-    return f"DataLoader worker (pid(s) {pid}) exited unexpectedly"
+        text += f"; DataLoader worker (pid {pid}) is killed by signal: {name}. "
+    elif exitcode:
+        text += (f"; DataLoader worker (pid {pid}) exited unexpectedly with exit code "
+                 f"{exitcode}. Details are lost due to multiprocessing. Rerunning with "
+                 "num_workers=0 may give better error trace.")
+    return text
 
 
 class WorkerGroup:

@@ -7,6 +7,8 @@ the program already loaded (a DataPipe or a ``torch.Generator`` cannot exist wit
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing
 import os
 import sys
 import warnings
@@ -35,13 +37,19 @@ def draw_torch_seed(generator: Any) -> int:
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
+def initialized_distributed() -> Any:
+    """``torch.distributed`` if the program initialised a process group, else None."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist
+    return None
+
+
 def distributed_settings() -> tuple[int, int]:
     """(world size, rank) of the initialised ``torch.distributed`` group, else (1, 0): what
     torch's DataLoader shards DataPipes by."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
+    dist = initialized_distributed()
+    return (dist.get_world_size(), dist.get_rank()) if dist is not None else (1, 0)
 
 
 class ShardedDataPipe:
@@ -51,9 +59,9 @@ class ShardedDataPipe:
     shard ``rank`` of ``world_size``. Every worker seeds shuffling with the same epoch seed,
     so the shards are disjoint parts of one shuffled order.
 
-    torch sends workers a fresh seed each epoch; a persistent worker here has only the seed it
-    started with, so its later epochs use ``seed + epoch`` (a new order each epoch, but not
-    torch's; docs/migrating.md, "Remaining differences").
+    The seed lives in a shared-memory cell that workers inherit: the main process sets it at
+    each ``iter(loader)`` before any task of that epoch is sent, so persistent workers shuffle
+    each epoch with its new seed, as torch's do after its ``_ResumeIteration`` message.
     """
 
     def __init__(self, pipe: Any, world_size: int, rank: int) -> None:
@@ -64,20 +72,18 @@ class ShardedDataPipe:
         self.pipe = wrapper(pipe) if wrapper is not None else pipe
         self.world_size = world_size
         self.rank = rank
-        self.seed = 0
-        self._epoch = 0
+        self._seed = multiprocessing.RawValue(ctypes.c_int64, 0)
 
     def start_epoch(self, seed: int) -> None:
         """Main process, at ``iter(loader)``: the seed this epoch's shuffling uses."""
-        self.seed, self._epoch = seed, 0
+        self._seed.value = seed
 
     def __iter__(self) -> Iterator[Any]:
         torch = sys.modules["torch"]  # loaded: unpickling or forking the pipe imported it
         from torch.utils.data import graph_settings
 
         shared_rng = torch.Generator()
-        shared_rng.manual_seed((self.seed + self._epoch) % 2**63)
-        self._epoch += 1
+        shared_rng.manual_seed(self._seed.value)
         graph_settings.apply_random_seed(self.pipe, shared_rng)
         info = get_worker_info()
         if info is None:

@@ -26,6 +26,7 @@ from ._torch_compat import (
     check_worker_number,
     distributed_settings,
     draw_torch_seed,
+    initialized_distributed,
     is_iter_datapipe,
     loaded_torch,
 )
@@ -220,6 +221,10 @@ class ArenaLoader(Generic[T_co]):
         reuse = (options.num_workers > 0 and options.persistent_workers
                  and self._persistent is not None and not self._persistent.broken)
         base_seed = None if reuse else self._draw_base_seed()
+        if self._datapipe is not None and options.num_workers > 0 and not reuse:
+            # torch's new worker iterator draws the DataPipe seed once more, in its _reset(),
+            # for the main process's copy; its workers keep the first. Drawn to stay in step.
+            self._draw_datapipe_seed()
         batches = self._epoch_batches()
         if self._device is not None and options.persistent_workers:
             self._device.detach()  # no device thread may read the persistent iterator now
@@ -287,9 +292,9 @@ class ArenaLoader(Generic[T_co]):
         """torch's shared DataPipe seed: drawn like the base seed, and under
         ``torch.distributed`` broadcast from rank 0 so every rank shuffles alike."""
         seed = self._draw_base_seed()
-        if distributed_settings()[0] > 1:
+        dist = initialized_distributed()
+        if dist is not None:
             torch = loaded_torch()
-            dist = torch.distributed
             if self._datapipe_group is None:
                 self._datapipe_group = dist.new_group(backend="gloo")
             shared = torch.tensor(seed, dtype=torch.int64)
