@@ -173,7 +173,7 @@ class ArenaLoader(Generic[T_co]):
         self._closed = False
         self._finalizer = weakref.finalize(self, _close_all, self._source, self._live,
                                            os.getpid())
-        check_worker_number(num_workers, stacklevel=2)
+        self.check_worker_number_rationality()
 
     def __setattr__(self, name: str, value: Any) -> None:
         # torch's rule: what shapes the epoch is fixed once the loader exists, so changing it
@@ -195,6 +195,11 @@ class ArenaLoader(Generic[T_co]):
         if self.options.auto_collation:
             return len(self.batch_sampler)
         return len(self.sampler)
+
+    def check_worker_number_rationality(self) -> None:
+        """torch's check, run at construction and when workers start: a UserWarning when
+        ``num_workers`` exceeds the CPUs this process may use."""
+        check_worker_number(self.num_workers, stacklevel=3)
 
     @property
     def _auto_collation(self) -> bool:
@@ -235,7 +240,7 @@ class ArenaLoader(Generic[T_co]):
             self._persistent.reset(batches)
             return self._checked_length(self._on_device(self._persistent, owns_host=False))
         else:
-            check_worker_number(options.num_workers, stacklevel=2)
+            self.check_worker_number_rationality()
             if self._persistent is not None:
                 self._persistent.close()
             iterator = MultiProcessIterator(self, options, self._filler, self._source, batches,

@@ -30,8 +30,8 @@ __all__ = [
     "SubsetRandomSampler",
     "WeightedRandomSampler",
     "as_numpy_generator",
-    "torch_for",
     "is_torch_generator",
+    "torch_for",
 ]
 
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import typing
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ from arena_loader.samplers import (
 )
 
 from .datasets import ImageDataset, SuicidalDataset
-from .test_torch_parity import torch, tud
+from .test_torch_parity import probe_epochs, torch, tud
 
 DATA = ImageDataset(10, shape=(2,), dtype=np.int64)
 
@@ -361,6 +362,20 @@ def test_shuffle_order_with_workers_equals_torchs():
     assert epochs_and_rng(make(ArenaLoader), 7) == epochs_and_rng(make(tud.DataLoader), 7)
 
 
+@pytest.mark.timeout(60)
+def test_worker_seeds_equal_torchs_after_manual_seed():
+    """generator=None in a program using torch: the workers' seeds come from torch's global
+    RNG, so torch.manual_seed(s) gives torch's worker seeds."""
+    from .datasets import WorkerProbeDataset
+
+    torch.manual_seed(21)
+    theirs = tud.DataLoader(WorkerProbeDataset(4), batch_size=2, num_workers=2)
+    their_seeds = {int(b["worker"][0]): int(b["seed"][0]) for b in theirs}
+    torch.manual_seed(21)
+    ours = {s["worker"]: int(s["seed"]) for s in probe_epochs(1)[0]}
+    assert ours == their_seeds and len(ours) == 2
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_random_samplers_draw_torchs_indices(seed):
     """RandomSampler (with and without replacement, over 32 draws), SubsetRandomSampler and
@@ -469,3 +484,23 @@ def test_persistent_workers_reshuffle_a_datapipe_each_epoch_like_torch():
     epochs = ours[0]
     assert all(sorted(epoch) == list(range(16)) for epoch in epochs)
     assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/migrating.md: its runnable examples run as written.
+
+MIGRATING = Path(__file__).parent.parent / "docs" / "migrating.md"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("index", range(2))
+def test_migrating_guide_examples_run(index, tmp_path):
+    """Each ```python block of docs/migrating.md runs (```py blocks need packages not
+    installed here and are not run)."""
+    blocks = re.findall(r"```python\n(.*?)```", MIGRATING.read_text(), re.DOTALL)
+    assert len(blocks) == 2, "update the parametrisation to the guide's block count"
+    script = tmp_path / "example.py"
+    script.write_text(blocks[index])
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=100)
+    assert result.returncode == 0, result.stderr
