@@ -350,8 +350,8 @@ def _open_cuda(options: LoaderOptions) -> tuple[Any, Any]:
                            "device=None for host batches, or install arena_loader[cuda] on a "
                            "machine with a GPU")
     warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then "
-                  f"device pinned memory won't be used ({reason}); batches stay in pageable "
-                  "host memory", stacklevel=3)
+                  f"device pinned memory won't be used. ({reason}; batches stay in pageable "
+                  "host memory)", stacklevel=3)
     return None, None
 
 
