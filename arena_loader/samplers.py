@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from ._options import torch_worded
+
 __all__ = [
     "BatchSampler",
     "DistributedSampler",
@@ -87,6 +89,12 @@ class InfiniteConstantSampler:
         return itertools.repeat(None)
 
 
+def _num_samples_message(num_samples: Any) -> str:
+    return torch_worded(
+        f"num_samples should be a positive integer value, but got num_samples={num_samples}",
+        f"num_samples must be a positive int, got {num_samples!r}")
+
+
 class SequentialSampler:
     """Yields ``0 .. len(data_source) - 1`` in order."""
 
@@ -111,11 +119,13 @@ class RandomSampler:
         generator: Any = None,
     ) -> None:
         if not isinstance(replacement, bool):
-            raise TypeError(f"replacement must be a bool, got {replacement!r}")
+            raise TypeError(torch_worded(
+                f"replacement should be a boolean value, but got replacement={replacement}",
+                f"replacement must be a bool, got {replacement!r}"))
         if num_samples is not None and (
             isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0
         ):
-            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+            raise ValueError(_num_samples_message(num_samples))
         self.data_source = data_source
         self.replacement = replacement
         self._num_samples = num_samples
@@ -170,9 +180,13 @@ class BatchSampler:
 
     def __init__(self, sampler: Iterable[int], batch_size: int, drop_last: bool) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+            raise ValueError(torch_worded(
+                f"batch_size should be a positive integer value, but got batch_size={batch_size}",
+                f"batch_size must be a positive int, got {batch_size!r}"))
         if not isinstance(drop_last, bool):
-            raise ValueError(f"drop_last must be a bool, got {drop_last!r}")
+            raise ValueError(torch_worded(
+                f"drop_last should be a boolean value, but got drop_last={drop_last}",
+                f"drop_last must be a bool, got {drop_last!r}"))
         self.sampler = sampler
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -228,17 +242,21 @@ class WeightedRandomSampler:
         generator: Any = None,
     ) -> None:
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
-            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+            raise ValueError(_num_samples_message(num_samples))
         if not isinstance(replacement, bool):
             # ValueError, not TypeError: torch's WeightedRandomSampler raises ValueError here.
-            raise ValueError(f"replacement must be a bool (True or False), got {replacement!r}")
+            raise ValueError(torch_worded(
+                f"replacement should be a boolean value, but got replacement={replacement}",
+                f"replacement must be a bool (True or False), got {replacement!r}"))
         try:
             array = np.asarray(weights, dtype=np.float64)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"weights must be a 1-d sequence of numbers, got {weights!r}") from exc
         if array.ndim != 1:
-            raise ValueError(
-                f"weights must be a 1-d sequence of numbers, got an array of shape {array.shape}")
+            raise ValueError(torch_worded(
+                "weights should be a 1d sequence but given weights have shape "
+                f"{tuple(array.shape)}",
+                f"weights must be a 1-d sequence of numbers, got an array of shape {array.shape}"))
         if not np.all(np.isfinite(array)) or np.any(array < 0):
             bad = int(np.flatnonzero(~np.isfinite(array) | (array < 0))[0])
             raise ValueError(
@@ -305,10 +323,11 @@ class DistributedSampler:
                 or num_replicas <= 0:
             raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
-            raise ValueError(
+            raise ValueError(torch_worded(
+                f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]",
                 f"rank must be in [0, num_replicas - 1] = [0, {num_replicas - 1}], got "
                 f"rank={rank!r} with num_replicas={num_replicas}; pass a rank below "
-                "num_replicas")
+                "num_replicas"))
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
         self.dataset = dataset

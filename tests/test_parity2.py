@@ -24,6 +24,7 @@ import arena_loader.loader
 from arena_loader import ArenaLoader
 from arena_loader.errors import WorkerCrashedError
 from arena_loader.samplers import (
+    BatchSampler,
     DistributedSampler,
     RandomSampler,
     SubsetRandomSampler,
@@ -125,6 +126,32 @@ def test_constructor_error_has_torchs_type_and_contains_torchs_message():
             ArenaLoader(dataset, **kwargs)
         assert torch_message in str(raised.value), kwargs
         assert str(raised.value) != torch_message, kwargs
+
+
+SAMPLER_REJECTED = [
+    ("RandomSampler", (range(3),), dict(replacement=1)),
+    ("RandomSampler", (range(3),), dict(num_samples=0)),
+    ("BatchSampler", (range(3), 0, False), {}),
+    ("BatchSampler", (range(3), 2, "no"), {}),
+    ("WeightedRandomSampler", ([1.0, 2.0], 0), {}),
+    ("WeightedRandomSampler", ([1.0, 2.0], 2), dict(replacement=1)),
+    ("WeightedRandomSampler", ([[1.0, 2.0]], 2), {}),
+    ("DistributedSampler", (range(4),), dict(num_replicas=2, rank=2)),
+    ("DistributedSampler", (range(4),), dict(num_replicas=2, rank=-1)),
+]
+
+
+def test_sampler_error_has_torchs_type_and_contains_torchs_message():
+    """The samplers reject what torch's reject, with torch's type and torch's text inside."""
+    ours_by_name = {"RandomSampler": RandomSampler, "BatchSampler": BatchSampler,
+                    "WeightedRandomSampler": WeightedRandomSampler,
+                    "DistributedSampler": DistributedSampler}
+    for name, args, kwargs in SAMPLER_REJECTED:
+        with pytest.raises((TypeError, ValueError)) as theirs:
+            getattr(tud, name)(*args, **kwargs)
+        with pytest.raises(theirs.type) as ours:
+            ours_by_name[name](*args, **kwargs)
+        assert str(theirs.value) in str(ours.value), (name, kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
