@@ -31,17 +31,24 @@ def _resolve_context(value: Any) -> multiprocessing.context.BaseContext | None:
         return None
     if isinstance(value, str):
         if value not in _start_methods():
-            raise ValueError(
+            raise ValueError(torch_worded(
+                f"multiprocessing_context option should specify a valid start method in "
+                f"{_start_methods()!r}, but got multiprocessing_context={value!r}",
                 f"multiprocessing_context must be a valid start method in {_start_methods()!r}, "
-                f"got {value!r}"
-            )
+                f"got {value!r}"))
         return multiprocessing.get_context(value)
     if isinstance(value, multiprocessing.context.BaseContext):
         return value
-    raise TypeError(
+    raise TypeError(torch_worded(
+        "multiprocessing_context option should be a valid context object or a string "
+        f"specifying the start method, but got multiprocessing_context={value}",
         "multiprocessing_context must be a start method name or a multiprocessing context "
-        f"object, got {type(value).__name__}"
-    )
+        f"object, got {type(value).__name__}"))
+
+
+def torch_worded(torch_text: str, ours: str) -> str:
+    """torch's message verbatim (code matching torch's text keeps working), then ours."""
+    return f"{torch_text} ({ours})"
 
 
 def _start_methods() -> list[str]:
@@ -72,6 +79,9 @@ class LoaderOptions:
     # Set by the loader for an iterable-style dataset (is_iterable_dataset), which forbids
     # shuffle, sampler and batch_sampler as torch does.
     iterable: bool = False
+    # Set by the loader for a torch IterDataPipe, whose `shuffle` torch accepts: it switches
+    # the pipe's shuffle() steps on or off (graph_settings.apply_shuffle_settings).
+    datapipe: bool = False
     output: str | None = None
     device: Any = None
     worker_mode: str = "process"
@@ -79,33 +89,40 @@ class LoaderOptions:
     def __post_init__(self) -> None:
         # Checks run in torch's order, so a call with several mistakes gets torch's error type.
         _check_int("num_workers", self.num_workers, minimum=0,
-                   fix="use num_workers=0 to load in the main process")
+                   fix="use num_workers=0 to load in the main process",
+                   torch_text="num_workers option should be non-negative; use num_workers=0 to "
+                   "disable multiprocessing.")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
             raise TypeError(f"timeout must be a number of seconds, got "
                             f"{type(self.timeout).__name__} {self.timeout!r}; use 0 for no timeout")
         if self.timeout < 0:
-            raise ValueError(f"timeout must be >= 0 seconds, got {self.timeout!r}; use 0 for "
-                             "no timeout")
+            raise ValueError(torch_worded(
+                "timeout option should be non-negative",
+                f"timeout must be >= 0 seconds, got {self.timeout!r}; use 0 for no timeout"))
         if self.num_workers == 0:
             if self.prefetch_factor is not None:
-                raise ValueError(
-                    "prefetch_factor option could only be specified in multiprocessing: "
-                    f"got prefetch_factor={self.prefetch_factor!r} with num_workers=0; "
-                    "let num_workers > 0 or set prefetch_factor=None"
-                )
+                raise ValueError(torch_worded(
+                    "prefetch_factor option could only be specified in multiprocessing.let "
+                    "num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor "
+                    "to None.",
+                    f"got prefetch_factor={self.prefetch_factor!r} with num_workers=0"))
             if self.persistent_workers:
-                raise ValueError(
-                    "persistent_workers option needs num_workers > 0, got num_workers=0; "
-                    "pass num_workers > 0 or persistent_workers=False")
+                raise ValueError(torch_worded(
+                    "persistent_workers option needs num_workers > 0",
+                    "got num_workers=0; pass num_workers > 0 or persistent_workers=False"))
             if self.multiprocessing_context is not None:
-                raise ValueError(
-                    "multiprocessing_context can only be used with num_workers > 0, got "
-                    f"multiprocessing_context={self.multiprocessing_context!r} with "
-                    "num_workers=0; pass num_workers > 0 or drop multiprocessing_context")
+                raise ValueError(torch_worded(
+                    "multiprocessing_context can only be used with multi-process loading "
+                    "(num_workers > 0), but got num_workers=0",
+                    f"multiprocessing_context={self.multiprocessing_context!r} needs "
+                    "num_workers > 0; pass num_workers > 0 or drop multiprocessing_context"))
         elif self.prefetch_factor is not None:
             # torch accepts 0, which silently yields an empty epoch; we refuse it.
             _check_int("prefetch_factor", self.prefetch_factor, minimum=1,
-                       fix="use prefetch_factor=None for the default of 2")
+                       fix="use prefetch_factor=None for the default of 2",
+                       torch_text="prefetch_factor option should be non-negative"
+                       if isinstance(self.prefetch_factor, int) and self.prefetch_factor < 0
+                       else None)
         if self.worker_mode not in WORKER_MODES:
             raise ValueError(f"worker_mode must be one of {WORKER_MODES!r}, got "
                              f"{self.worker_mode!r}; use \"thread\" when loading releases the "
@@ -125,33 +142,38 @@ class LoaderOptions:
                            if self.num_workers > 0 and self.worker_mode == "process" else None)
         if self.iterable:
             self._check_iterable_options()
-        if self.sampler is not None and self.shuffle:
-            raise ValueError("sampler option is mutually exclusive with shuffle; got shuffle=True "
-                             "with a sampler: shuffle inside the sampler, or drop `sampler`")
+        # A datapipe's shuffle is a setting of the pipe, not a sampler (as in torch).
+        shuffle = self.shuffle and not self.datapipe
+        if self.sampler is not None and shuffle:
+            raise ValueError(torch_worded(
+                "sampler option is mutually exclusive with shuffle",
+                "got shuffle=True with a sampler: shuffle inside the sampler, or drop `sampler`"))
         if self.batch_sampler is not None and (
-            self.batch_size != 1 or self.shuffle or self.sampler is not None or self.drop_last
+            self.batch_size != 1 or shuffle or self.sampler is not None or self.drop_last
         ):
-            raise ValueError(
+            raise ValueError(torch_worded(
                 "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
-                "and drop_last; leave those at their defaults when passing batch_sampler"
-            )
+                "and drop_last", "leave those at their defaults when passing batch_sampler"))
         if self.batch_size is None and self.batch_sampler is None and self.drop_last:
-            raise ValueError(
+            raise ValueError(torch_worded(
                 "batch_size=None option disables auto-batching and is mutually exclusive with "
-                "drop_last; got drop_last=True: pass a batch_size, or drop_last=False"
-            )
-        if self.batch_size is not None and (
+                "drop_last", "got drop_last=True: pass a batch_size, or drop_last=False"))
+        if self.batch_sampler is None and self.batch_size is not None and (
             isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int)
             or self.batch_size <= 0
         ):
             # ValueError for a wrong type too: torch's BatchSampler raises ValueError for both.
-            raise ValueError(
+            raise ValueError(torch_worded(
+                "batch_size should be a positive integer value, but got "
+                f"batch_size={self.batch_size}",
                 f"batch_size must be a positive int, got {self.batch_size!r}; use "
-                "batch_size=None to disable automatic batching")
+                "batch_size=None to disable automatic batching"))
         if self.batch_size is not None and self.batch_sampler is None \
                 and not isinstance(self.drop_last, bool):
             # Where torch checks it: in the BatchSampler built from batch_size and drop_last.
-            raise ValueError(f"drop_last must be a bool (True or False), got {self.drop_last!r}")
+            raise ValueError(torch_worded(
+                f"drop_last should be a boolean value, but got drop_last={self.drop_last}",
+                f"drop_last must be a bool (True or False), got {self.drop_last!r}"))
         if self.output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS!r}, got {self.output!r}")
         if self.slots is not None:
@@ -165,16 +187,17 @@ class LoaderOptions:
     def _check_iterable_options(self) -> None:
         """torch's rule: an iterable-style dataset decides its own order and batches' keys."""
         # shuffle=False is accepted: it was torch's default once, and means "unspecified".
-        for name, value, unset in (("shuffle", self.shuffle, self.shuffle in (None, False)),
+        shuffle_unset = self.datapipe or self.shuffle in (None, False)
+        for name, value, unset in (("shuffle", self.shuffle, shuffle_unset),
                                    ("sampler", self.sampler, self.sampler is None),
                                    ("batch_sampler", self.batch_sampler,
                                     self.batch_sampler is None)):
             if not unset:
-                raise ValueError(
+                raise ValueError(torch_worded(
                     f"DataLoader with IterableDataset: expected unspecified {name} option, but "
-                    f"got {name}={value!r}; {name} must be left unset for an iterable-style "
-                    "dataset: shuffle, sample or batch inside its __iter__ (shard with "
-                    "get_worker_info())")
+                    f"got {name}={value}",
+                    f"{name} must be left unset for an iterable-style dataset: shuffle, sample "
+                    "or batch inside its __iter__ (shard with get_worker_info())"))
 
     @property
     def effective_prefetch_factor(self) -> int:
@@ -236,8 +259,11 @@ def _check_device(value: Any) -> str | None:
     raise ValueError(f"{_DEVICE_RULE}, got {value!r}; {_DEVICE_FIX}")
 
 
-def _check_int(name: str, value: Any, *, minimum: int, fix: str) -> None:
+def _check_int(name: str, value: Any, *, minimum: int, fix: str,
+               torch_text: str | None = None) -> None:
+    """``torch_text``: what torch says when ``value`` is below ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}; {fix}")
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}; {fix}")
+        ours = f"{name} must be >= {minimum}, got {value}; {fix}"
+        raise ValueError(ours if torch_text is None else torch_worded(torch_text, ours))

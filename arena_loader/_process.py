@@ -34,6 +34,25 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
+def torch_crash_text(pid: int | None, exitcode: int | None) -> str:
+    """torch's DataLoader wording for a dead worker, so that code and searches keyed on
+    torch's text still match: its Python check's (dataloader.py), which reports a death it
+    finds on a timeout, then its SIGCHLD handler's (torch/csrc/DataLoader.cpp), which names the
+    signal or exit code."""
+    text = f"DataLoader worker (pid(s) {pid}) exited unexpectedly"
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.strsignal(-exitcode) or f"Unknown signal: {-exitcode}"
+        except ValueError:
+            name = f"Unknown signal: {-exitcode}"
+        text += f"; DataLoader worker (pid {pid}) is killed by signal: {name}. "
+    elif exitcode:
+        text += (f"; DataLoader worker (pid {pid}) exited unexpectedly with exit code "
+                 f"{exitcode}. Details are lost due to multiprocessing. Rerunning with "
+                 "num_workers=0 may give better error trace.")
+    return text
+
+
 class WorkerGroup:
     """``num_workers`` processes, each with a private task pipe and result pipe."""
 
@@ -106,6 +125,7 @@ class WorkerGroup:
         if exitcode == -signal.SIGBUS:
             message += (". A SIGBUS in a worker usually means shared memory ran out: check free "
                         "space in /dev/shm (docker run --shm-size=...) or lower `slots`")
+        message += ". In torch's words: " + torch_crash_text(process.pid, exitcode)
         return WorkerCrashedError(message, worker_id=worker_id, pid=process.pid,
                                   exitcode=exitcode)
 

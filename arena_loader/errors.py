@@ -20,7 +20,24 @@ __all__ = [
 
 
 class ArenaLoaderError(Exception):
-    """Base class of every error this package defines."""
+    """Base class of every error this package defines.
+
+    Every subclass pickles with its message and attributes (``pickle.loads(pickle.dumps(e))``
+    is the same type with the same ``str`` and fields), so an error can cross a process
+    boundary (a torchrun rank, a Ray task, a multiprocessing pool) intact. The default
+    exception pickling calls ``type(e)(*e.args)``, which fails for keyword-only fields.
+    """
+
+    def __reduce__(self) -> tuple:
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type[BaseException], args: tuple, fields: dict) -> BaseException:
+    """``cls`` with ``args`` and ``fields``, without calling its ``__init__``."""
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(fields)
+    return error
 
 
 class LoaderClosedError(ArenaLoaderError, RuntimeError):

@@ -10,7 +10,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -19,9 +19,20 @@ from ._fetch import BatchFiller
 from ._inprocess import InProcessIterator
 from ._options import LoaderOptions, is_iterable_dataset
 from ._session import MultiProcessIterator
+from ._torch_compat import (
+    LengthCheckedIterator,
+    ShardedDataPipe,
+    check_worker_number,
+    distributed_settings,
+    draw_torch_seed,
+    initialized_distributed,
+    is_iter_datapipe,
+    loaded_torch,
+)
 from .errors import LoaderClosedError
 from .samplers import (
     BatchSampler,
+    InfiniteConstantSampler,
     RandomSampler,
     SequentialSampler,
     as_numpy_generator,
@@ -31,8 +42,10 @@ from .samplers import (
 _FIXED_ATTRIBUTES = frozenset(
     ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"))
 
+T_co = TypeVar("T_co", covariant=True)
 
-class ArenaLoader:
+
+class ArenaLoader(Generic[T_co]):
     """Iterate over ``dataset`` in batches that workers write straight into shared memory.
 
     The options are ``torch.utils.data.DataLoader``'s, with the same defaults and meanings;
@@ -42,6 +55,10 @@ class ArenaLoader:
     ``worker_mode`` (keyword-only) is ``"process"`` (default) or ``"thread"``: workers as
     threads of this process, for datasets whose loading releases the GIL (docs/design.md,
     "Thread workers").
+
+    ``ArenaLoader[T]`` is generic like ``DataLoader[T]``. A torch ``IterDataPipe`` is sharded
+    per worker and per ``torch.distributed`` rank, and ``shuffle`` switches its ``shuffle()``
+    steps, as torch's DataLoader does.
 
     ``pin_memory=True`` page-locks the slab in place (needs CUDA; see docs/design.md, "Device
     copies"). ``device="cuda"`` or ``"cuda:N"`` (keyword-only) copies each batch to that GPU on
@@ -67,6 +84,7 @@ class ArenaLoader:
         *,
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
+        pin_memory_device: str = "",
         in_order: bool = True,
         slots: int | None = None,
         held_batch_limit: int | None = None,
@@ -75,29 +93,37 @@ class ArenaLoader:
         worker_mode: str = "process",
     ) -> None:
         iterable = is_iterable_dataset(dataset)
+        datapipe = iterable and is_iter_datapipe(dataset)
         self.options = LoaderOptions(
             batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
             num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
             drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
             multiprocessing_context=multiprocessing_context, generator=generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            in_order=in_order, slots=slots, held_batch_limit=held_batch_limit, output=output, iterable=iterable, device=device,
-            worker_mode=worker_mode,
+            in_order=in_order, slots=slots, held_batch_limit=held_batch_limit, output=output,
+            iterable=iterable, device=device, worker_mode=worker_mode, datapipe=datapipe,
         )
         pinner, self._device = (_open_cuda(self.options)
                                 if pin_memory or self.options.device is not None else (None, None))
-        # The attributes torch's DataLoader exposes, read-only by convention.
+        # The attributes torch's DataLoader exposes, read-only by convention, with torch's
+        # values: a batch_sampler takes over batch_size and drop_last, prefetch_factor is 2
+        # by default with workers, a start method name reads as its context.
+        if batch_sampler is not None:
+            batch_size, drop_last = None, False
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.num_workers = num_workers
         self.collate_fn = collate_fn
         self.pin_memory = pin_memory
+        self.pin_memory_device = pin_memory_device
         self.timeout = timeout
         self.worker_init_fn = worker_init_fn
-        self.multiprocessing_context = multiprocessing_context
+        self.multiprocessing_context = (self.options.context if isinstance(
+            multiprocessing_context, str) else multiprocessing_context)
         self.generator = generator
-        self.prefetch_factor = prefetch_factor
+        self.prefetch_factor = (self.options.effective_prefetch_factor if num_workers > 0
+                                else prefetch_factor)
         self.persistent_workers = persistent_workers
         self.in_order = in_order
         self.slots = self.options.slots_or_default
@@ -109,17 +135,29 @@ class ArenaLoader:
         # host iterators hand it slot leases and it makes the batches.
         self._convert = None
         self._iterable = iterable
+        self._IterableDataset_len_called: int | None = None  # torch's name; see __len__
+        # torch's rule: a DataPipe's shuffle() steps follow `shuffle` when it is given.
+        if datapipe and shuffle is not None:
+            from torch.utils.data import graph_settings
+
+            graph_settings.apply_shuffle_settings(dataset, shuffle=shuffle)
+        self._datapipe = ShardedDataPipe(dataset, *distributed_settings()) if datapipe else None
+        self._datapipe_group: Any = None  # torch.distributed group sharing its seed
         if iterable:
-            pass  # each worker iterates its own replica of the dataset: no sampler
+            # Each worker iterates its own replica of the dataset; the sampler only says
+            # "one more", as torch's does.
+            sampler = InfiniteConstantSampler() if sampler is None else sampler
         elif sampler is None:
             sampler = (RandomSampler(dataset, generator=generator) if shuffle
                        else SequentialSampler(dataset))
-        if batch_size is not None and batch_sampler is None and not iterable:
+        if batch_size is not None and batch_sampler is None:
             batch_sampler = BatchSampler(sampler, batch_size, drop_last)
         self.sampler = sampler
         self.batch_sampler = batch_sampler
-        if is_torch_generator(generator) or isinstance(generator, np.random.Generator):
-            self._seed_rng = None  # each epoch draws from the user's generator, as torch does
+        if is_torch_generator(generator) or isinstance(generator, np.random.Generator) \
+                or (generator is None and loaded_torch() is not None):
+            # Each epoch draws from the user's generator, or torch's global RNG, as torch does.
+            self._seed_rng = None
         else:  # None or a seed: one stream for every epoch; any other type raises TypeError now
             self._seed_rng = as_numpy_generator(generator)
         # Rows per slot: batch_size, or the user batch_sampler's largest batch.
@@ -127,7 +165,8 @@ class ArenaLoader:
         rows = getattr(batch_sampler, "batch_size", None) if user_batch_sampler else batch_size
         index_source = (f"batch_sampler {type(batch_sampler).__name__}" if user_batch_sampler
                         else f"sampler {type(sampler).__name__}")
-        self._filler = BatchFiller(dataset, collate_fn, self.options.auto_collation, rows,
+        self._filler = BatchFiller(self._datapipe or dataset, collate_fn,
+                                   self.options.auto_collation, rows,
                                    iterable=iterable, drop_last=drop_last,
                                    index_source=index_source)
         self._source = ArenaSource(self.slots, pinner=pinner, lease_only=self._device is not None,
@@ -137,6 +176,7 @@ class ArenaLoader:
         self._closed = False
         self._finalizer = weakref.finalize(self, _close_all, self._source, self._live,
                                            os.getpid())
+        self.check_worker_number_rationality()
 
     def __setattr__(self, name: str, value: Any) -> None:
         # torch's rule: what shapes the epoch is fixed once the loader exists, so changing it
@@ -149,8 +189,9 @@ class ArenaLoader:
 
     def __len__(self) -> int:
         if self._iterable:
-            # torch's rule: the dataset's len() (TypeError without one), in batches.
-            length = len(self.dataset)
+            # torch's rule: the dataset's len() (TypeError without one), in batches; the
+            # samples count is kept to warn if an epoch yields more batches than it.
+            length = self._IterableDataset_len_called = len(self.dataset)
             if self.batch_size is None:
                 return length
             return length // self.batch_size if self.drop_last else -(-length // self.batch_size)
@@ -158,29 +199,67 @@ class ArenaLoader:
             return len(self.batch_sampler)
         return len(self.sampler)
 
-    def __iter__(self) -> Iterator[Any]:
+    def check_worker_number_rationality(self) -> None:
+        """torch's check, run at construction and when workers start: a UserWarning when
+        ``num_workers`` exceeds the CPUs this process may use."""
+        check_worker_number(self.num_workers, stacklevel=3)
+
+    @property
+    def _auto_collation(self) -> bool:
+        return self.batch_sampler is not None
+
+    @property
+    def _index_sampler(self) -> Any:
+        """What yields each step's key: ``batch_sampler`` with automatic batching, else
+        ``sampler`` (torch's property)."""
+        return self.batch_sampler if self._auto_collation else self.sampler
+
+    def __iter__(self) -> Iterator[T_co]:
         if self._closed:
             raise LoaderClosedError("this ArenaLoader was closed; create a new one")
-        batches = self._epoch_batches()
         options = self.options
+        if self.pin_memory and self.pin_memory_device:
+            warnings.warn("pin_memory_device is deprecated, the current accelerator will be "
+                          f"used as the device,ignore pin_memory_device='"
+                          f"{self.pin_memory_device}'.", UserWarning, stacklevel=2)
+        # Random draws in torch's order: the DataPipe seed, the workers' base seed (for a new
+        # iterator only), then the sampler's own at its first index.
+        if self._datapipe is not None:
+            self._datapipe.start_epoch(self._draw_datapipe_seed())
+        reuse = (options.num_workers > 0 and options.persistent_workers
+                 and self._persistent is not None and not self._persistent.broken)
+        base_seed = None if reuse else self._draw_base_seed()
+        if self._datapipe is not None and options.num_workers > 0 and not reuse:
+            # torch's new worker iterator draws the DataPipe seed once more, in its _reset(),
+            # for the main process's copy; its workers keep the first. Drawn to stay in step.
+            self._draw_datapipe_seed()
+        batches = self._epoch_batches()
         if self._device is not None and options.persistent_workers:
             self._device.detach()  # no device thread may read the persistent iterator now
         if options.num_workers == 0:
             iterator: Any = InProcessIterator(self, self._filler, self._source, batches,
                                               self._convert)
-        elif options.persistent_workers and self._persistent is not None \
-                and not self._persistent.broken:
+        elif reuse:
             self._persistent.reset(batches)
-            return self._on_device(self._persistent, owns_host=False)
+            return self._checked_length(self._on_device(self._persistent, owns_host=False))
         else:
+            self.check_worker_number_rationality()
             if self._persistent is not None:
                 self._persistent.close()
             iterator = MultiProcessIterator(self, options, self._filler, self._source, batches,
-                                            self._draw_base_seed(), self._convert)
+                                            base_seed, self._convert)
             if options.persistent_workers:
                 self._persistent = iterator
         self._live.add(iterator)
-        return self._on_device(iterator, owns_host=not options.persistent_workers)
+        return self._checked_length(
+            self._on_device(iterator, owns_host=not options.persistent_workers))
+
+    def _checked_length(self, iterator: Any) -> Any:
+        """torch's warning for an iterable-style dataset yielding more than len() said."""
+        if self._IterableDataset_len_called is None:
+            return iterator
+        return LengthCheckedIterator(iterator, self.dataset, self._IterableDataset_len_called,
+                                     self.num_workers)
 
     def _on_device(self, iterator: Any, owns_host: bool) -> Any:
         """``iterator`` behind the device copy stage, if there is one."""
@@ -209,14 +288,27 @@ class ArenaLoader:
 
     def _draw_base_seed(self) -> int:
         """The epoch's worker base seed, drawn from ``generator`` like torch does (with a
-        ``torch.Generator``, torch's very draw: the same generator gives torch's seeds)."""
-        if is_torch_generator(self.generator):
-            import torch
-
-            return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator)
-                       .item())
+        ``torch.Generator``, or none in a program using torch, torch's very draw: the same
+        seed gives torch's worker seeds, and leaves torch's RNG where torch leaves it)."""
+        if is_torch_generator(self.generator) or (self.generator is None
+                                                  and self._seed_rng is None):
+            return draw_torch_seed(self.generator)
         rng = self._seed_rng if self._seed_rng is not None else as_numpy_generator(self.generator)
         return int(rng.integers(2**63))
+
+    def _draw_datapipe_seed(self) -> int:
+        """torch's shared DataPipe seed: drawn like the base seed, and under
+        ``torch.distributed`` broadcast from rank 0 so every rank shuffles alike."""
+        seed = self._draw_base_seed()
+        dist = initialized_distributed()
+        if dist is not None:
+            torch = loaded_torch()
+            if self._datapipe_group is None:
+                self._datapipe_group = dist.new_group(backend="gloo")
+            shared = torch.tensor(seed, dtype=torch.int64)
+            dist.broadcast(shared, src=0, group=self._datapipe_group)
+            seed = int(shared.item())
+        return seed
 
     def close(self) -> None:
         """Stop every worker of this loader and release its slab. Idempotent.
@@ -262,8 +354,8 @@ def _open_cuda(options: LoaderOptions) -> tuple[Any, Any]:
                            "device=None for host batches, or install arena_loader[cuda] on a "
                            "machine with a GPU")
     warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then "
-                  f"device pinned memory won't be used ({reason}); batches stay in pageable "
-                  "host memory", stacklevel=3)
+                  f"device pinned memory won't be used. ({reason}; batches stay in pageable "
+                  "host memory)", stacklevel=3)
     return None, None
 
 

@@ -1,4 +1,9 @@
-"""Index samplers with torch's semantics, drawing randomness from numpy.
+"""Index samplers with torch's semantics.
+
+Where the program uses torch (a ``torch.Generator`` is passed, or ``generator=None`` and torch
+is imported), the random samplers draw with torch's very calls, so a seed gives torch's order:
+switching a training run from torch's DataLoader keeps its sample order. Without torch they
+draw from numpy (docs/migrating.md, "Sample order").
 
 Any iterable of sample indices (a torch sampler included) may be passed to ``ArenaLoader`` as
 ``sampler``, and any iterable of index lists as ``batch_sampler``; these classes are the
@@ -16,21 +21,42 @@ from typing import Any
 
 import numpy as np
 
+from ._options import torch_worded
+
 __all__ = [
     "BatchSampler",
     "DistributedSampler",
+    "InfiniteConstantSampler",
     "RandomSampler",
     "SequentialSampler",
     "SubsetRandomSampler",
     "WeightedRandomSampler",
     "as_numpy_generator",
     "is_torch_generator",
+    "torch_for",
 ]
 
 
 def is_torch_generator(generator: Any) -> bool:
     """True for a ``torch.Generator``, without importing torch."""
     return type(generator).__module__.startswith("torch") and hasattr(generator, "initial_seed")
+
+
+def torch_for(generator: Any) -> Any:
+    """The torch module when sampling with ``generator`` must follow torch, else None.
+
+    Never imports torch: a ``torch.Generator`` exists only once torch is imported, and with
+    ``generator=None`` torch's global RNG is used only by a program that imported torch.
+    """
+    if is_torch_generator(generator):
+        return sys.modules["torch"]
+    return sys.modules.get("torch") if generator is None else None
+
+
+def _numpy_unless_torch(generator: Any) -> np.random.Generator | None:
+    # A torch.Generator is used as is, as torch does; drawing a numpy seed from it here would
+    # move its state away from torch's.
+    return None if is_torch_generator(generator) else as_numpy_generator(generator)
 
 
 def as_numpy_generator(generator: Any) -> np.random.Generator:
@@ -52,6 +78,21 @@ def as_numpy_generator(generator: Any) -> np.random.Generator:
         "generator must be None, an int seed, a numpy.random.Generator or a torch.Generator, "
         f"got {type(generator).__name__}"
     )
+
+
+class InfiniteConstantSampler:
+    """Yields ``None`` forever: the ``sampler`` of an iterable-style dataset, whose own
+    iterator decides what comes next and when the epoch ends (torch's
+    ``_InfiniteConstantSampler``)."""
+
+    def __iter__(self) -> Iterator[None]:
+        return itertools.repeat(None)
+
+
+def _num_samples_message(num_samples: Any) -> str:
+    return torch_worded(
+        f"num_samples should be a positive integer value, but got num_samples={num_samples}",
+        f"num_samples must be a positive int, got {num_samples!r}")
 
 
 class SequentialSampler:
@@ -78,15 +119,18 @@ class RandomSampler:
         generator: Any = None,
     ) -> None:
         if not isinstance(replacement, bool):
-            raise TypeError(f"replacement must be a bool, got {replacement!r}")
+            raise TypeError(torch_worded(
+                f"replacement should be a boolean value, but got replacement={replacement}",
+                f"replacement must be a bool, got {replacement!r}"))
         if num_samples is not None and (
             isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0
         ):
-            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+            raise ValueError(_num_samples_message(num_samples))
         self.data_source = data_source
         self.replacement = replacement
         self._num_samples = num_samples
-        self._rng = as_numpy_generator(generator)
+        self.generator = generator
+        self._rng = _numpy_unless_torch(generator)
 
     @property
     def num_samples(self) -> int:
@@ -96,6 +140,9 @@ class RandomSampler:
         n = len(self.data_source)
         if n == 0:
             return iter(())
+        torch = torch_for(self.generator)
+        if torch is not None:
+            return self._torch_indices(torch, n)
         if self.replacement:
             drawn = self._rng.integers(0, n, size=self.num_samples)
         else:
@@ -104,6 +151,25 @@ class RandomSampler:
             parts.append(self._rng.permutation(n)[:rest])
             drawn = np.concatenate(parts)
         return iter(drawn.tolist())
+
+    def _torch_indices(self, torch: Any, n: int) -> Iterator[int]:
+        """torch.utils.data.RandomSampler.__iter__'s draws, call for call (a generator, like
+        torch's, so its seed is drawn at the first next())."""
+        generator = self.generator
+        if generator is None:
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+        if self.replacement:
+            for _ in range(self.num_samples // 32):
+                yield from torch.randint(high=n, size=(32,), dtype=torch.int64,
+                                         generator=generator).tolist()
+            yield from torch.randint(high=n, size=(self.num_samples % 32,), dtype=torch.int64,
+                                     generator=generator).tolist()
+        else:
+            for _ in range(self.num_samples // n):
+                yield from torch.randperm(n, generator=generator).tolist()
+            yield from torch.randperm(n, generator=generator).tolist()[:self.num_samples % n]
 
     def __len__(self) -> int:
         return self.num_samples
@@ -114,9 +180,13 @@ class BatchSampler:
 
     def __init__(self, sampler: Iterable[int], batch_size: int, drop_last: bool) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+            raise ValueError(torch_worded(
+                f"batch_size should be a positive integer value, but got batch_size={batch_size}",
+                f"batch_size must be a positive int, got {batch_size!r}"))
         if not isinstance(drop_last, bool):
-            raise ValueError(f"drop_last must be a bool, got {drop_last!r}")
+            raise ValueError(torch_worded(
+                f"drop_last should be a boolean value, but got drop_last={drop_last}",
+                f"drop_last must be a bool, got {drop_last!r}"))
         self.sampler = sampler
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -142,10 +212,15 @@ class SubsetRandomSampler:
 
     def __init__(self, indices: Sequence[int], generator: Any = None) -> None:
         self.indices = indices
-        self._rng = as_numpy_generator(generator)
+        self.generator = generator
+        self._rng = _numpy_unless_torch(generator)
 
     def __iter__(self) -> Iterator[int]:
-        order = self._rng.permutation(len(self.indices)).tolist()
+        torch = torch_for(self.generator)
+        if torch is not None:
+            order = torch.randperm(len(self.indices), generator=self.generator).tolist()
+        else:
+            order = self._rng.permutation(len(self.indices)).tolist()
         return iter([self.indices[i] for i in order])
 
     def __len__(self) -> int:
@@ -167,17 +242,21 @@ class WeightedRandomSampler:
         generator: Any = None,
     ) -> None:
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
-            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+            raise ValueError(_num_samples_message(num_samples))
         if not isinstance(replacement, bool):
             # ValueError, not TypeError: torch's WeightedRandomSampler raises ValueError here.
-            raise ValueError(f"replacement must be a bool (True or False), got {replacement!r}")
+            raise ValueError(torch_worded(
+                f"replacement should be a boolean value, but got replacement={replacement}",
+                f"replacement must be a bool (True or False), got {replacement!r}"))
         try:
             array = np.asarray(weights, dtype=np.float64)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"weights must be a 1-d sequence of numbers, got {weights!r}") from exc
         if array.ndim != 1:
-            raise ValueError(
-                f"weights must be a 1-d sequence of numbers, got an array of shape {array.shape}")
+            raise ValueError(torch_worded(
+                "weights should be a 1d sequence but given weights have shape "
+                f"{tuple(array.shape)}",
+                f"weights must be a 1-d sequence of numbers, got an array of shape {array.shape}"))
         if not np.all(np.isfinite(array)) or np.any(array < 0):
             bad = int(np.flatnonzero(~np.isfinite(array) | (array < 0))[0])
             raise ValueError(
@@ -194,9 +273,16 @@ class WeightedRandomSampler:
         self.num_samples = num_samples
         self.replacement = replacement
         self._probabilities = array / array.sum()
-        self._rng = as_numpy_generator(generator)
+        self.generator = generator
+        self._rng = _numpy_unless_torch(generator)
 
     def __iter__(self) -> Iterator[int]:
+        torch = torch_for(self.generator)
+        if torch is not None:
+            drawn = torch.multinomial(torch.as_tensor(self.weights, dtype=torch.double),
+                                      self.num_samples, self.replacement,
+                                      generator=self.generator)
+            return iter(drawn.tolist())
         drawn = self._rng.choice(len(self.weights), size=self.num_samples,
                                  replace=self.replacement, p=self._probabilities)
         return iter(drawn.tolist())
@@ -212,8 +298,9 @@ class DistributedSampler:
     start until it divides evenly; with ``drop_last`` its tail is cut so it does. Rank ``r``
     takes every ``num_replicas``-th index starting at ``r``, so ranks are disjoint apart from
     padding. With ``shuffle`` the order is a permutation that depends only on ``seed`` and the
-    epoch given to ``set_epoch`` (call it before each epoch), the same on every rank. The
-    permutation is numpy's, so it differs from torch's for the same seed.
+    epoch given to ``set_epoch`` (call it before each epoch), the same on every rank. In a
+    program that imported torch it is torch's permutation for ``seed + epoch`` (the same
+    order as torch's DistributedSampler); without torch, numpy's.
 
     ``num_replicas`` and ``rank`` default to the initialised ``torch.distributed`` group, else
     to the ``WORLD_SIZE`` and ``RANK`` environment variables that ``torchrun`` sets.
@@ -236,10 +323,11 @@ class DistributedSampler:
                 or num_replicas <= 0:
             raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
-            raise ValueError(
+            raise ValueError(torch_worded(
+                f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]",
                 f"rank must be in [0, num_replicas - 1] = [0, {num_replicas - 1}], got "
                 f"rank={rank!r} with num_replicas={num_replicas}; pass a rank below "
-                "num_replicas")
+                "num_replicas"))
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
         self.dataset = dataset
@@ -259,7 +347,12 @@ class DistributedSampler:
 
     def __iter__(self) -> Iterator[int]:
         size = len(self.dataset)
-        if self.shuffle:
+        torch = sys.modules.get("torch")
+        if self.shuffle and torch is not None:
+            generator = torch.Generator()  # torch's: seeded by seed + epoch only
+            generator.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(size, generator=generator).tolist()
+        elif self.shuffle:
             # A fresh generator from (seed, epoch) only: every rank computes the same order.
             rng = np.random.default_rng([self.seed % 2**64, self.epoch % 2**64])
             indices = rng.permutation(size).tolist()

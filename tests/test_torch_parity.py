@@ -78,7 +78,7 @@ REJECTED = [
     (dict(num_workers=1, multiprocessing_context=3),
      r"multiprocessing_context must be a start method name or a multiprocessing context"),
     (dict(multiprocessing_context="fork"),
-     r"multiprocessing_context can only be used with num_workers > 0"),
+     r"multiprocessing_context='fork' needs num_workers > 0"),
 ]
 
 ITERABLE_REJECTED = [
