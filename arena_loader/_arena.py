@@ -4,6 +4,7 @@ loader-level source that keeps one arena across epochs."""
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from ._fetch import BatchFiller, Fetched
 from ._layout import BatchLayout
 from ._pool import SlotPool, SlotState
 from ._slab import Slab
-from .errors import LoaderClosedError, SlotsExhaustedError
+from .errors import LoaderClosedError, SlotsExhaustedError, forked_iterator_error
 
 
 @dataclass(frozen=True)
@@ -146,10 +147,13 @@ class ArenaSource:
         self._claimed = False
         self._closed = False
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def claim(self, layout: BatchLayout, slab: Slab | None = None) -> Arena:
         """The loader's arena, or a private one if it is in use. ``slab``: the reserved slab
         the caller's workers hold, which the arena must then use."""
+        if os.getpid() != self._pid:  # this arena's slots are the parent's (its lock, too)
+            raise forked_iterator_error(self._pid)
         with self._lock:
             if self._closed:
                 if slab is not None:

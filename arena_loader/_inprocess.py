@@ -3,17 +3,20 @@ the same layout, slot lifecycle and errors as worker processes."""
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._arena import Arena, ArenaSource
 from ._fetch import BatchFiller, Fetched
+from .errors import forked_iterator_error
 
 
 class InProcessIterator:
     def __init__(self, owner: Any, filler: BatchFiller, source: ArenaSource,
                  batches: Iterator, convert: Callable[[Any], Any] | None = None):
+        self._pid = os.getpid()
         self._owner = owner  # the loader: `for b in ArenaLoader(...)` must keep it alive
         self._filler = filler
         self._source = source
@@ -32,6 +35,8 @@ class InProcessIterator:
         return self
 
     def __next__(self) -> Any:
+        if os.getpid() != self._pid:
+            raise forked_iterator_error(self._pid)  # its slots are the parent's
         if self._done:
             raise StopIteration
         filler = self._filler

@@ -17,6 +17,7 @@ from collections import deque
 
 import numpy as np
 
+from ._forksafe import keep_across_fork
 from .errors import LoaderClosedError
 
 
@@ -129,6 +130,8 @@ class SlotPool:
             self._move(slot, SlotState.FILLED, SlotState.LEASED)
         start = slot * self.slot_nbytes
         lease = SlotLease(slot, self._slab_array[start: start + self.slot_nbytes])
+        # A process forked while the batch lives gets its own copy of the slot's bytes.
+        keep_across_fork(lease, lease._bytes)
         finalizer = weakref.finalize(lease, self._release, slot)
         finalizer.atexit = False
         return lease

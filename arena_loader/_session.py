@@ -49,7 +49,7 @@ from ._process import JOIN_TIMEOUT_S, WorkerGroup, is_main_thread
 from ._slab import Slab
 from ._threads import ThreadWorkerGroup
 from ._worker import WorkerSetup
-from .errors import LoaderClosedError, LoaderTimeoutError
+from .errors import LoaderClosedError, LoaderTimeoutError, forked_iterator_error
 
 # The dispatch thread's longest sleep; results, worker exits, wanted slots and stop requests
 # all wake it at once, so this is only a backstop.
@@ -452,6 +452,8 @@ class _Session:
     # -- the consumer ---------------------------------------------------------------------
 
     def next_batch(self) -> Any:
+        if os.getpid() != self._pid:
+            raise forked_iterator_error(self._pid)
         if not self._started and not self._closed:
             self._begin()
         timeout = self._options.timeout

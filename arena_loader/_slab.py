@@ -5,6 +5,10 @@ an error here, never a SIGBUS when a page is first touched mid-epoch), mapped wi
 and its name unlinked before this constructor returns. Workers receive the open file
 descriptor (inherited on fork, passed over the spawn/forkserver channel otherwise), so no name
 exists that a killed process could leak (docs/design.md, "Slab").
+
+Every shared mapping is made by ``map_shared`` (errors become ``ShmCapacityError``) and
+registered with ``_forksafe``, so that a forked child keeps private copies of the batches it
+can see and drops the rest (docs/design.md, "Fork safety").
 """
 
 from __future__ import annotations
@@ -13,15 +17,19 @@ import errno
 import mmap
 import os
 import secrets
+import weakref
 from multiprocessing import reduction
 
 import numpy as np
 import posix_ipc
 
+from . import _forksafe
 from .errors import ShmCapacityError
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "arena_loader_"
+# Every slab whose descriptor is open in this process (copied into fork-started workers).
+_open_slabs: weakref.WeakSet = weakref.WeakSet()
 
 
 def shm_available_bytes() -> int:
@@ -29,15 +37,112 @@ def shm_available_bytes() -> int:
     return stats.f_bavail * stats.f_frsize
 
 
-def _capacity_error(nbytes: int, slots: int | None, cause: str) -> ShmCapacityError:
-    available = shm_available_bytes()
+def shm_available_inodes() -> int:
+    return os.statvfs(SHM_DIR).f_favail
+
+
+# errno -> how to fix it, for every way creating, sizing or mapping shared memory fails.
+_SPACE_FIX = ("give the container more shared memory (docker run --shm-size=...), pass fewer "
+              "`slots`, or use smaller batches")
+_FIXES = {
+    errno.ENOSPC: _SPACE_FIX,
+    errno.EFBIG: "raise the file-size limit (`ulimit -f`, RLIMIT_FSIZE), pass fewer `slots`, "
+                 "or use smaller batches",
+    errno.ENOMEM: "raise the address-space limit (`ulimit -v`, RLIMIT_AS) or free memory, pass "
+                  "fewer `slots`, or use smaller batches",
+    errno.EMFILE: "raise the open-file limit (`ulimit -n`, RLIMIT_NOFILE), or use fewer "
+                  "loaders or a smaller num_workers",
+    errno.ENFILE: "the whole system is out of file descriptors (fs.file-max): close other "
+                  "programs' files or raise fs.file-max",
+    errno.EPERM: f"make {SHM_DIR} a writable tmpfs this user may create files in and map "
+                 "(check the container's seccomp profile and mount options)",
+}
+_FIXES[errno.EACCES] = _FIXES[errno.EPERM]
+
+
+def _capacity_error(nbytes: int, slots: int | None, cause: str,
+                    err: int = errno.ENOSPC) -> ShmCapacityError:
     per_slot = f" ({slots} slots of {nbytes // slots:,} bytes)" if slots else ""
+    fix = _FIXES.get(err, _SPACE_FIX)
+    if err == errno.ENOSPC:
+        return ShmCapacityError(
+            err, f"the slab needs {nbytes:,} bytes{per_slot} of shared memory but {SHM_DIR} "
+                 f"has {shm_available_bytes():,} bytes available ({cause}); fix: {fix}")
     return ShmCapacityError(
-        errno.ENOSPC,
-        f"the slab needs {nbytes:,} bytes{per_slot} of shared memory but {SHM_DIR} has "
-        f"{available:,} bytes available ({cause}); fix: give the container more shared memory "
-        "(docker run --shm-size=...), pass fewer `slots`, or use smaller batches",
-    )
+        err, f"the slab needs {nbytes:,} bytes{per_slot} of shared memory, but {cause}; "
+             f"fix: {fix}")
+
+
+def _errno_of(exc: OSError) -> int:
+    """posix_ipc raises OSError without an errno for some failures; its text tells which."""
+    if exc.errno is not None:
+        return exc.errno
+    text = str(exc).lower()
+    if "maximum number of files" in text:
+        return errno.EMFILE
+    if "system limit" in text:
+        return errno.ENFILE
+    if "permission" in text:
+        return errno.EACCES
+    if "memory" in text:
+        return errno.ENOMEM
+    return errno.ENOSPC
+
+
+def open_shared() -> int:
+    """A new, already unlinked POSIX shared-memory object of size 0: its close-on-exec
+    descriptor. Any failure (no inode left in /dev/shm, no descriptor left) is a
+    ShmCapacityError."""
+    if shm_available_inodes() == 0:
+        raise ShmCapacityError(
+            errno.ENOSPC, f"{SHM_DIR} has no free inode left for a shared-memory object (it "
+                          f"holds {os.statvfs(SHM_DIR).f_files:,}); fix: delete stale files in "
+                          f"{SHM_DIR}, or remount it with more inodes (mount -o "
+                          "remount,nr_inodes=...)")
+    name = f"/{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+    try:
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+    except (OSError, posix_ipc.Error) as exc:
+        err = _errno_of(exc) if isinstance(exc, OSError) else errno.EACCES
+        raise ShmCapacityError(err, f"creating a shared-memory object in {SHM_DIR} failed "
+                                    f"({exc}); fix: {_FIXES.get(err, _SPACE_FIX)}") from exc
+    # Nothing else opens the slab by name: unlinking now means no crash can leak it.
+    shm.unlink()
+    os.set_inheritable(shm.fd, False)  # a program exec'd by user code must not hold it
+    return shm.fd
+
+
+def size_shared(fd: int, nbytes: int, slots: int | None = None) -> None:
+    """Reserve every page of ``fd`` now, so a full /dev/shm is a ShmCapacityError here and
+    never a SIGBUS when a page is first written."""
+    if nbytes > shm_available_bytes():
+        raise _capacity_error(nbytes, slots, "checked before allocating")
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        raise _capacity_error(nbytes, slots, f"posix_fallocate: {exc.strerror}",
+                              _errno_of(exc)) from exc
+
+
+def map_shared(fd: int, nbytes: int, slots: int | None = None) -> mmap.mmap:
+    """Map ``nbytes`` of shared memory ``fd``; every failure (ENOMEM under RLIMIT_AS, ...) is
+    a ShmCapacityError. The mapping is registered with ``_forksafe`` (a forked child drops
+    what of it no batch it holds needs)."""
+    try:
+        mapping = mmap.mmap(fd, nbytes)
+    except OSError as exc:
+        raise _capacity_error(nbytes, slots, f"mmap: {exc.strerror}", _errno_of(exc)) from exc
+    _forksafe.register_mapping(mapping, _forksafe.mapping_address(mapping), nbytes)
+    return mapping
+
+
+def close_inherited_slabs(keep: int) -> None:
+    """In a fork-started worker: close the inherited descriptors of every slab but ``keep``
+    (its own), so that a closed loader's shared memory is not held by another's workers."""
+    for slab in list(_open_slabs):
+        if slab._fd >= 0 and slab._fd != keep:
+            os.close(slab._fd)
+            slab._fd = -1
 
 
 class SlabHandle:
@@ -57,11 +162,13 @@ class SlabHandle:
         return _rebuild_handle, (reduction.DupFd(self.fd), self.nbytes)
 
     def map(self, nbytes: int | None = None) -> mmap.mmap:
-        return mmap.mmap(self.fd, self.nbytes if nbytes is None else nbytes)
+        return map_shared(self.fd, self.nbytes if nbytes is None else nbytes)
 
 
 def _rebuild_handle(dup_fd, nbytes: int) -> SlabHandle:
-    return SlabHandle(dup_fd.detach(), nbytes)
+    fd = dup_fd.detach()
+    os.set_inheritable(fd, False)  # received inheritable; a program exec'd must not hold it
+    return SlabHandle(fd, nbytes)
 
 
 class Slab:
@@ -85,11 +192,8 @@ class Slab:
         return slab
 
     def _create(self) -> None:
-        name = f"/{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
-        # Nothing else opens the slab by name: unlinking now means no crash can leak it.
-        shm.unlink()
-        self._fd = shm.fd
+        self._fd = open_shared()
+        _open_slabs.add(self)
         self._mmap: mmap.mmap | None = None
         self.nbytes = 0
         # Leases and consumer views keep this array (and so the mapping) alive.
@@ -100,16 +204,8 @@ class Slab:
         if self.closed or self.nbytes:
             raise ValueError("the slab is closed or already allocated")
         try:
-            if nbytes > shm_available_bytes():
-                raise _capacity_error(nbytes, slots, "checked before allocating")
-            try:
-                os.posix_fallocate(self._fd, 0, nbytes)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-                    cause = f"posix_fallocate: {exc.strerror}"
-                    raise _capacity_error(nbytes, slots, cause) from exc
-                raise
-            self._mmap = mmap.mmap(self._fd, nbytes)
+            size_shared(self._fd, nbytes, slots)
+            self._mmap = map_shared(self._fd, nbytes, slots)
         except BaseException:
             self.close()
             raise
@@ -130,6 +226,7 @@ class Slab:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        _open_slabs.discard(self)
         # The mmap cannot be closed while views exist (BufferError); dropping our references
         # lets the last view unmap it. Closing it under a live view would turn reads into
         # segfaults.

@@ -20,7 +20,7 @@ from ._inprocess import InProcessIterator
 from ._options import LoaderOptions, is_iterable_dataset
 from ._output import make_converter
 from ._session import MultiProcessIterator
-from .errors import LoaderClosedError
+from .errors import LoaderClosedError, LoaderForkedError
 from .samplers import (
     BatchSampler,
     RandomSampler,
@@ -86,6 +86,7 @@ class ArenaLoader:
         )
         pinner, self._device = (_open_cuda(self.options)
                                 if pin_memory or self.options.device is not None else (None, None))
+        self._pinner = pinner
         # The attributes torch's DataLoader exposes, read-only by convention.
         self.dataset = dataset
         self.batch_size = batch_size
@@ -130,10 +131,12 @@ class ArenaLoader:
                                    index_source=index_source)
         self._source = ArenaSource(slots, pinner=pinner, lease_only=self._device is not None)
         self._persistent: MultiProcessIterator | None = None
+        self._persistent_epoch: weakref.ref | None = None
         self._live: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
+        self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, _close_all, self._source, self._live,
-                                           os.getpid())
+                                           self._pid)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # torch's rule: what shapes the epoch is fixed once the loader exists, so changing it
@@ -158,6 +161,8 @@ class ArenaLoader:
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise LoaderClosedError("this ArenaLoader was closed; create a new one")
+        if os.getpid() != self._pid:
+            self._adopt_after_fork()
         batches = self._epoch_batches()
         options = self.options
         if self._device is not None and options.persistent_workers:
@@ -172,7 +177,10 @@ class ArenaLoader:
         else:
             if self._persistent is not None:
                 self._persistent.close()
-            iterator = MultiProcessIterator(self, options, self._filler, self._source, batches,
+            # The loader keeps its persistent iterator: that one must not reference the loader
+            # back, or a dropped loader would wait for the cyclic GC to stop its workers.
+            iterator = MultiProcessIterator(None if options.persistent_workers else self,
+                                            options, self._filler, self._source, batches,
                                             self._draw_base_seed(), self._convert)
             if options.persistent_workers:
                 self._persistent = iterator
@@ -180,15 +188,41 @@ class ArenaLoader:
         return self._on_device(iterator, owns_host=not options.persistent_workers)
 
     def _on_device(self, iterator: Any, owns_host: bool) -> Any:
-        """``iterator`` behind the device copy stage, if there is one."""
+        """``iterator`` behind the device copy stage, if there is one (else, for the
+        persistent iterator, behind a ``_PersistentEpoch`` that keeps the loader alive)."""
         if self._device is None:
-            return iterator
+            if owns_host:
+                return iterator
+            # The same object every epoch while the user holds it, as torch's.
+            epoch = self._persistent_epoch() if self._persistent_epoch is not None else None
+            if epoch is None or epoch._iterator is not iterator:
+                epoch = _PersistentEpoch(self, iterator)
+                self._persistent_epoch = weakref.ref(epoch)
+            return epoch
         if owns_host:
             # Closed by the device iterator, after its last copy from the slab completed.
             self._live.discard(iterator)
         wrapped = self._device.wrap(self, iterator, owns_host)
         self._live.add(wrapped)
         return wrapped
+
+    def _adopt_after_fork(self) -> None:
+        """First use in a process forked from the one that made this loader (``os.fork``, a
+        fork-started ``Pool``, an inner loader in a forked worker): its arena, workers and
+        pipes belong to the parent, so this process starts afresh with its own
+        (docs/design.md, "Fork safety")."""
+        if self._device is not None or self._pinner is not None:
+            raise LoaderForkedError(
+                f"this ArenaLoader (pin_memory={self.pin_memory}, device={self.device!r}) was "
+                f"created in process {self._pid} and CUDA does not survive fork; create the "
+                "loader in this process, or start the process with the 'spawn' method")
+        self._finalizer.detach()  # the copy of the parent's: it must not run here
+        self._source = ArenaSource(self.slots)
+        self._persistent = None
+        self._live = weakref.WeakSet()
+        self._pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _close_all, self._source, self._live,
+                                           self._pid)
 
     def _epoch_batches(self) -> Iterator[Any]:
         if self._iterable:
@@ -235,6 +269,26 @@ class ArenaLoader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class _PersistentEpoch:
+    """The persistent iterator as ``iter(loader)`` returns it: holds the loader (so that
+    ``for b in ArenaLoader(...)`` keeps it alive) while the loader holds only the iterator."""
+
+    __slots__ = ("__weakref__", "_iterator", "_owner")
+
+    def __init__(self, owner: ArenaLoader, iterator: MultiProcessIterator):
+        self._owner = owner
+        self._iterator = iterator
+
+    def __iter__(self) -> _PersistentEpoch:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._iterator)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._iterator, name)  # worker_pids, stats, close, ...
 
 
 def _open_cuda(options: LoaderOptions) -> tuple[Any, Any]:

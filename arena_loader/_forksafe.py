@@ -1,0 +1,218 @@
+"""What a fork does to shared memory: a registry of live shared mappings and of the regions in
+them that hold batches a user can see, and the ``os.register_at_fork`` hooks that act on it.
+
+In a child forked from this process (``os.fork``, multiprocessing's ``fork``, ``Pool``, our own
+fork-started workers):
+
+- every registered *visible region* (a leased slot, later a one-off segment) is replaced, at the
+  same address, by a private copy of its contents at the fork: the child's batches keep their
+  values whatever the parent does with the slot afterwards;
+- the rest of every registered *shared mapping* is replaced by an inaccessible private
+  placeholder (``PROT_NONE``), so the child holds no reference to the parent's slabs (their
+  memory is freed when the parent is done with them) and can never write into them.
+
+The parent keeps the owners of the visible regions alive until the child says it has copied
+them (one byte on a pipe, bounded by ``COPY_TIMEOUT_S``), so no slot leased at the fork is
+refilled before the child's copy is taken (docs/design.md, "Fork safety").
+
+Other code that maps shared memory holding user-visible data calls ``register_mapping`` for the
+mapping (``_slab.map_shared`` does) and ``keep_across_fork`` for each region a user can see.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import mmap
+import os
+import select
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("arena_loader")
+
+# The longest a parent waits, after a fork, for the child to copy the batches it can see.
+# Copying runs at memory speed (about 1 ms per MiB); the bound only matters for a child whose
+# at-fork hooks never run (then the pipe reads EOF at once) or hang.
+COPY_TIMEOUT_S = 10.0
+
+_PAGE_NBYTES = mmap.PAGESIZE
+_MAP_FIXED = 0x10
+_MREMAP_MAYMOVE = 1
+_MREMAP_FIXED = 2
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.mremap.restype = ctypes.c_void_p
+_libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
+                         ctypes.c_void_p]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+# token -> (weak reference to the owner, address, nbytes). Plain dicts, no lock: a lock held by
+# another thread at the fork would stay locked forever in the child. Entries leave through
+# the weak reference's callback when the owner dies.
+_mappings: dict[int, tuple[weakref.ref, int, int]] = {}
+_regions: dict[int, tuple[weakref.ref, int, int]] = {}
+_tokens = itertools.count()
+# Set between the before-fork and after-fork hooks: (pinned owners, pipe read fd, write fd).
+_fork_state: tuple[list[Any], int, int] | None = None
+
+
+def _register(table: dict, owner: Any, address: int, nbytes: int) -> None:
+    token = next(_tokens)
+    table[token] = (weakref.ref(owner, lambda _, t=token: table.pop(t, None)), address, nbytes)
+
+
+def register_mapping(owner: Any, address: int, nbytes: int) -> None:
+    """A shared mapping at ``address`` (``nbytes`` long), live as long as ``owner`` (usually
+    the ``mmap.mmap`` itself). A forked child keeps only the parts of it registered with
+    ``keep_across_fork``; the rest becomes inaccessible there."""
+    _register(_mappings, owner, address, nbytes)
+
+
+def keep_across_fork(owner: Any, view: np.ndarray) -> None:
+    """``view``'s bytes hold data a user can see (a batch) for as long as ``owner`` lives: a
+    child forked meanwhile gets a private copy of them, taken at the fork, at the same
+    address. The parent keeps ``owner`` alive until that copy is taken."""
+    nbytes = view.nbytes
+    if nbytes:
+        _register(_regions, owner, view.__array_interface__["data"][0], nbytes)
+
+
+def mapping_address(mapping: mmap.mmap) -> int:
+    return np.frombuffer(mapping, dtype=np.uint8, count=1).ctypes.data
+
+
+def _live(table: dict) -> list[tuple[Any, int, int]]:
+    live = []
+    for ref, address, nbytes in list(table.values()):
+        owner = ref()
+        # A closed mmap has unmapped its range, which a later mapping may now occupy.
+        if owner is not None and not getattr(owner, "closed", False):
+            live.append((owner, address, nbytes))
+    return live
+
+
+def _page_span(address: int, nbytes: int) -> tuple[int, int]:
+    start = address - address % _PAGE_NBYTES
+    end = -(-(address + nbytes) // _PAGE_NBYTES) * _PAGE_NBYTES
+    return start, end
+
+
+def _merged_spans(regions: list[tuple[Any, int, int]]) -> list[tuple[int, int]]:
+    spans: list[tuple[int, int]] = []
+    for start, end in sorted(_page_span(address, nbytes) for _, address, nbytes in regions):
+        if spans and start <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(end, spans[-1][1]))
+        else:
+            spans.append((start, end))
+    return spans
+
+
+def _check(result: int | None, what: str) -> int:
+    if result is None or result == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return result
+
+
+def _make_private(start: int, end: int) -> None:
+    """Replace [start, end) by a private copy of its current contents, at the same address."""
+    nbytes = end - start
+    copy = _check(_libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                             mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0), "mmap")
+    ctypes.memmove(copy, start, nbytes)
+    # mremap moves the copy's pages over the shared ones in one step: no moment exists at which
+    # the address reads anything but the batch.
+    moved = _libc.mremap(copy, nbytes, nbytes, _MREMAP_MAYMOVE | _MREMAP_FIXED, start)
+    if moved is None or moved == _MAP_FAILED:
+        _libc.munmap(copy, nbytes)
+        _check(moved, "mremap")
+
+
+def _make_inaccessible(start: int, end: int) -> None:
+    """Drop the shared pages of [start, end) but keep the address range reserved: the mmap
+    object that owns it still unmaps it later, which must not hit an unrelated mapping."""
+    _check(_libc.mmap(start, end - start, mmap.PROT_NONE,
+                      mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
+                      | getattr(mmap, "MAP_NORESERVE", 0x4000), -1, 0), "mmap PROT_NONE")
+
+
+def _privatize_in_child() -> None:
+    regions = _live(_regions)
+    visible = _merged_spans(regions)
+    for start, end in visible:
+        _make_private(start, end)
+    for _, address, nbytes in _live(_mappings):
+        cursor, stop = _page_span(address, nbytes)
+        for start, end in visible:
+            if end <= cursor or start >= stop:
+                continue
+            if start > cursor:
+                _make_inaccessible(cursor, start)
+            cursor = max(cursor, end)
+        if cursor < stop:
+            _make_inaccessible(cursor, stop)
+    # Everything registered is private to this process now: a fork from here copies it.
+    _regions.clear()
+    _mappings.clear()
+
+
+def _before_fork() -> None:
+    global _fork_state
+    _fork_state = None
+    owners = [owner for owner, _, _ in _live(_regions)]
+    if owners:
+        read_fd, write_fd = os.pipe()
+        _fork_state = (owners, read_fd, write_fd)
+
+
+def _after_fork_in_parent() -> None:
+    global _fork_state
+    state, _fork_state = _fork_state, None
+    if state is None:
+        return
+    _, read_fd, write_fd = state
+    os.close(write_fd)  # the child's copy is then the only writer: its exit reads as EOF
+    try:
+        deadline = time.monotonic() + COPY_TIMEOUT_S
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                if select.select([read_fd], [], [], remaining)[0]:
+                    os.read(read_fd, 1)
+                    return
+            except InterruptedError:
+                continue
+        logger.warning("a forked child did not copy its batches within %s s; the slots it "
+                       "may still read can be reused", COPY_TIMEOUT_S)
+    finally:
+        os.close(read_fd)  # and the pinned owners go with the state
+
+
+def _after_fork_in_child() -> None:
+    global _fork_state
+    state, _fork_state = _fork_state, None
+    try:
+        _privatize_in_child()
+    except BaseException:  # an at-fork hook must not raise; the child goes on without it
+        logger.exception("arena_loader could not make this forked child's batches private")
+    finally:
+        if state is not None:
+            _, read_fd, write_fd = state
+            try:
+                os.write(write_fd, b"\0")
+            except OSError:
+                pass
+            os.close(write_fd)
+            os.close(read_fd)
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
