@@ -5,6 +5,7 @@ from ._worker import WorkerInfo, get_worker_info
 from .datasets import ArrayDataset, BatchReadable, MemmapDataset
 from .errors import (
     ArenaLoaderError,
+    DescriptorLimitError,
     LayoutError,
     LoaderClosedError,
     LoaderForkedError,
@@ -26,6 +27,7 @@ from .samplers import (
 __all__ = [
     "ArenaLoader",
     "ArenaLoaderError",
+    "DescriptorLimitError",
     "ArrayDataset",
     "BatchReadable",
     "BatchSampler",

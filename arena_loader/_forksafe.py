@@ -21,12 +21,14 @@ mapping (``_slab.map_shared`` does) and ``keep_across_fork`` for each region a u
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import logging
 import mmap
 import os
 import select
+import threading
 import time
 import weakref
 from typing import Any
@@ -41,6 +43,7 @@ logger = logging.getLogger("arena_loader")
 COPY_TIMEOUT_S = 10.0
 
 _PAGE_NBYTES = mmap.PAGESIZE
+_PROT_NONE = 0
 _MAP_FIXED = 0x10
 _MREMAP_MAYMOVE = 1
 _MREMAP_FIXED = 2
@@ -60,7 +63,11 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 # the weak reference's callback when the owner dies.
 _mappings: dict[int, tuple[weakref.ref, int, int]] = {}
 _regions: dict[int, tuple[weakref.ref, int, int]] = {}
+# token -> (weak reference to the owner of a descriptor, (st_dev, st_ino) of its object).
+_objects: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
 _tokens = itertools.count()
+# Descriptors the thread about to fork hands to the child it starts (a worker's own slab).
+_handed_over = threading.local()
 # Set between the before-fork and after-fork hooks: (pinned owners, pipe read fd, write fd).
 _fork_state: tuple[list[Any], int, int] | None = None
 
@@ -68,6 +75,26 @@ _fork_state: tuple[list[Any], int, int] | None = None
 def _register(table: dict, owner: Any, address: int, nbytes: int) -> None:
     token = next(_tokens)
     table[token] = (weakref.ref(owner, lambda _, t=token: table.pop(t, None)), address, nbytes)
+
+
+def register_descriptor(owner: Any, fd: int) -> None:
+    """``fd`` (held open by ``owner``, e.g. a ``Slab`` or the ``mmap.mmap`` that dup'ed it)
+    refers to shared memory: a forked child does not keep that object alive through it."""
+    stats = os.fstat(fd)
+    token = next(_tokens)
+    _objects[token] = (weakref.ref(owner, lambda _, t=token: _objects.pop(t, None)),
+                       (stats.st_dev, stats.st_ino))
+
+
+@contextlib.contextmanager
+def handing_over(fds: list[int]):
+    """A child forked by this thread inside the block keeps ``fds`` (e.g. the slab descriptor
+    a fork-started worker maps); other shared-memory descriptors are released there."""
+    _handed_over.fds = frozenset(fds)
+    try:
+        yield
+    finally:
+        _handed_over.fds = frozenset()
 
 
 def register_mapping(owner: Any, address: int, nbytes: int) -> None:
@@ -140,7 +167,7 @@ def _make_private(start: int, end: int) -> None:
 def _make_inaccessible(start: int, end: int) -> None:
     """Drop the shared pages of [start, end) but keep the address range reserved: the mmap
     object that owns it still unmaps it later, which must not hit an unrelated mapping."""
-    _check(_libc.mmap(start, end - start, mmap.PROT_NONE,
+    _check(_libc.mmap(start, end - start, _PROT_NONE,
                       mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
                       | getattr(mmap, "MAP_NORESERVE", 0x4000), -1, 0), "mmap PROT_NONE")
 
@@ -163,6 +190,35 @@ def _privatize_in_child() -> None:
     # Everything registered is private to this process now: a fork from here copies it.
     _regions.clear()
     _mappings.clear()
+
+
+def _release_inherited_descriptors() -> None:
+    """Point every inherited descriptor of a registered shared-memory object (but those handed
+    over) at /dev/null: the number stays valid for whoever closes it later (the parent's
+    Slab or mmap objects copied here), while the object is no longer held by this child."""
+    objects = set()
+    for ref, key in list(_objects.values()):
+        owner = ref()
+        if owner is not None and not getattr(owner, "closed", False):
+            objects.add(key)
+    _objects.clear()
+    if not objects:
+        return
+    keep = getattr(_handed_over, "fds", frozenset())
+    devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd == devnull or fd in keep:
+                continue
+            try:
+                stats = os.fstat(fd)
+            except OSError:
+                continue  # the listing's own descriptor, already closed
+            if (stats.st_dev, stats.st_ino) in objects:
+                os.dup2(devnull, fd, inheritable=False)
+    finally:
+        os.close(devnull)
 
 
 def _before_fork() -> None:
@@ -201,6 +257,7 @@ def _after_fork_in_child() -> None:
     state, _fork_state = _fork_state, None
     try:
         _privatize_in_child()
+        _release_inherited_descriptors()
     except BaseException:  # an at-fork hook must not raise; the child goes on without it
         logger.exception("arena_loader could not make this forked child's batches private")
     finally:

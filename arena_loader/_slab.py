@@ -17,7 +17,6 @@ import errno
 import mmap
 import os
 import secrets
-import weakref
 from multiprocessing import reduction
 
 import numpy as np
@@ -28,8 +27,6 @@ from .errors import ShmCapacityError
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "arena_loader_"
-# Every slab whose descriptor is open in this process (copied into fork-started workers).
-_open_slabs: weakref.WeakSet = weakref.WeakSet()
 
 
 def shm_available_bytes() -> int:
@@ -133,16 +130,8 @@ def map_shared(fd: int, nbytes: int, slots: int | None = None) -> mmap.mmap:
     except OSError as exc:
         raise _capacity_error(nbytes, slots, f"mmap: {exc.strerror}", _errno_of(exc)) from exc
     _forksafe.register_mapping(mapping, _forksafe.mapping_address(mapping), nbytes)
+    _forksafe.register_descriptor(mapping, fd)  # mmap holds a duplicate of fd
     return mapping
-
-
-def close_inherited_slabs(keep: int) -> None:
-    """In a fork-started worker: close the inherited descriptors of every slab but ``keep``
-    (its own), so that a closed loader's shared memory is not held by another's workers."""
-    for slab in list(_open_slabs):
-        if slab._fd >= 0 and slab._fd != keep:
-            os.close(slab._fd)
-            slab._fd = -1
 
 
 class SlabHandle:
@@ -193,7 +182,7 @@ class Slab:
 
     def _create(self) -> None:
         self._fd = open_shared()
-        _open_slabs.add(self)
+        _forksafe.register_descriptor(self, self._fd)
         self._mmap: mmap.mmap | None = None
         self.nbytes = 0
         # Leases and consumer views keep this array (and so the mapping) alive.
@@ -226,7 +215,6 @@ class Slab:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        _open_slabs.discard(self)
         # The mmap cannot be closed while views exist (BufferError); dropping our references
         # lets the last view unmap it. Closing it under a live view would turn reads into
         # segfaults.

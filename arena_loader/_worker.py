@@ -36,7 +36,7 @@ from ._messages import (
     Task,
     WorkerFailed,
 )
-from ._slab import SlabHandle, close_inherited_slabs
+from ._slab import SlabHandle
 
 # How often an idle worker checks that its parent is still alive, in case the parent-death
 # signal could not be armed (see _arm_parent_death_signal).
@@ -106,8 +106,6 @@ def worker_main(setup: WorkerSetup, task_conn: Connection, result_conn: Connecti
     if parent_pid == 1 or not _alive(parent_pid):
         return  # the parent died before the signal was armed
     global _worker_info
-    # Forked: other loaders' slab descriptors were inherited; hold only our own.
-    close_inherited_slabs(keep=setup.slab.fd)
     try:
         state = _WorkerState(setup)
         if setup.layout is not None:
