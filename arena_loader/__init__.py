@@ -27,10 +27,10 @@ from .samplers import (
 __all__ = [
     "ArenaLoader",
     "ArenaLoaderError",
-    "DescriptorLimitError",
     "ArrayDataset",
     "BatchReadable",
     "BatchSampler",
+    "DescriptorLimitError",
     "DistributedSampler",
     "LayoutError",
     "LoaderClosedError",

@@ -45,6 +45,7 @@ COPY_TIMEOUT_S = 10.0
 _PAGE_NBYTES = mmap.PAGESIZE
 _PROT_NONE = 0
 _MAP_FIXED = 0x10
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)  # fault the copy's pages in at once
 _MREMAP_MAYMOVE = 1
 _MREMAP_FIXED = 2
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -68,6 +69,8 @@ _objects: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
 _tokens = itertools.count()
 # Descriptors the thread about to fork hands to the child it starts (a worker's own slab).
 _handed_over = threading.local()
+# In a child: was it forked by a thread inside ``handing_over`` (a fork-started worker)?
+_forked_as_worker = False
 # Set between the before-fork and after-fork hooks: (pinned owners, pipe read fd, write fd).
 _fork_state: tuple[list[Any], int, int] | None = None
 
@@ -154,7 +157,7 @@ def _make_private(start: int, end: int) -> None:
     """Replace [start, end) by a private copy of its current contents, at the same address."""
     nbytes = end - start
     copy = _check(_libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
-                             mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0), "mmap")
+                             mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE, -1, 0), "mmap")
     ctypes.memmove(copy, start, nbytes)
     # mremap moves the copy's pages over the shared ones in one step: no moment exists at which
     # the address reads anything but the batch.
@@ -252,8 +255,28 @@ def _after_fork_in_parent() -> None:
         os.close(read_fd)  # and the pinned owners go with the state
 
 
+def started_by_fork() -> bool:
+    """In a worker: was it forked from the main process (rather than spawned, or forked by
+    the forkserver)? Only then is what it inherited exactly the main process's."""
+    return _forked_as_worker
+
+
+def close_on_exec_inherited() -> None:
+    """Mark every descriptor above stderr close-on-exec: a spawn or forkserver child receives
+    multiprocessing's pipes inheritable, and a program that user code execs (os.system) would
+    hold them, keeping the parent from seeing this process's exit."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2:
+            try:
+                os.set_inheritable(fd, False)
+            except OSError:
+                pass  # the listing's own descriptor, closed by now
+
+
 def _after_fork_in_child() -> None:
-    global _fork_state
+    global _fork_state, _forked_as_worker
+    _forked_as_worker = bool(getattr(_handed_over, "fds", None))
     state, _fork_state = _fork_state, None
     try:
         _privatize_in_child()
