@@ -71,8 +71,9 @@ _tokens = itertools.count()
 _handed_over = threading.local()
 # In a child: was it forked by a thread inside ``handing_over`` (a fork-started worker)?
 _forked_as_worker = False
-# Set between the before-fork and after-fork hooks: (pinned owners, pipe read fd, write fd).
-_fork_state: tuple[list[Any], int, int] | None = None
+# Per thread (two threads may fork at once; only the forking thread survives in the child),
+# set between the before-fork and after-fork hooks: (pinned owners, pipe read fd, write fd).
+_forking = threading.local()
 
 
 def _register(table: dict, owner: Any, address: int, nbytes: int) -> None:
@@ -225,17 +226,15 @@ def _release_inherited_descriptors() -> None:
 
 
 def _before_fork() -> None:
-    global _fork_state
-    _fork_state = None
+    _forking.state = None
     owners = [owner for owner, _, _ in _live(_regions)]
     if owners:
         read_fd, write_fd = os.pipe()
-        _fork_state = (owners, read_fd, write_fd)
+        _forking.state = (owners, read_fd, write_fd)
 
 
 def _after_fork_in_parent() -> None:
-    global _fork_state
-    state, _fork_state = _fork_state, None
+    state, _forking.state = getattr(_forking, "state", None), None
     if state is None:
         return
     _, read_fd, write_fd = state
@@ -275,9 +274,9 @@ def close_on_exec_inherited() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _fork_state, _forked_as_worker
+    global _forked_as_worker
     _forked_as_worker = bool(getattr(_handed_over, "fds", None))
-    state, _fork_state = _fork_state, None
+    state, _forking.state = getattr(_forking, "state", None), None
     try:
         _privatize_in_child()
         _release_inherited_descriptors()
