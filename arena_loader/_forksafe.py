@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import itertools
 import logging
 import mmap
 import os
@@ -59,14 +58,44 @@ _libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctyp
                          ctypes.c_void_p]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
-# token -> (weak reference to the owner, address, nbytes). Plain dicts, no lock: a lock held by
-# another thread at the fork would stay locked forever in the child. Entries leave through
-# the weak reference's callback when the owner dies.
-_mappings: dict[int, tuple[weakref.ref, int, int]] = {}
-_regions: dict[int, tuple[weakref.ref, int, int]] = {}
-# token -> (weak reference to the owner of a descriptor, (st_dev, st_ino) of its object).
-_objects: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
-_tokens = itertools.count()
+
+class _Registry:
+    """Entries ``(owner, key)`` that last as long as their owner. A plain dict and no lock: a
+    lock held by another thread at a fork would stay locked forever in the child; dict
+    operations are atomic under the GIL. An entry leaves through its weak reference's callback
+    when the owner dies. Owners that are closed (an mmap or a Slab) count as gone: the range
+    or inode they named may already belong to something else."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def add(self, owner: Any, key: Any) -> None:
+        ref = weakref.ref(owner, self._forget)
+        self._entries[id(ref)] = (ref, key)
+
+    def _forget(self, ref: weakref.ref) -> None:
+        self._entries.pop(id(ref), None)
+
+    def live(self) -> list[tuple[Any, Any]]:
+        live = []
+        for ref, key in list(self._entries.values()):
+            owner = ref()
+            if owner is not None and not getattr(owner, "closed", False):
+                live.append((owner, key))
+        return live
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# Shared mappings and visible regions: key (address, nbytes). Shared-memory objects held open
+# by a descriptor: key (st_dev, st_ino).
+_mappings = _Registry()
+_regions = _Registry()
+_objects = _Registry()
 # Descriptors the thread about to fork hands to the child it starts (a worker's own slab).
 _handed_over = threading.local()
 # In a child: was it forked by a thread inside ``handing_over`` (a fork-started worker)?
@@ -76,18 +105,11 @@ _forked_as_worker = False
 _forking = threading.local()
 
 
-def _register(table: dict, owner: Any, address: int, nbytes: int) -> None:
-    token = next(_tokens)
-    table[token] = (weakref.ref(owner, lambda _, t=token: table.pop(t, None)), address, nbytes)
-
-
 def register_descriptor(owner: Any, fd: int) -> None:
     """``fd`` (held open by ``owner``, e.g. a ``Slab`` or the ``mmap.mmap`` that dup'ed it)
     refers to shared memory: a forked child does not keep that object alive through it."""
     stats = os.fstat(fd)
-    token = next(_tokens)
-    _objects[token] = (weakref.ref(owner, lambda _, t=token: _objects.pop(t, None)),
-                       (stats.st_dev, stats.st_ino))
+    _objects.add(owner, (stats.st_dev, stats.st_ino))
 
 
 @contextlib.contextmanager
@@ -105,30 +127,20 @@ def register_mapping(owner: Any, address: int, nbytes: int) -> None:
     """A shared mapping at ``address`` (``nbytes`` long), live as long as ``owner`` (usually
     the ``mmap.mmap`` itself). A forked child keeps only the parts of it registered with
     ``keep_across_fork``; the rest becomes inaccessible there."""
-    _register(_mappings, owner, address, nbytes)
+    _mappings.add(owner, (address, nbytes))
 
 
-def keep_across_fork(owner: Any, view: np.ndarray) -> None:
-    """``view``'s bytes hold data a user can see (a batch) for as long as ``owner`` lives: a
-    child forked meanwhile gets a private copy of them, taken at the fork, at the same
-    address. The parent keeps ``owner`` alive until that copy is taken."""
-    nbytes = view.nbytes
+def keep_across_fork(owner: Any, address: int, nbytes: int) -> None:
+    """The ``nbytes`` at ``address`` hold data a user can see (a batch) for as long as
+    ``owner`` lives: a child forked meanwhile gets a private copy of them, taken at the fork,
+    at the same address. The parent keeps ``owner`` alive until that copy is taken. For a
+    numpy view: ``keep_across_fork(owner, view.ctypes.data, view.nbytes)``."""
     if nbytes:
-        _register(_regions, owner, view.__array_interface__["data"][0], nbytes)
+        _regions.add(owner, (address, nbytes))
 
 
 def mapping_address(mapping: mmap.mmap) -> int:
     return np.frombuffer(mapping, dtype=np.uint8, count=1).ctypes.data
-
-
-def _live(table: dict) -> list[tuple[Any, int, int]]:
-    live = []
-    for ref, address, nbytes in list(table.values()):
-        owner = ref()
-        # A closed mmap has unmapped its range, which a later mapping may now occupy.
-        if owner is not None and not getattr(owner, "closed", False):
-            live.append((owner, address, nbytes))
-    return live
 
 
 def _page_span(address: int, nbytes: int) -> tuple[int, int]:
@@ -137,9 +149,10 @@ def _page_span(address: int, nbytes: int) -> tuple[int, int]:
     return start, end
 
 
-def _merged_spans(regions: list[tuple[Any, int, int]]) -> list[tuple[int, int]]:
+def _merged_spans(regions: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Page spans covering ``(address, nbytes)`` regions, sorted, overlaps merged."""
     spans: list[tuple[int, int]] = []
-    for start, end in sorted(_page_span(address, nbytes) for _, address, nbytes in regions):
+    for start, end in sorted(_page_span(address, nbytes) for address, nbytes in regions):
         if spans and start <= spans[-1][1]:
             spans[-1] = (spans[-1][0], max(end, spans[-1][1]))
         else:
@@ -177,11 +190,10 @@ def _make_inaccessible(start: int, end: int) -> None:
 
 
 def _privatize_in_child() -> None:
-    regions = _live(_regions)
-    visible = _merged_spans(regions)
+    visible = _merged_spans([region for _, region in _regions.live()])
     for start, end in visible:
         _make_private(start, end)
-    for _, address, nbytes in _live(_mappings):
+    for _, (address, nbytes) in _mappings.live():
         cursor, stop = _page_span(address, nbytes)
         for start, end in visible:
             if end <= cursor or start >= stop:
@@ -200,11 +212,7 @@ def _release_inherited_descriptors() -> None:
     """Point every inherited descriptor of a registered shared-memory object (but those handed
     over) at /dev/null: the number stays valid for whoever closes it later (the parent's
     Slab or mmap objects copied here), while the object is no longer held by this child."""
-    objects = set()
-    for ref, key in list(_objects.values()):
-        owner = ref()
-        if owner is not None and not getattr(owner, "closed", False):
-            objects.add(key)
+    objects = {key for _, key in _objects.live()}
     _objects.clear()
     if not objects:
         return
@@ -227,7 +235,7 @@ def _release_inherited_descriptors() -> None:
 
 def _before_fork() -> None:
     _forking.state = None
-    owners = [owner for owner, _, _ in _live(_regions)]
+    owners = [owner for owner, _ in _regions.live()]
     if owners:
         read_fd, write_fd = os.pipe()
         _forking.state = (owners, read_fd, write_fd)

@@ -606,7 +606,7 @@ def test_registered_one_off_mapping_is_private_in_a_forked_child():
         pass
 
     owner = Owner()
-    _forksafe.keep_across_fork(owner, visible)
+    _forksafe.keep_across_fork(owner, visible.ctypes.data, visible.nbytes)
     _HELD[:] = [visible]
     try:
         child = ForkedChild("os.fork")

@@ -63,10 +63,9 @@ def test_leased_slot_is_registered_for_fork_until_its_batch_dies():
     before = len(_forksafe._regions)
     lease = pool.lease(slot)
     assert len(_forksafe._regions) == before + 1
-    (owner, address, nbytes), = [entry for entry in _forksafe._live(_forksafe._regions)
-                                 if entry[0] is lease]
-    assert (address, nbytes) == (slab_array[slot * 64:].ctypes.data, 64)
-    del owner, lease
+    (region,) = [region for owner, region in _forksafe._regions.live() if owner is lease]
+    assert region == (slab_array[slot * 64:].ctypes.data, 64)
+    del lease
     assert len(_forksafe._regions) == before
 
 
