@@ -5,8 +5,10 @@ from ._worker import WorkerInfo, get_worker_info
 from .datasets import ArrayDataset, BatchReadable, MemmapDataset
 from .errors import (
     ArenaLoaderError,
+    DescriptorLimitError,
     LayoutError,
     LoaderClosedError,
+    LoaderForkedError,
     LoaderTimeoutError,
     ShmCapacityError,
     SlotsExhaustedError,
@@ -28,9 +30,11 @@ __all__ = [
     "ArrayDataset",
     "BatchReadable",
     "BatchSampler",
+    "DescriptorLimitError",
     "DistributedSampler",
     "LayoutError",
     "LoaderClosedError",
+    "LoaderForkedError",
     "LoaderTimeoutError",
     "MemmapDataset",
     "RandomSampler",

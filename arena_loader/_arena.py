@@ -5,6 +5,7 @@ holds outside it (docs/design.md, "Slot budget")."""
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import warnings
 import weakref
@@ -15,11 +16,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from . import _forksafe
 from ._layout import KIND_TORCH_RAW, FieldPlacement, Plan
 from ._output import make_converter, torch_raw_view
 from ._pool import SlotPool, SlotState
 from ._slab import Slab
-from .errors import LoaderClosedError, SlotsExhaustedError
+from .errors import LoaderClosedError, SlotsExhaustedError, forked_iterator_error
 
 # A slot's budget is the first batch's size times this, rounded up to whole pages: batches
 # that vary a little still fit; a larger one takes a one-off segment.
@@ -141,11 +143,14 @@ class ArenaSource:
         self._segments_given = 0
         self._segments_released: deque[None] = deque()
         self._warned = False
+        self._pid = os.getpid()
 
     def claim(self, slot_nbytes: int | None = None, slab: Slab | None = None) -> Arena | None:
         """The loader's arena, or a private one if it is in use; None while no budget is
         known. ``slab``: the reserved slab the caller's workers hold, which the arena must
         then use (with ``slot_nbytes``, the budget learned from the caller's first batch)."""
+        if os.getpid() != self._pid:  # this arena's slots are the parent's (its lock, too)
+            raise forked_iterator_error(self._pid)
         with self._lock:
             if self._closed:
                 if slab is not None:
@@ -239,6 +244,8 @@ class ArenaSource:
             pinned = arena.pinned
         else:
             lease = SegmentLease(storage)
+            # A child forked while the batch is held keeps a private copy of it.
+            _forksafe.keep_across_fork(lease, storage.ctypes.data, plan.nbytes)
             self._segments_given += 1
             weakref.finalize(lease, self._segments_released.append, None).atexit = False
             pinned = False

@@ -3,6 +3,7 @@ the same layout, slot lifecycle and errors as worker processes."""
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -11,12 +12,13 @@ from typing import Any
 from ._arena import Arena, ArenaSource, slot_budget
 from ._fetch import BatchFiller, Fetched, StreamPosition
 from ._slab import map_new_segment
-from .errors import ShmCapacityError
+from .errors import ShmCapacityError, forked_iterator_error
 
 
 class InProcessIterator:
     def __init__(self, owner: Any, filler: BatchFiller, source: ArenaSource,
                  batches: Iterator, convert: Callable[[Any], Any] | None = None):
+        self._pid = os.getpid()
         self._owner = owner  # the loader: `for b in ArenaLoader(...)` must keep it alive
         self._filler = filler
         self._source = source
@@ -38,6 +40,8 @@ class InProcessIterator:
         return self
 
     def __next__(self) -> Any:
+        if os.getpid() != self._pid:
+            raise forked_iterator_error(self._pid)  # its slots are the parent's
         # One batch at a time, even when several threads share the iterator (as a
         # DataLoader iterator may be): without the lock two threads could take the same
         # pending batch.

@@ -17,6 +17,7 @@ from collections import deque
 
 import numpy as np
 
+from ._forksafe import keep_across_fork
 from .errors import LoaderClosedError
 
 
@@ -91,6 +92,7 @@ class SlotPool:
 
     def __init__(self, slab_array: np.ndarray, slot_nbytes: int, slots: int):
         self._slab_array = slab_array
+        self._slab_address = slab_array.ctypes.data
         self.slot_nbytes = slot_nbytes
         self._states = [SlotState.FREE] * slots
         self._free: deque[int] = deque(range(slots))
@@ -129,6 +131,8 @@ class SlotPool:
             self._move(slot, SlotState.FILLED, SlotState.LEASED)
         start = slot * self.slot_nbytes
         lease = SlotLease(slot, self._slab_array[start: start + self.slot_nbytes])
+        # A process forked while the batch lives gets its own copy of the slot's bytes.
+        keep_across_fork(lease, self._slab_address + start, self.slot_nbytes)
         finalizer = weakref.finalize(lease, self._release, slot)
         finalizer.atexit = False
         return lease

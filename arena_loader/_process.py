@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
+import os
+import resource
 import select
 import signal
 import socket
@@ -12,14 +15,19 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ._forksafe import handing_over
 from ._messages import Stop
 from ._worker import WorkerSetup, worker_main
-from .errors import WorkerCrashedError
+from .errors import DescriptorLimitError, WorkerCrashedError
 
 JOIN_TIMEOUT_S = 2.0  # per escalation step: join, then terminate, then kill
 # Pipe buffers are raised from Linux's 64 KiB so that a task with a very long index list, or a
 # result with many object leaves, does not block one side while the other is also writing.
 PIPE_NBYTES = 1 << 20
+# Descriptors the main process keeps per worker (task pipe, result pipe, sentinel), and a
+# margin for those open while one starts and for the dispatch thread's selector and waker.
+FDS_PER_WORKER = 3
+FD_HEADROOM = 16
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -65,6 +73,7 @@ class WorkerGroup:
         # Held for a whole shutdown: a second caller (close() while the dispatch thread is
         # stopping the group after a crash) returns only once every worker is gone.
         self._shutdown_lock = threading.Lock()
+        check_descriptor_limit(len(setups))
         try:
             for setup in setups:
                 task_reader, task_writer, result_reader, result_writer = worker_pipes(context)
@@ -75,7 +84,8 @@ class WorkerGroup:
                     target=worker_main, args=(setup, task_reader, result_writer),
                     name=f"arena_loader-worker-{setup.worker_id}", daemon=True,
                 )
-                process.start()
+                with handing_over([setup.slab.fd]):  # under fork, its only slab descriptor
+                    process.start()
                 # Close the child's ends here, before the next fork copies them: a dead
                 # worker's result pipe then reads EOF at once.
                 task_reader.close()
@@ -84,6 +94,11 @@ class WorkerGroup:
                 self.processes.append(process)
                 self.task_conns.append(task_writer)
                 self.result_conns.append(result_reader)
+        except OSError as exc:
+            self.shutdown()
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise descriptor_limit_error(len(setups), str(exc)) from exc
+            raise
         except BaseException:
             self.shutdown()
             raise
@@ -165,6 +180,29 @@ class WorkerGroup:
         for process in self.processes:
             if process.exitcode is not None:
                 process.close()
+
+
+def check_descriptor_limit(num_workers: int) -> None:
+    """Fail before starting any worker when ``num_workers`` would run out of descriptors."""
+    soft_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return  # not Linux: the EMFILE itself is converted when it happens
+    if soft_limit != resource.RLIM_INFINITY and \
+            open_now + num_workers * FDS_PER_WORKER + FD_HEADROOM > soft_limit:
+        raise descriptor_limit_error(num_workers, f"{open_now} are open already")
+
+
+def descriptor_limit_error(num_workers: int, detail: str) -> DescriptorLimitError:
+    soft_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    needed = num_workers * FDS_PER_WORKER + FD_HEADROOM
+    return DescriptorLimitError(
+        errno.EMFILE,
+        f"num_workers={num_workers} needs about {needed} more file descriptors in this process, "
+        f"but `ulimit -n` allows {soft_limit} ({detail}); raise the limit (`ulimit -n "
+        f"{max(4096, 2 * soft_limit)}` in the shell, or resource.setrlimit(resource."
+        "RLIMIT_NOFILE, ...)) or pass a smaller num_workers")
 
 
 def worker_pipes(context: Any) -> tuple[Connection, Connection, Connection, Connection]:

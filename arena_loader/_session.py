@@ -47,7 +47,12 @@ from ._process import JOIN_TIMEOUT_S, WorkerGroup, is_main_thread
 from ._slab import Slab, receive_segment
 from ._threads import ThreadWorkerGroup
 from ._worker import WorkerSetup
-from .errors import LoaderClosedError, LoaderTimeoutError, ShmCapacityError
+from .errors import (
+    LoaderClosedError,
+    LoaderTimeoutError,
+    ShmCapacityError,
+    forked_iterator_error,
+)
 
 # The dispatch thread's longest sleep; results, worker exits, wanted slots and stop requests
 # all wake it at once, so this is only a backstop.
@@ -527,6 +532,8 @@ class _Session:
     # -- the consumer ---------------------------------------------------------------------
 
     def next_batch(self) -> Any:
+        if os.getpid() != self._pid:
+            raise forked_iterator_error(self._pid)
         if not self._started and not self._closed:
             self._begin()
         if self.arena is not None:

@@ -5,6 +5,10 @@ an error here, never a SIGBUS when a page is first touched mid-epoch), mapped wi
 and its name unlinked before this constructor returns. Workers receive the open file
 descriptor (inherited on fork, passed over the spawn/forkserver channel otherwise), so no name
 exists that a killed process could leak (docs/design.md, "Slab").
+
+Every shared mapping is made by ``map_shared`` (errors become ``ShmCapacityError``) and
+registered with ``_forksafe``, so that a forked child keeps private copies of the batches it
+can see and drops the rest (docs/design.md, "Fork safety").
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from multiprocessing import reduction
 import numpy as np
 import posix_ipc
 
+from . import _forksafe
 from .errors import ShmCapacityError
 
 SHM_DIR = "/dev/shm"
@@ -31,15 +36,115 @@ def shm_available_bytes() -> int:
     return stats.f_bavail * stats.f_frsize
 
 
-def _capacity_error(nbytes: int, slots: int | None, cause: str) -> ShmCapacityError:
-    available = shm_available_bytes()
+def shm_available_inodes() -> int:
+    return os.statvfs(SHM_DIR).f_favail
+
+
+# errno -> how to fix it, for every way creating, sizing or mapping shared memory fails.
+_SPACE_FIX = ("give the container more shared memory (docker run --shm-size=...), pass fewer "
+              "`slots`, or use smaller batches")
+_FIXES = {
+    errno.ENOSPC: _SPACE_FIX,
+    errno.EFBIG: "raise the file-size limit (`ulimit -f`, RLIMIT_FSIZE), pass fewer `slots`, "
+                 "or use smaller batches",
+    errno.ENOMEM: "raise the address-space limit (`ulimit -v`, RLIMIT_AS) or free memory, pass "
+                  "fewer `slots`, or use smaller batches",
+    errno.EMFILE: "raise the open-file limit (`ulimit -n`, RLIMIT_NOFILE), or use fewer "
+                  "loaders or a smaller num_workers",
+    errno.ENFILE: "the whole system is out of file descriptors (fs.file-max): close other "
+                  "programs' files or raise fs.file-max",
+    errno.EPERM: f"make {SHM_DIR} a writable tmpfs this user may create files in and map "
+                 "(check the container's seccomp profile and mount options)",
+}
+_FIXES[errno.EACCES] = _FIXES[errno.EPERM]
+
+
+# What a one-off segment's ENOSPC fix says instead of `slots` (segments hold single batches).
+SEGMENT_SPACE_FIX = ("give the container more shared memory (docker run --shm-size=...), use "
+                     "smaller batches, or hold fewer batches (keep copies: np.array(x) / "
+                     "x.clone())")
+
+
+def _capacity_error(nbytes: int, slots: int | None, cause: str,
+                    err: int = errno.ENOSPC, what: str = "the slab") -> ShmCapacityError:
     per_slot = f" ({slots} slots of {nbytes // slots:,} bytes)" if slots else ""
+    fix = _FIXES.get(err, _SPACE_FIX)
+    if err == errno.ENOSPC and what != "the slab":
+        fix = SEGMENT_SPACE_FIX
+    if err == errno.ENOSPC:
+        return ShmCapacityError(
+            err, f"{what} needs {nbytes:,} bytes{per_slot} of shared memory but {SHM_DIR} "
+                 f"has {shm_available_bytes():,} bytes available ({cause}); fix: {fix}")
     return ShmCapacityError(
-        errno.ENOSPC,
-        f"the slab needs {nbytes:,} bytes{per_slot} of shared memory but {SHM_DIR} has "
-        f"{available:,} bytes available ({cause}); fix: give the container more shared memory "
-        "(docker run --shm-size=...), pass fewer `slots`, or use smaller batches",
-    )
+        err, f"{what} needs {nbytes:,} bytes{per_slot} of shared memory, but {cause}; "
+             f"fix: {fix}")
+
+
+def _errno_of(exc: OSError) -> int:
+    """posix_ipc raises OSError without an errno for some failures; its text tells which."""
+    if exc.errno is not None:
+        return exc.errno
+    text = str(exc).lower()
+    if "maximum number of files" in text:
+        return errno.EMFILE
+    if "system limit" in text:
+        return errno.ENFILE
+    if "permission" in text:
+        return errno.EACCES
+    if "memory" in text:
+        return errno.ENOMEM
+    return errno.ENOSPC
+
+
+def open_shared() -> int:
+    """A new, already unlinked POSIX shared-memory object of size 0: its close-on-exec
+    descriptor. Any failure (no inode left in /dev/shm, no descriptor left) is a
+    ShmCapacityError."""
+    if shm_available_inodes() == 0:
+        raise ShmCapacityError(
+            errno.ENOSPC, f"{SHM_DIR} has no free inode left for a shared-memory object (it "
+                          f"holds {os.statvfs(SHM_DIR).f_files:,}); fix: delete stale files in "
+                          f"{SHM_DIR}, or remount it with more inodes (mount -o "
+                          "remount,nr_inodes=...)")
+    name = f"/{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+    try:
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+    except (OSError, posix_ipc.Error) as exc:
+        err = _errno_of(exc) if isinstance(exc, OSError) else errno.EACCES
+        raise ShmCapacityError(err, f"creating a shared-memory object in {SHM_DIR} failed "
+                                    f"({exc}); fix: {_FIXES.get(err, _SPACE_FIX)}") from exc
+    # Nothing else opens the slab by name: unlinking now means no crash can leak it.
+    shm.unlink()
+    os.set_inheritable(shm.fd, False)  # a program exec'd by user code must not hold it
+    return shm.fd
+
+
+def size_shared(fd: int, nbytes: int, slots: int | None = None,
+                what: str = "the slab") -> None:
+    """Reserve every page of ``fd`` now, so a full /dev/shm is a ShmCapacityError here and
+    never a SIGBUS when a page is first written. ``what`` names it in errors."""
+    if nbytes > shm_available_bytes():
+        raise _capacity_error(nbytes, slots, "checked before allocating", what=what)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        raise _capacity_error(nbytes, slots, f"posix_fallocate: {exc.strerror}",
+                              _errno_of(exc), what=what) from exc
+
+
+def map_shared(fd: int, nbytes: int, slots: int | None = None,
+               what: str = "the slab") -> mmap.mmap:
+    """Map ``nbytes`` of shared memory ``fd``; every failure (ENOMEM under RLIMIT_AS, ...) is
+    a ShmCapacityError. The mapping is registered with ``_forksafe`` (a forked child drops
+    what of it no batch it holds needs)."""
+    try:
+        mapping = mmap.mmap(fd, nbytes)
+    except OSError as exc:
+        raise _capacity_error(nbytes, slots, f"mmap: {exc.strerror}", _errno_of(exc),
+                              what=what) from exc
+    _forksafe.register_mapping(mapping, _forksafe.mapping_address(mapping), nbytes)
+    _forksafe.register_descriptor(mapping, fd)  # mmap holds a duplicate of fd
+    return mapping
 
 
 class SlabHandle:
@@ -59,11 +164,13 @@ class SlabHandle:
         return _rebuild_handle, (reduction.DupFd(self.fd), self.nbytes)
 
     def map(self, nbytes: int | None = None) -> mmap.mmap:
-        return mmap.mmap(self.fd, self.nbytes if nbytes is None else nbytes)
+        return map_shared(self.fd, self.nbytes if nbytes is None else nbytes)
 
 
 def _rebuild_handle(dup_fd, nbytes: int) -> SlabHandle:
-    return SlabHandle(dup_fd.detach(), nbytes)
+    fd = dup_fd.detach()
+    os.set_inheritable(fd, False)  # received inheritable; a program exec'd must not hold it
+    return SlabHandle(fd, nbytes)
 
 
 class Slab:
@@ -87,11 +194,8 @@ class Slab:
         return slab
 
     def _create(self) -> None:
-        name = f"/{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
-        # Nothing else opens the slab by name: unlinking now means no crash can leak it.
-        shm.unlink()
-        self._fd = shm.fd
+        self._fd = open_shared()
+        _forksafe.register_descriptor(self, self._fd)
         self._mmap: mmap.mmap | None = None
         self.nbytes = 0
         # Leases and consumer views keep this array (and so the mapping) alive.
@@ -102,16 +206,8 @@ class Slab:
         if self.closed or self.nbytes:
             raise ValueError("the slab is closed or already allocated")
         try:
-            if nbytes > shm_available_bytes():
-                raise _capacity_error(nbytes, slots, "checked before allocating")
-            try:
-                os.posix_fallocate(self._fd, 0, nbytes)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-                    cause = f"posix_fallocate: {exc.strerror}"
-                    raise _capacity_error(nbytes, slots, cause) from exc
-                raise
-            self._mmap = mmap.mmap(self._fd, nbytes)
+            size_shared(self._fd, nbytes, slots)
+            self._mmap = map_shared(self._fd, nbytes, slots)
         except BaseException:
             self.close()
             raise
@@ -147,37 +243,31 @@ class Slab:
 class Segment:
     """A one-off shared-memory segment for one batch that has no slot or does not fit one.
 
-    Created, unlinked at once and preallocated like the slab (a full ``/dev/shm`` is a
-    ShmCapacityError, never a SIGBUS); its descriptor is handed to the main process with
+    Created, unlinked at once and preallocated like the slab (``open_shared``,
+    ``size_shared``, ``map_shared``: a full ``/dev/shm`` or any other OS limit is a
+    ShmCapacityError, never a SIGBUS). A worker hands its descriptor to the main process with
     ``send_segment``, which maps it as the batch's storage (docs/design.md, "Slot budget").
     """
 
     def __init__(self, nbytes: int):
         self.nbytes = max(nbytes, 1)
-        name = f"/{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
-        shm.unlink()
-        self.fd = shm.fd
+        self.fd = open_shared()
         try:
-            if self.nbytes > shm_available_bytes():
-                raise _segment_error(self.nbytes, "checked before allocating")
-            try:
-                os.posix_fallocate(self.fd, 0, self.nbytes)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-                    raise _segment_error(self.nbytes, f"posix_fallocate: {exc.strerror}") from exc
-                raise
-            self._mmap = mmap.mmap(self.fd, self.nbytes)
+            size_shared(self.fd, self.nbytes, what=SEGMENT)
+            self._mmap = map_shared(self.fd, self.nbytes, what=SEGMENT)
         except BaseException:
             os.close(self.fd)
             raise
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
 
-    def close(self) -> None:
-        """Close the descriptor and this process's mapping (the receiver has its own)."""
+    def close_fd(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    def close(self) -> None:
+        """Close the descriptor and this process's mapping (the receiver has its own)."""
+        self.close_fd()
         self.array = None  # type: ignore[assignment]
         try:
             self._mmap.close()
@@ -185,14 +275,7 @@ class Segment:
             pass  # a view escaped (the dataset kept its read_into output): unmapped with it
 
 
-def _segment_error(nbytes: int, cause: str) -> ShmCapacityError:
-    return ShmCapacityError(
-        errno.ENOSPC,
-        f"a batch needs a {nbytes:,}-byte shared-memory segment but {SHM_DIR} has "
-        f"{shm_available_bytes():,} bytes available ({cause}); fix: give the container more "
-        "shared memory (docker run --shm-size=...), use smaller batches, or hold fewer batches "
-        "(keep copies: np.array(x) / x.clone())",
-    )
+SEGMENT = "a batch's shared-memory segment"
 
 
 _FD_TAG = struct.Struct("<q")
@@ -214,7 +297,8 @@ def receive_segment(sock: socket.socket, idx: int, nbytes: int) -> np.ndarray:
         fd = fds[0]
         try:
             if len(data) == _FD_TAG.size and _FD_TAG.unpack(data)[0] == idx:
-                return np.frombuffer(mmap.mmap(fd, max(nbytes, 1)), dtype=np.uint8)
+                return np.frombuffer(map_shared(fd, max(nbytes, 1), what=SEGMENT),
+                                     dtype=np.uint8)
         finally:
             os.close(fd)
 
@@ -222,7 +306,5 @@ def receive_segment(sock: socket.socket, idx: int, nbytes: int) -> np.ndarray:
 def map_new_segment(nbytes: int) -> np.ndarray:
     """A segment made and mapped in this process (``num_workers=0``, thread workers)."""
     segment = Segment(nbytes)
-    try:
-        return np.frombuffer(mmap.mmap(segment.fd, segment.nbytes), dtype=np.uint8)
-    finally:
-        segment.close()
+    segment.close_fd()  # the mapping (the array's base) keeps the memory
+    return segment.array

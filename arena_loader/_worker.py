@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ._fetch import BatchFiller, Fetched, StreamPosition
+from ._forksafe import close_on_exec_inherited, started_by_fork
 from ._layout import PlanEncoder, encode_end
 from ._messages import (
     Attach,
@@ -96,6 +97,8 @@ def seed_worker(base_seed: int, worker_id: int) -> int:
 def worker_main(setup: WorkerSetup, task_conn: Connection, result_conn: Connection) -> None:
     # Ctrl-C reaches the whole process group; the main process handles it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not started_by_fork():  # spawn, forkserver: multiprocessing's fds come inheritable
+        close_on_exec_inherited()
     # Our parent is the main process (fork, spawn) or the forkserver, which exits with it.
     parent_pid = os.getppid()
     if setup.arm_parent_death_signal:

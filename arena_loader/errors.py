@@ -8,10 +8,14 @@ Two families are kept apart on purpose (docs/design.md, "Errors"):
 
 from __future__ import annotations
 
+import os
+
 __all__ = [
     "ArenaLoaderError",
+    "DescriptorLimitError",
     "LayoutError",
     "LoaderClosedError",
+    "LoaderForkedError",
     "LoaderTimeoutError",
     "ShmCapacityError",
     "SlotsExhaustedError",
@@ -42,6 +46,23 @@ def _rebuild(cls: type[BaseException], args: tuple, fields: dict) -> BaseExcepti
 
 class LoaderClosedError(ArenaLoaderError, RuntimeError):
     """The loader or iterator was closed by its owner and cannot produce batches."""
+
+
+class LoaderForkedError(ArenaLoaderError, RuntimeError):
+    """An iterator was used in a process forked from the one that created it: its workers,
+    pipes and slab belong to that process (docs/design.md, "Fork safety")."""
+
+
+def forked_iterator_error(owner_pid: int) -> LoaderForkedError:
+    return LoaderForkedError(
+        f"this iterator was created in process {owner_pid} and cannot be used in process "
+        f"{os.getpid()}, which was forked from it: its workers and shared memory "
+        "belong to the parent; call iter(loader) in this process to start its own (batches "
+        "you already hold stay valid)")
+
+
+class DescriptorLimitError(ArenaLoaderError, OSError):
+    """The process may not open enough file descriptors for the workers asked for."""
 
 
 class WorkerCrashedError(ArenaLoaderError, RuntimeError):

@@ -29,7 +29,7 @@ from ._torch_compat import (
     is_iter_datapipe,
     loaded_torch,
 )
-from .errors import LoaderClosedError
+from .errors import LoaderClosedError, LoaderForkedError
 from .samplers import (
     BatchSampler,
     InfiniteConstantSampler,
@@ -105,6 +105,7 @@ class ArenaLoader(Generic[T_co]):
         )
         pinner, self._device = (_open_cuda(self.options)
                                 if pin_memory or self.options.device is not None else (None, None))
+        self._pinner = pinner
         # The attributes torch's DataLoader exposes, read-only by convention, with torch's
         # values: a batch_sampler takes over batch_size and drop_last, prefetch_factor is 2
         # by default with workers, a start method name reads as its context.
@@ -172,10 +173,12 @@ class ArenaLoader(Generic[T_co]):
         self._source = ArenaSource(self.slots, pinner=pinner, lease_only=self._device is not None,
                                    output=output, held_batch_limit=held_batch_limit)
         self._persistent: MultiProcessIterator | None = None
+        self._persistent_epoch: weakref.ref | None = None
         self._live: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
+        self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, _close_all, self._source, self._live,
-                                           os.getpid())
+                                           self._pid)
         self.check_worker_number_rationality()
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -217,6 +220,8 @@ class ArenaLoader(Generic[T_co]):
     def __iter__(self) -> Iterator[T_co]:
         if self._closed:
             raise LoaderClosedError("this ArenaLoader was closed; create a new one")
+        if os.getpid() != self._pid:
+            self._adopt_after_fork()
         options = self.options
         if self.pin_memory and self.pin_memory_device:
             warnings.warn("pin_memory_device is deprecated, the current accelerator will be "
@@ -246,7 +251,10 @@ class ArenaLoader(Generic[T_co]):
             self.check_worker_number_rationality()
             if self._persistent is not None:
                 self._persistent.close()
-            iterator = MultiProcessIterator(self, options, self._filler, self._source, batches,
+            # The loader keeps its persistent iterator: that one must not reference the loader
+            # back, or a dropped loader would wait for the cyclic GC to stop its workers.
+            iterator = MultiProcessIterator(None if options.persistent_workers else self,
+                                            options, self._filler, self._source, batches,
                                             base_seed, self._convert)
             if options.persistent_workers:
                 self._persistent = iterator
@@ -262,15 +270,41 @@ class ArenaLoader(Generic[T_co]):
                                      self.num_workers)
 
     def _on_device(self, iterator: Any, owns_host: bool) -> Any:
-        """``iterator`` behind the device copy stage, if there is one."""
+        """``iterator`` behind the device copy stage, if there is one (else, for the
+        persistent iterator, behind a ``_PersistentEpoch`` that keeps the loader alive)."""
         if self._device is None:
-            return iterator
+            if owns_host:
+                return iterator
+            # The same object every epoch while the user holds it, as torch's.
+            epoch = self._persistent_epoch() if self._persistent_epoch is not None else None
+            if epoch is None or epoch._iterator is not iterator:
+                epoch = _PersistentEpoch(self, iterator)
+                self._persistent_epoch = weakref.ref(epoch)
+            return epoch
         if owns_host:
             # Closed by the device iterator, after its last copy from the slab completed.
             self._live.discard(iterator)
         wrapped = self._device.wrap(self, iterator, owns_host)
         self._live.add(wrapped)
         return wrapped
+
+    def _adopt_after_fork(self) -> None:
+        """First use in a process forked from the one that made this loader (``os.fork``, a
+        fork-started ``Pool``, an inner loader in a forked worker): its arena, workers and
+        pipes belong to the parent, so this process starts afresh with its own
+        (docs/design.md, "Fork safety")."""
+        if self._device is not None or self._pinner is not None:
+            raise LoaderForkedError(
+                f"this ArenaLoader (pin_memory={self.pin_memory}, device={self.device!r}) was "
+                f"created in process {self._pid} and CUDA does not survive fork; create the "
+                "loader in this process, or start the process with the 'spawn' method")
+        self._finalizer.detach()  # the copy of the parent's: it must not run here
+        self._source = ArenaSource(self.slots)
+        self._persistent = None
+        self._live = weakref.WeakSet()
+        self._pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _close_all, self._source, self._live,
+                                           self._pid)
 
     def _epoch_batches(self) -> Iterator[Any]:
         if self._iterable:
@@ -330,6 +364,26 @@ class ArenaLoader(Generic[T_co]):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class _PersistentEpoch:
+    """The persistent iterator as ``iter(loader)`` returns it: holds the loader (so that
+    ``for b in ArenaLoader(...)`` keeps it alive) while the loader holds only the iterator."""
+
+    __slots__ = ("__weakref__", "_iterator", "_owner")
+
+    def __init__(self, owner: ArenaLoader, iterator: MultiProcessIterator):
+        self._owner = owner
+        self._iterator = iterator
+
+    def __iter__(self) -> _PersistentEpoch:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._iterator)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._iterator, name)  # worker_pids, stats, close, ...
 
 
 def _open_cuda(options: LoaderOptions) -> tuple[Any, Any]:

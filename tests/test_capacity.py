@@ -34,8 +34,8 @@ def test_batch_larger_than_shm_fails_at_its_batch_without_sigbus(num_workers):
     for error in report["outcomes"]:
         assert error["type"] == "arena_loader.errors.ShmCapacityError"
         message = error["message"]
-        assert f"a batch needs a {BATCH_NBYTES:,}-byte shared-memory segment but {SHM_DIR} " \
-               "has " in message
+        assert f"a batch's shared-memory segment needs {BATCH_NBYTES:,} bytes of shared " \
+               f"memory but {SHM_DIR} has " in message
         assert "bytes available (checked before allocating)" in message
         assert "--shm-size" in message and "smaller batches" in message
     assert len(report["outcomes"]) == 2

@@ -30,6 +30,45 @@ def test_slab_is_unlinked_at_once_and_preallocated():
         slab.close()  # idempotent
 
 
+def test_slab_descriptor_is_close_on_exec_also_once_passed_to_a_child():
+    """The slab's descriptor, and the copy a spawn/forkserver worker receives by fd passing,
+    are not inherited by a program exec'd from that process."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    slab = Slab(4096)
+    try:
+        assert not os.get_inheritable(slab.handle().fd)
+        # Pickling duplicates the fd as multiprocessing does for a child (DupFd).
+        payload = ForkingPickler.dumps(slab.handle())
+        received = pickle.loads(payload)
+        try:
+            assert received.fd != slab.handle().fd
+            assert not os.get_inheritable(received.fd)
+        finally:
+            os.close(received.fd)
+    finally:
+        slab.close()
+
+
+def test_leased_slot_is_registered_for_fork_until_its_batch_dies():
+    """SlotPool.lease registers the slot's bytes with the fork registry; the entry goes with
+    the lease."""
+    from arena_loader import _forksafe
+
+    slab_array = np.zeros(4 * 64, dtype=np.uint8)
+    pool = SlotPool(slab_array, 64, 4)
+    slot = pool.acquire()
+    pool.mark_filled(slot)
+    before = len(_forksafe._regions)
+    lease = pool.lease(slot)
+    assert len(_forksafe._regions) == before + 1
+    (region,) = [region for owner, region in _forksafe._regions.live() if owner is lease]
+    assert region == (slab_array[slot * 64:].ctypes.data, 64)
+    del lease
+    assert len(_forksafe._regions) == before
+
+
 def test_slab_larger_than_dev_shm_fails_at_construction():
     """Asking for more than /dev/shm holds raises ShmCapacityError naming bytes and fixes."""
     too_big = shm_available_bytes() * 2 + 4096

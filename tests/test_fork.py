@@ -1,0 +1,622 @@
+"""Fork safety and OS limits: a batch or a loader that crosses a fork never corrupts, never
+hangs; OS limits are clear errors (docs/reliability.md, "Fork and OS limits")."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import json
+import multiprocessing
+import os
+import pickle
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from arena_loader import (
+    ArenaLoader,
+    DescriptorLimitError,
+    LoaderForkedError,
+    ShmCapacityError,
+    _forksafe,
+    _slab,
+)
+from arena_loader._slab import NAME_PREFIX, SHM_DIR, Slab
+
+from .conftest import live_children, our_slab_mappings, wait_until
+from .test_fault_matrix import REPO_ROOT
+
+pytestmark = pytest.mark.timeout(60)
+
+FORK = multiprocessing.get_context("fork")
+SHAPE = (4, 3)
+CHILD_TIMEOUT_S = 20.0
+
+
+class FullDataset:
+    """Sample ``i`` is ``np.full(SHAPE, i)``: any byte from another sample shows."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return np.full(SHAPE, index, dtype=np.int64)
+
+
+def expected_batch(indices) -> np.ndarray:
+    return np.stack([np.full(SHAPE, i, dtype=np.int64) for i in indices])
+
+
+def assert_epoch(loader: ArenaLoader, n: int, batch_size: int) -> None:
+    batches = [np.array(b) for b in loader]
+    assert len(batches) == -(-n // batch_size)
+    for k, batch in enumerate(batches):
+        np.testing.assert_array_equal(
+            batch, expected_batch(range(k * batch_size, min(n, (k + 1) * batch_size))))
+
+
+# -- running a check in a forked child -----------------------------------------------------
+
+# What a forked child checks: set before the fork, read in the child (fork copies it).
+_HELD: list = []
+
+
+def _held_contents() -> list:
+    return [np.array(b).tolist() for b in _HELD]
+
+
+def _child_after_go(go, results) -> None:
+    go.wait(CHILD_TIMEOUT_S)
+    results.put(_held_contents())
+
+
+class ForkedChild:
+    """A child forked now (``via``: os.fork, a fork-context Process, a fork-context Pool)
+    that reports ``_held_contents()`` when told to."""
+
+    def __init__(self, via: str):
+        self.via = via
+        if via == "os.fork":
+            self._go_r, self._go_w = os.pipe()
+            self._out_r, out_w = os.pipe()
+            self.pid = os.fork()
+            if self.pid == 0:  # the child: wait, report, leave without running pytest's exit
+                code = 1
+                try:
+                    os.read(self._go_r, 1)
+                    os.write(out_w, pickle.dumps(_held_contents()))
+                    code = 0
+                finally:
+                    os._exit(code)
+            os.close(out_w)
+        elif via == "process":
+            self._go, self._results = FORK.Event(), FORK.SimpleQueue()
+            self._process = FORK.Process(target=_child_after_go, args=(self._go, self._results))
+            self._process.start()
+        else:
+            self._pool = FORK.Pool(1)
+            self._pool.apply(os.getpid)  # its worker is forked and running
+
+    def report(self) -> list:
+        if self.via == "os.fork":
+            os.write(self._go_w, b"\0")
+            chunks = []
+            while chunk := os.read(self._out_r, 1 << 16):
+                chunks.append(chunk)
+            _, status = os.waitpid(self.pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+            for fd in (self._go_r, self._go_w, self._out_r):
+                os.close(fd)
+            return pickle.loads(b"".join(chunks))
+        if self.via == "process":
+            self._go.set()
+            result = self._results.get()
+            self._process.join(CHILD_TIMEOUT_S)
+            assert self._process.exitcode == 0
+            return result
+        result = self._pool.apply_async(_held_contents).get(CHILD_TIMEOUT_S)
+        self._pool.terminate()
+        self._pool.join()
+        return result
+
+
+FORK_VIA = ["os.fork", "process", "pool"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("via", FORK_VIA)
+def test_forked_child_keeps_its_batches_while_the_parent_reuses_their_slots(via, num_workers):
+    """A child forked while the parent holds batches reads them unchanged after the parent
+    dropped them and refilled every slot many times over."""
+    n, batch_size = 64, 4
+    loader = ArenaLoader(FullDataset(n), batch_size=batch_size, num_workers=num_workers,
+                         slots=max(2, 2 * num_workers + 1), timeout=10)
+    iterator = iter(loader)
+    _HELD[:] = [next(iterator), next(iterator)]
+    try:
+        child = ForkedChild(via)
+    finally:
+        _HELD.clear()
+    # With 2 * num_workers + 1 slots, 14 more batches reuse the dropped batches' slots.
+    rest = [np.array(b) for b in iterator]
+    assert len(rest) == n // batch_size - 2
+    report = child.report()
+    assert report == [expected_batch(range(0, 4)).tolist(), expected_batch(range(4, 8)).tolist()]
+    loader.close()
+
+
+@pytest.mark.parametrize(("num_workers", "persistent"), [(0, False), (2, False), (2, True)])
+@pytest.mark.parametrize("via", ["os.fork", "process"])
+def test_loader_used_in_a_forked_child_starts_its_own_arena_and_workers(via, num_workers,
+                                                                       persistent):
+    """A loader used before a fork is used in the child: complete, correct epochs there on
+    workers of the child's own (never the parent's), within ``timeout``; the parent's loader
+    goes on unharmed."""
+    n, batch_size = 24, 4
+    loader = ArenaLoader(FullDataset(n), batch_size=batch_size, num_workers=num_workers,
+                         persistent_workers=persistent, timeout=5)
+    assert_epoch(loader, n, batch_size)
+    parent_workers = set(getattr(iter(loader), "worker_pids", [])) if persistent else set()
+
+    def in_child() -> dict:
+        started = time.monotonic()
+        epochs = []
+        for _ in range(2):
+            iterator = iter(loader)
+            epochs.append([np.array(b).tolist() for b in iterator])
+            workers = set(getattr(iterator, "worker_pids", []))
+        loader.close()
+        return {"epochs": epochs, "workers": sorted(workers),
+                "seconds": time.monotonic() - started}
+
+    result = run_in_child(via, in_child)
+    reference = [expected_batch(range(k, min(n, k + batch_size))).tolist()
+                 for k in range(0, n, batch_size)]
+    assert result["epochs"] == [reference, reference]
+    assert result["seconds"] < 10
+    assert not set(result["workers"]) & parent_workers
+    assert_epoch(loader, n, batch_size)
+    if persistent:
+        assert set(iter(loader).worker_pids) == parent_workers
+    loader.close()
+
+
+def _run_and_report(function, results) -> None:
+    try:
+        results.put(("ok", function()))
+    except BaseException as exc:
+        results.put(("error", f"{type(exc).__module__}.{type(exc).__name__}: {exc}"))
+
+
+def run_in_child(via: str, function):
+    """``function()``'s return value (or its error text, as ('error', text)) from a child
+    forked via ``via``."""
+    if via == "os.fork":
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                queue = _PipeQueue(write_fd)
+                _run_and_report(function, queue)
+            finally:
+                os._exit(0)
+        os.close(write_fd)
+        chunks = []
+        while chunk := os.read(read_fd, 1 << 16):
+            chunks.append(chunk)
+        os.close(read_fd)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        status_name, value = pickle.loads(b"".join(chunks))
+    else:
+        results = FORK.SimpleQueue()
+        process = FORK.Process(target=_run_and_report, args=(function, results))
+        process.start()
+        process.join(CHILD_TIMEOUT_S)
+        assert process.exitcode == 0
+        status_name, value = results.get()
+    if status_name == "error":
+        return ("error", value)
+    return value
+
+
+class _PipeQueue:
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def put(self, value) -> None:
+        os.write(self.fd, pickle.dumps(value))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_parent_iterator_used_in_a_forked_child_raises_loader_forked_error(num_workers):
+    """An iterator made before the fork raises LoaderForkedError in the child at once (it
+    never reads the parent's pipes or slots), naming both pids and the fix."""
+    loader = ArenaLoader(FullDataset(16), batch_size=4, num_workers=num_workers,
+                         persistent_workers=num_workers > 0, timeout=5)
+    iterator = iter(loader)
+    first = next(iterator)
+
+    def in_child():
+        started = time.monotonic()
+        try:
+            next(iterator)
+        except LoaderForkedError as exc:
+            return str(exc), time.monotonic() - started
+        return "no error", 0.0
+
+    message, seconds = run_in_child("os.fork", in_child)
+    assert f"created in process {os.getpid()}" in message
+    assert "call iter(loader) in this process" in message
+    assert seconds < 1
+    np.testing.assert_array_equal(first, expected_batch(range(4)))
+    rest = [np.array(b) for b in iterator]  # the parent's iterator is unharmed
+    assert [r.tolist() for r in rest] == [expected_batch(range(k, k + 4)).tolist()
+                                          for k in (4, 8, 12)]
+    loader.close()
+
+
+class OuterDataset:
+    """Each sample iterates an inner ArenaLoader (num_workers=0) and checks every batch."""
+
+    def __init__(self, n: int, inner: ArenaLoader):
+        self.n, self.inner = n, inner
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        for _ in range(3):
+            for k, batch in enumerate(self.inner):
+                if not np.array_equal(batch, expected_batch(range(2 * k, 2 * k + 2))):
+                    raise AssertionError(f"inner batch {k} corrupted: {batch[:, 0, 0]}")
+        return np.full(SHAPE, index, dtype=np.int64)
+
+
+def test_nested_loader_in_forked_workers_gets_an_arena_per_worker():
+    """A dataset iterating an inner loader the main process already used: every forked
+    outer worker builds its own inner arena, so no two write the same slots."""
+    inner = ArenaLoader(FullDataset(16), batch_size=2, slots=2)
+    assert_epoch(inner, 16, 2)
+    outer = ArenaLoader(OuterDataset(24, inner), batch_size=2, num_workers=2, timeout=20)
+    assert_epoch(outer, 24, 2)
+    outer.close()
+    inner.close()
+
+
+# -- descriptors ---------------------------------------------------------------------------
+
+
+def _inheritable_fds() -> list[str]:
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            inheritable = os.get_inheritable(fd)
+        except OSError:
+            continue  # the listing's own descriptor
+        if fd > 2 and inheritable:
+            found.append(f"{fd} -> {target}")
+    return found
+
+
+def _slab_fds() -> list[str]:
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if f"{SHM_DIR}/{NAME_PREFIX}" in target:
+            found.append(target)
+    return found
+
+
+class DescriptorReport:
+    """Sample ``i``: ``np.full(SHAPE, i)`` (so the slab is mapped) and a JSON report of this
+    worker's inheritable descriptors, slab descriptors and slab mappings. ``ignore``: the
+    descriptors the test process was given by whoever started it (not the loader's)."""
+
+    def __init__(self, ignore: tuple[int, ...]):
+        self.ignore = ignore
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> dict:
+        from multiprocessing import resource_tracker
+
+        with open("/proc/self/maps") as maps:
+            slab_names = {line.split()[5] for line in maps
+                          if f"{SHM_DIR}/{NAME_PREFIX}" in line}
+        tracker_fd = getattr(resource_tracker._resource_tracker, "_fd", None)
+        inheritable = [fd for fd in _inheritable_fds()
+                       if int(fd.split()[0]) not in (tracker_fd, *self.ignore)]
+        return {"x": np.full(SHAPE, index, dtype=np.int64),
+                "report": json.dumps({"inheritable": inheritable, "slab_fds": _slab_fds(),
+                                      "mapped_slabs": sorted(slab_names)})}
+
+
+# Inheritable descriptors that whoever started pytest gave it: not the loader's.
+INHERITED_FROM_HARNESS = tuple(int(fd.split()[0]) for fd in _inheritable_fds())
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_every_loader_descriptor_is_close_on_exec_and_workers_hold_no_other_slab(context):
+    """In the main process and in every worker, no descriptor the loader opened survives an
+    exec; a worker holds no other loader's slab descriptor and maps only its own slab."""
+    other = ArenaLoader(FullDataset(8), batch_size=2)  # another loader's slab, open and mapped
+    held = next(iter(other))
+    (other_slab,) = {line.split()[5] for line in our_slab_mappings()}
+    loader = ArenaLoader(DescriptorReport(INHERITED_FROM_HARNESS), batch_size=None, num_workers=2,
+                         multiprocessing_context=context, timeout=30)
+    reports = [json.loads(str(b["report"])) for b in loader]
+    assert len(reports) == 4
+    for report in reports:
+        assert report["inheritable"] == []
+        # Its own slab only (once mapped, the mmap's duplicate descriptor); never `other`'s.
+        assert len(report["slab_fds"]) == 1
+        assert other_slab not in report["slab_fds"][0]
+        assert other_slab not in report["mapped_slabs"]
+    # Every sample but the first (loaded to learn the layout) is loaded with the slab mapped.
+    for report in reports[1:]:
+        assert [fd.split()[0] for fd in report["slab_fds"]] == report["mapped_slabs"]
+    iterator = iter(loader)
+    next(iterator)
+    assert [fd for fd in _inheritable_fds()
+            if int(fd.split()[0]) not in INHERITED_FROM_HARNESS] == []
+    iterator.close()
+    loader.close()
+    other.close()
+    del held
+
+
+@pytest.fixture
+def descriptor_limit():
+    """Lower this process's soft RLIMIT_NOFILE for the test; restored afterwards."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def lower(limit: int) -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+
+    yield lower
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_too_many_workers_for_the_descriptor_limit_is_a_clear_error(descriptor_limit):
+    """`ulimit -n 64` with 16 workers: DescriptorLimitError (an OSError, EMFILE) naming
+    num_workers and `ulimit -n`, before any worker starts; a smaller num_workers works."""
+    # 64, or more if this process already holds many: 2 workers must still fit under it.
+    limit = max(64, _open_fd_count() + 32)
+    descriptor_limit(limit)
+    loader = ArenaLoader(FullDataset(8), batch_size=2, num_workers=16, slots=40, timeout=10)
+    with pytest.raises(DescriptorLimitError, match=rf"num_workers=16 needs about \d+ more file "
+                       rf"descriptors.*`ulimit -n` allows {limit}.*smaller num_workers") as caught:
+        next(iter(loader))
+    assert caught.value.errno == errno.EMFILE
+    assert not live_children()
+    loader.close()
+    small = ArenaLoader(FullDataset(8), batch_size=2, num_workers=2, timeout=10)
+    assert_epoch(small, 8, 2)
+    small.close()
+
+
+def test_emfile_while_starting_workers_is_a_descriptor_limit_error(monkeypatch):
+    """An EMFILE met while starting workers (the pre-check passed) is the same clear error,
+    and the workers already started are stopped."""
+    from arena_loader import _process
+
+    real = _process.worker_pipes
+    calls = iter(range(100))
+
+    def pipes_until_the_third(context):
+        if next(calls) == 2:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(context)
+
+    monkeypatch.setattr(_process, "worker_pipes", pipes_until_the_third)
+    loader = ArenaLoader(FullDataset(8), batch_size=2, num_workers=4, timeout=10)
+    with pytest.raises(DescriptorLimitError, match=r"num_workers=4 .*`ulimit -n`"):
+        next(iter(loader))
+    loader.close()
+
+
+# -- OS limits on shared memory ---------------------------------------------------------------
+
+
+def _raise(err: int, text: str):
+    def fail(*args, **kwargs):
+        raise OSError(err, text)
+    return fail
+
+
+@pytest.mark.parametrize(("target", "err", "fix"), [
+    ("mmap", errno.ENOMEM, "`ulimit -v`"),
+    ("mmap", errno.EPERM, "writable tmpfs"),
+    ("mmap", errno.EMFILE, "`ulimit -n`"),
+    ("fallocate", errno.EFBIG, "`ulimit -f`"),
+    ("fallocate", errno.ENOSPC, "--shm-size"),
+    ("fallocate", errno.ENOMEM, "`ulimit -v`"),
+])
+def test_failure_to_size_or_map_shared_memory_is_a_capacity_error(monkeypatch, target, err,
+                                                                  fix):
+    """ENOMEM, EPERM, EMFILE from mmap and EFBIG, ENOSPC, ENOMEM from posix_fallocate are
+    ShmCapacityError with that errno, the bytes needed and the fix; nothing is left open."""
+    if target == "mmap":
+        monkeypatch.setattr(_slab.mmap, "mmap", _raise(err, os.strerror(err)))
+    else:
+        monkeypatch.setattr(os, "posix_fallocate", _raise(err, os.strerror(err)))
+    with pytest.raises(ShmCapacityError, match=rf"needs 8,192 bytes \(2 slots of 4,096 bytes\)"
+                       rf".*{os.strerror(err)}.*fix: .*{fix}") as caught:
+        Slab(8192, slots=2)
+    assert caught.value.errno == err
+
+
+@pytest.mark.parametrize(("failure", "err", "match"), [
+    ("no inode", errno.ENOSPC, r"/dev/shm has no free inode.*nr_inodes"),
+    ("no descriptor", errno.EMFILE, r"maximum number of files open.*`ulimit -n`"),
+    ("permission", errno.EACCES, r"Permission denied.*writable tmpfs"),
+])
+def test_failure_to_create_shared_memory_is_a_capacity_error(monkeypatch, failure, err, match):
+    """/dev/shm out of inodes, no descriptor left, no permission: ShmCapacityError with the
+    errno and the fix, at the first batch of a loader too."""
+    if failure == "no inode":
+        monkeypatch.setattr(_slab, "shm_available_inodes", lambda: 0)
+    else:
+        # posix_ipc's own errors: an OSError without errno, or its PermissionsError.
+        error = (OSError("This process already has the maximum number of files open")
+                 if failure == "no descriptor" else _slab.posix_ipc.PermissionsError(
+                     "Permission denied"))
+
+        def create(*args, **kwargs):
+            raise error
+        monkeypatch.setattr(_slab.posix_ipc, "SharedMemory", create)
+    with pytest.raises(ShmCapacityError, match=match) as caught:
+        Slab(4096)
+    assert caught.value.errno == err
+    loader = ArenaLoader(FullDataset(8), batch_size=2)
+    with pytest.raises(ShmCapacityError, match=match):
+        next(iter(loader))
+    loader.close()
+
+
+OS_LIMITS_SCRIPT = r"""
+import json, resource, sys
+import numpy as np
+from arena_loader import ArenaLoader, ShmCapacityError
+
+class Big:
+    def __len__(self): return 4
+    def __getitem__(self, i): return np.full((1 << 20,), i, dtype=np.int64)  # 8 MiB
+
+def attempt(limit, value):
+    soft, hard = resource.getrlimit(limit)
+    resource.setrlimit(limit, (value, hard))
+    try:
+        loader = ArenaLoader(Big(), batch_size=2, num_workers=int(sys.argv[1]), timeout=20)
+        try:
+            next(iter(loader))
+            return {"raised": None}
+        except ShmCapacityError as exc:
+            return {"raised": "ShmCapacityError", "errno": exc.errno, "message": str(exc)}
+        finally:
+            resource.setrlimit(limit, (soft, hard))
+            loader.close()
+    finally:
+        resource.setrlimit(limit, (soft, hard))
+
+with open("/proc/self/status") as status:
+    vm_kib = next(int(l.split()[1]) for l in status if l.startswith("VmSize:"))
+results = {
+    # posix_fallocate past RLIMIT_FSIZE: EFBIG (Python ignores the SIGXFSZ it sends).
+    "fsize": attempt(resource.RLIMIT_FSIZE, 1 << 20),
+    # mmap past RLIMIT_AS: ENOMEM; 160 MiB of headroom (threads' stacks and malloc arenas
+    # need some) is less than the 256 MiB slab.
+    "as": attempt(resource.RLIMIT_AS, (vm_kib << 10) + (160 << 20)),
+}
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_real_rlimits_give_capacity_errors_not_signals(num_workers):
+    """In a subprocess under a real RLIMIT_FSIZE and RLIMIT_AS, the first next() raises
+    ShmCapacityError (EFBIG, ENOMEM) naming the fix; the process is not killed by a signal
+    and leaves no /dev/shm object."""
+    # One malloc arena: each thread's would reserve 64 MiB of the limited address space.
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1"}
+    result = subprocess.run([sys.executable, "-c", OS_LIMITS_SCRIPT, str(num_workers)],
+                            capture_output=True, text=True, timeout=30, cwd=REPO_ROOT, env=env)
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outcome["fsize"]["errno"] == errno.EFBIG, outcome
+    assert "`ulimit -f`" in outcome["fsize"]["message"]
+    assert outcome["as"]["errno"] == errno.ENOMEM, outcome
+    assert "`ulimit -v`" in outcome["as"]["message"]
+    assert "268,435,456 bytes (16 slots of 16,777,216 bytes)" in outcome["as"]["message"]
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(NAME_PREFIX)]
+
+
+# -- teardown without the cyclic garbage collector ---------------------------------------------
+
+
+def _open_fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def gc_disabled():
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+@pytest.mark.parametrize(("num_workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_dropped_loaders_stop_their_workers_without_the_cyclic_gc(gc_disabled, num_workers,
+                                                                  persistent):
+    """With gc disabled, loaders (and mid-epoch iterators) dropped without close() stop their
+    workers and unmap their slabs when the last reference goes: children, mappings and
+    descriptors stay flat over many loaders."""
+    peaks = {"children": 0, "mappings": 0}
+    fds = []
+    for round_number in range(8):
+        loader = ArenaLoader(FullDataset(16), batch_size=4, num_workers=num_workers,
+                             persistent_workers=persistent, timeout=10)
+        iterator = iter(loader)
+        batch = next(iterator)
+        np.testing.assert_array_equal(batch, expected_batch(range(4)))
+        peaks["children"] = max(peaks["children"], len(live_children()))
+        peaks["mappings"] = max(peaks["mappings"], len(our_slab_mappings()))
+        if round_number % 2:
+            del iterator  # dropped mid-epoch, then the loader
+        del batch, loader
+        iterator = None
+        assert wait_until(lambda: not live_children(), timeout_s=3)
+        assert our_slab_mappings() == []
+        fds.append(_open_fd_count())
+    assert peaks["children"] <= num_workers
+    assert peaks["mappings"] <= 1
+    assert max(fds) == fds[0], fds
+
+
+# -- the registry itself ---------------------------------------------------------------------
+
+
+def test_registered_one_off_mapping_is_private_in_a_forked_child():
+    """Another mapping (a future one-off segment) registered with map_shared and
+    keep_across_fork: the child keeps the registered view, the rest is dropped there."""
+    fd = _slab.open_shared()
+    try:
+        _slab.size_shared(fd, 3 * 4096)
+        mapping = _slab.map_shared(fd, 3 * 4096)
+    finally:
+        os.close(fd)
+    array = np.frombuffer(mapping, dtype=np.uint8)
+    visible = array[4096 + 100: 4096 + 300]
+    visible[:] = 7
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    _forksafe.keep_across_fork(owner, visible.ctypes.data, visible.nbytes)
+    _HELD[:] = [visible]
+    try:
+        child = ForkedChild("os.fork")
+    finally:
+        _HELD.clear()
+    visible[:] = 9  # the parent writes after the fork: the child must not see it
+    assert child.report() == [[7] * 200]
+    del owner, visible, array
+    mapping.close()
+    assert our_slab_mappings() == []
+
