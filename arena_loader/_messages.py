@@ -138,7 +138,10 @@ def rebuild_worker_error(failure: BatchFailed | WorkerFailed, indices: Any = Non
     if issubclass(exc_type, KeyError):
         message = _ReadableMessage(message)  # KeyError's str() is the repr of its argument
     try:
-        exc = exc_type(message)
+        if issubclass(exc_type, OSError) and getattr(original, "errno", None) is not None:
+            exc = exc_type(original.errno, message)  # keeps .errno (ENOSPC, EMFILE, ...)
+        else:
+            exc = exc_type(message)
     except Exception:  # an exception type whose constructor wants other arguments
         exc = RuntimeError(message)
     exc.__cause__ = original

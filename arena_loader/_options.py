@@ -213,10 +213,11 @@ class LoaderOptions:
     @property
     def slots_or_default(self) -> int:
         """``slots``, or by default room for the read-ahead, the batch a ``for`` loop still
-        holds while asking for the next, and one more."""
+        holds while asking for the next, and one more (and the device stage's two)."""
         if self.slots is not None:
             return self.slots
-        return self.max_in_flight + 2
+        # The device stage holds up to two host batches itself (one copying, one next).
+        return self.max_in_flight + 2 + (2 if self.device is not None else 0)
 
     def start_context(self) -> multiprocessing.context.BaseContext:
         """The worker start method: the option's, else the program's

@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -376,6 +377,9 @@ def run_capacity_case(num_workers: int) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
+    # Three workers on a two-core machine on purpose: torch's warning about it (which
+    # ArenaLoader gives too) is not a fault.
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
     mode = argv[0]
     if mode == "matrix":
         fault, num_workers, persistent = argv[1], int(argv[2]), argv[3] == "1"
