@@ -50,19 +50,35 @@ _TORCH_RAW_DTYPES = {"bfloat16": np.dtype(np.int16), "float8_e4m3fn": np.dtype(n
                      "float8_e5m2fnuz": np.dtype(np.uint8), "complex32": np.dtype(np.int32)}
 
 
-@dataclass(frozen=True)
 class FieldPlacement:
-    """One numeric leaf of one batch: its bytes are ``storage[offset: offset + nbytes]``."""
+    """One numeric leaf of one batch: its bytes are ``storage[offset: offset + nbytes]``.
+    (A plain slotted class: a batch has up to hundreds of these, made per batch on both
+    sides, and a frozen dataclass costs several times more to build.)"""
 
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    offset: int
-    kind: int = KIND_NUMPY
-    torch_dtype: str = ""  # KIND_TORCH_RAW only: the torch dtype's name
+    __slots__ = ("dtype", "kind", "nbytes", "offset", "shape", "torch_dtype")
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+    def __init__(self, dtype: np.dtype, shape: tuple[int, ...], offset: int,
+                 kind: int = KIND_NUMPY, torch_dtype: str = ""):
+        self.dtype = dtype
+        self.shape = shape
+        self.offset = offset
+        self.kind = kind
+        self.torch_dtype = torch_dtype  # KIND_TORCH_RAW only: the torch dtype's name
+        self.nbytes = math.prod(shape) * dtype.itemsize
+
+    def at(self, offset: int) -> FieldPlacement:
+        return FieldPlacement(self.dtype, self.shape, offset, self.kind, self.torch_dtype)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FieldPlacement) and (
+            self.dtype, self.shape, self.offset, self.kind, self.torch_dtype) == (
+            other.dtype, other.shape, other.offset, other.kind, other.torch_dtype)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"FieldPlacement({self.dtype}, {self.shape}, offset={self.offset}, "
+                f"kind={self.kind}{', ' + self.torch_dtype if self.torch_dtype else ''})")
 
 
 # Structure nodes. A spec is a tree of these; leaves point into the field / object lists.
@@ -125,12 +141,16 @@ class Plan:
         passes the host storage as ``host_bytes`` to read Python numbers from; ``convert``, if
         given, turns each field's view into what the consumer gets (a tensor, say)."""
         views = []
+        host = type(storage) is np.ndarray
         for f in self.fields:
             if f.kind == KIND_NUMBER:
                 source = storage if host_bytes is None else host_bytes
                 views.append(source[f.offset: f.offset + f.nbytes].view(f.dtype).item())
                 continue
-            view = storage[f.offset: f.offset + f.nbytes].view(f.dtype).reshape(f.shape)
+            if host:  # one constructor call: its base is `storage`, which keeps the lease
+                view = np.ndarray(f.shape, f.dtype, storage, f.offset)
+            else:  # a device array: numpy-style slicing only
+                view = storage[f.offset: f.offset + f.nbytes].view(f.dtype).reshape(f.shape)
             views.append(view if convert is None else convert(view, f))
         return _rebuild(self.spec, views, objects)
 
@@ -403,11 +423,12 @@ def _leaf_placement(value: Any, path: str, label: str) -> tuple[Any, FieldPlacem
 
 def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
             objects: list | None, collated: bool) -> Prepared:
-    fields, offset, torch = [], 0, False
-    for p in placements:
-        fields.append(FieldPlacement(p.dtype, p.shape, offset, p.kind, p.torch_dtype))
+    offset, torch = 0, False
+    for p in placements:  # placements are this batch's own: set their offsets in place
+        p.offset = offset
         torch = torch or p.kind in (KIND_TORCH, KIND_TORCH_RAW)
-        offset = _align(offset + p.nbytes)
+        offset += -(-p.nbytes // FIELD_ALIGNMENT) * FIELD_ALIGNMENT
+    fields = placements
     pickled = None
     if objects:
         pickled = pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
@@ -502,7 +523,7 @@ class PlanEncoder:
 
     def __init__(self) -> None:
         self._structure_ids: dict[Any, int] = {}
-        self._dtype_bytes: dict[np.dtype, bytes] = {}
+        self._dtype_bytes: dict[tuple[np.dtype, str], bytes] = {}
 
     def encode(self, plan: Plan, idx: int, slot: int, worker_id: int, segment: bool) -> bytes:
         try:
@@ -519,15 +540,16 @@ class PlanEncoder:
         parts = [RECORD_MAGIC, HEADER.pack(idx, slot, worker_id, 0, flags, len(plan.fields), sid,
                                            len(structure), plan.nbytes, plan.objects_offset,
                                            plan.objects_len), structure]
+        dtype_bytes, append = self._dtype_bytes, parts.append
         for f in plan.fields:
-            descr = self._dtype_bytes.get(f.dtype)
+            key = (f.dtype, f.torch_dtype)
+            descr = dtype_bytes.get(key)
             if descr is None:
-                descr = self._dtype_bytes[f.dtype] = _dtype_descr(f.dtype)
-            raw = f.torch_dtype.encode()
-            parts.append(_FIELD.pack(f.offset, f.kind, len(f.shape), len(descr) + len(raw)))
-            parts.append(descr)
-            parts.append(raw)
-            parts.append(struct.pack(f"<{len(f.shape)}q", *f.shape))
+                descr = dtype_bytes[key] = _dtype_descr(f.dtype) + f.torch_dtype.encode()
+            shape = f.shape
+            append(_FIELD.pack(f.offset, f.kind, len(shape), len(descr)))
+            append(descr)
+            append(_shape_struct(len(shape)).pack(*shape))
         return b"".join(parts)
 
 
@@ -564,7 +586,7 @@ class PlanDecoder:
 
     def __init__(self) -> None:
         self._structures: dict[int, Any] = {}
-        self._dtypes: dict[bytes, np.dtype] = {}
+        self._dtypes: dict[bytes, tuple[np.dtype, str]] = {}  # descriptor -> (dtype, torch)
 
     def decode(self, payload: bytes) -> Record:
         if payload[:1] != RECORD_MAGIC or len(payload) < 1 + HEADER.size:
@@ -583,24 +605,35 @@ class PlanDecoder:
         else:
             spec = self._structures[sid]
         fields = []
+        dtypes, field_size, unpack_field = self._dtypes, _FIELD.size, _FIELD.unpack_from
         for _ in range(nfields):
-            offset, kind, ndim, descr_len = _FIELD.unpack_from(payload, pos)
-            pos += _FIELD.size
-            descr = bytes(payload[pos: pos + descr_len])
+            offset, kind, ndim, descr_len = unpack_field(payload, pos)
+            pos += field_size
+            descr = payload[pos: pos + descr_len]
             pos += descr_len
-            dtype_bytes, _, raw = descr.partition(b"\0")
-            dtype = self._dtypes.get(dtype_bytes)
-            if dtype is None:
-                dtype = self._dtypes[dtype_bytes] = _dtype_from_descr(dtype_bytes)
-            shape = struct.unpack_from(f"<{ndim}q", payload, pos)
+            known = dtypes.get(descr)
+            if known is None:
+                dtype_bytes, _, raw = bytes(descr).partition(b"\0")
+                known = dtypes[descr] = (_dtype_from_descr(dtype_bytes), raw.decode())
+            shape = _shape_struct(ndim).unpack_from(payload, pos)
             pos += 8 * ndim
-            fields.append(FieldPlacement(dtype, shape, offset, kind, raw.decode()))
+            fields.append(FieldPlacement(known[0], shape, offset, kind, known[1]))
         if pos != len(payload):
             raise ValueError(f"batch record of {len(payload)} bytes has {len(payload) - pos} "
                              "bytes after its last field")
         plan = Plan(spec, tuple(fields), objects_offset, objects_len, nbytes,
                     bool(flags & FLAG_TORCH), bool(flags & FLAG_COLLATED))
         return Record(idx, slot, worker_id, False, bool(flags & FLAG_SEGMENT), plan)
+
+
+_SHAPE_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def _shape_struct(ndim: int) -> struct.Struct:
+    packer = _SHAPE_STRUCTS.get(ndim)
+    if packer is None:
+        packer = _SHAPE_STRUCTS[ndim] = struct.Struct(f"<{ndim}q")
+    return packer
 
 
 def _dtype_descr(dtype: np.dtype) -> bytes:

@@ -87,7 +87,7 @@ def test_device_leg_passes_under_the_simulator():
     """tests/test_device_sim.py, run in an interpreter that starts numba's CUDA simulator."""
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
          "tests/test_device_sim.py"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
