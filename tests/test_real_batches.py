@@ -236,8 +236,12 @@ def test_keeping_every_batch_works_warns_once_and_memory_returns(num_workers):
         assert "held_batch_limit" in str(held_warnings[0].message)
         assert np.concatenate(kept).tolist() == list(range(256))
         assert loader._source.held(loader._source._arena) >= 60
+        peak = _shm_mapped_bytes()
         del kept
         assert loader._source.held(loader._source._arena) == 0
+        # The segments went with the batches: only the slab is mapped now.
+        slab = loader._source._arena.slab.nbytes
+        assert _shm_mapped_bytes() <= slab + 4096 < peak
         # A second epoch keeping one small view per batch, persistent or not, works too.
         kept = [x[0] for x, _ in loader]
         assert [int(v[0]) for v in kept] == list(range(0, 256, 4))
