@@ -303,6 +303,7 @@ class _Stage:
         self._gpu = gpu
         self._slots = slots
         self._held_limit = held_limit
+        self._in_copy = 0  # buffers the thread took and has not queued yet (not held)
         self._auto_torch = auto_torch
         self._pin_memory = pin_memory
         self._to_torch = to_torch
@@ -402,8 +403,10 @@ class _Stage:
             while not self._stop:
                 # Fewer batches queued than the read-ahead allows: the consumer holds the
                 # other buffers, so a new one is allocated rather than waiting for them.
-                taken = self._ring.take(nbytes, grow=len(self._ready) + 1 < self._slots)
+                taken = self._ring.take(nbytes,
+                                        grow=len(self._ready) < max(1, self._slots - 1))
                 if taken is not None:
+                    self._in_copy += 1  # taken by this thread until published
                     return taken
                 self._cv.notify_all()  # a consumer waiting in next() may have to raise
                 self._cv.wait(POLL_S)
@@ -453,6 +456,8 @@ class _Stage:
             if self._stop:
                 return False
             self._ready.append(item)
+            if isinstance(item, Copied):
+                self._in_copy -= 1
             self._cv.notify_all()
             return True
 
@@ -503,12 +508,8 @@ class _Stage:
                         return Ended()
                     raise LoaderClosedError("this iterator was closed; call iter(loader) for "
                                             "a new one")
-                if self._ring.starved:
-                    if collected:
-                        raise self._exhausted_error()
-                    collect_unlocked(self._cv)
-                    collected = True
-                    continue
+                # No buffer free is never final here: with nothing queued the thread may always
+                # allocate one (_take_buffer), so the consumer waits for that copy.
                 if not self._cv.wait(POLL_S) and not self._thread.is_alive():
                     raise RuntimeError("the arena_loader device thread stopped unexpectedly")
 
@@ -526,7 +527,7 @@ class _Stage:
 
     def _held(self) -> int:
         """Device batches the consumer holds: buffers in use and not queued for it."""
-        return self._ring.held - len(self._ready)
+        return self._ring.held - len(self._ready) - self._in_copy
 
     def _exhausted_error(self) -> SlotsExhaustedError:
         return SlotsExhaustedError(
