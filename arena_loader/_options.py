@@ -178,7 +178,8 @@ class LoaderOptions:
             raise ValueError(f"output must be one of {OUTPUTS!r}, got {self.output!r}")
         if self.slots is not None:
             _check_int("slots", self.slots, minimum=1,
-                       fix="pass a positive int, or slots=None for prefetch_factor * num_workers + 2")
+                       fix="pass a positive int, or slots=None for "
+                       "prefetch_factor * num_workers + 2")
         if self.held_batch_limit is not None:
             _check_int("held_batch_limit", self.held_batch_limit, minimum=1,
                        fix="pass a positive int, or None to let held batches grow memory")

@@ -17,7 +17,6 @@ references, so an abandoned iterator is collected and its ``weakref.finalize`` s
 from __future__ import annotations
 
 import os
-import pickle
 import selectors
 import sys
 import threading
@@ -283,7 +282,6 @@ class _Session:
     def _dispatch(self) -> bool:
         """Send tasks while the prefetch window and free slots allow. False: stop the thread
         (asked to, failed, or every batch of the epoch has come back)."""
-        options = self._options
         while True:
             with self._cv:
                 if self._stop_requested or self._fatal is not None:

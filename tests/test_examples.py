@@ -36,3 +36,17 @@ def test_train_memmap_example_reduces_the_loss():
     """examples/train_memmap.py trains over .npy files to a much lower squared error."""
     first, last = run_example("train_memmap.py", "--epochs", "2", "--samples", "12000")
     assert last < 0.1 * first
+
+
+@pytest.mark.timeout(120)
+def test_a_torch_script_switched_by_one_import_sees_the_same_batches_and_losses():
+    """examples/switch_from_torch.py with torch's DataLoader and with ArenaLoader (only the
+    import differs): same number of batches, same shuffled order, same losses."""
+    outputs = {}
+    for loader in ("torch", "arena"):
+        result = subprocess.run([sys.executable, str(EXAMPLES / "switch_from_torch.py"), loader],
+                                capture_output=True, text=True, timeout=100)
+        assert result.returncode == 0, result.stderr[-3000:]
+        outputs[loader] = result.stdout.strip().rpartition(" time ")[0].partition(" ")[2]
+    assert outputs["torch"] == outputs["arena"]
+    assert outputs["arena"].startswith("batches 128 ")

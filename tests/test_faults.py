@@ -15,7 +15,7 @@ import pytest
 from arena_loader import ArenaLoader, LoaderClosedError, LoaderTimeoutError, WorkerCrashedError
 from arena_loader._pool import SlotState
 
-from .conftest import our_slab_mappings, wait_until
+from .conftest import our_slab_mappings
 from .datasets import ImageDataset, SlowDataset, SuicidalDataset, reference_epoch
 
 pytestmark = pytest.mark.timeout(60)

@@ -81,7 +81,7 @@ def test_dtype_promotion_follows_torch_default_collate(values):
 
 def test_bfloat16_tensors_are_bit_exact_and_stay_tensors():
     values = [torch.randn(3).to(torch.bfloat16) for _ in range(4)]
-    batch, record = round_trip(prepare_samples(values, list(range(4))))
+    _batch, record = round_trip(prepare_samples(values, list(range(4))))
     assert record.plan.torch
     from arena_loader._output import torch_raw_view
 
@@ -105,7 +105,7 @@ def test_collated_batches_keep_each_leaf_shape_lists_stay_lists():
     batch = (np.zeros((2, 3, 5, 4), np.uint8),
              [np.arange(3), np.arange(7, dtype=np.float32)],
              ({"boxes": np.ones((2, 4)), "n": 2}, Box(np.zeros(2), "cat")))
-    out, record = round_trip(prepare_batch(batch, "collate_fn output"))
+    out, _record = round_trip(prepare_batch(batch, "collate_fn output"))
     assert isinstance(out, tuple) and isinstance(out[1], list)
     assert [a.shape for a in out[1]] == [(3,), (7,)]
     assert out[1][1].dtype == np.float32

@@ -18,7 +18,7 @@ from arena_loader import ArenaLoader, SlotsExhaustedError
 
 torch = pytest.importorskip("torch")
 from torch.nn.utils.rnn import pad_sequence  # noqa: E402
-from torch.utils.data import DataLoader, default_collate  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 WORKERS = [0, 2]
@@ -211,7 +211,7 @@ def test_collate_fn_returning_a_dataclass(num_workers):
 def test_torch_dataset_batches_are_tensors_by_default(num_workers):
     with ArenaLoader(Tokens(), batch_size=3, num_workers=num_workers,
                      collate_fn=pad_collate) as loader:
-        x, lengths, labels = next(iter(loader))
+        x, _lengths, labels = next(iter(loader))
     assert isinstance(x, torch.Tensor) and isinstance(labels, torch.Tensor)
     assert (x.float() @ torch.ones(x.shape[1])).shape == (3,)
 
