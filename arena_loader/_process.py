@@ -30,8 +30,11 @@ FDS_PER_WORKER = 3
 FD_HEADROOM = 16
 
 
-def describe_exit(exitcode: int | None) -> str:
+def describe_exit(exitcode: int | None, pid: int | None = None) -> str:
     if exitcode is None:
+        if pid is not None and not _exists(pid):
+            return ("exited, with its exit status lost (this program ignores SIGCHLD, so "
+                    "the kernel reaped it; do not set SIGCHLD to SIG_IGN)")
         return "is still running"
     if exitcode < 0:
         try:
@@ -135,7 +138,8 @@ class WorkerGroup:
                                                   for idx, indices in owed)
                    if owed else " while idle")
         message = (f"DataLoader worker {worker_id} (pid {process.pid}) "
-                   f"{describe_exit(exitcode)}{loading}; to see the failing sample's error, "
+                   f"{describe_exit(exitcode, process.pid)}{loading}; to see the failing "
+                   "sample's error, "
                    "load those indices with num_workers=0")
         if exitcode == -signal.SIGBUS:
             message += (". A SIGBUS in a worker usually means shared memory ran out: check free "
@@ -154,8 +158,38 @@ class WorkerGroup:
                 return
             try:
                 self._shutdown(graceful)
+            except BaseException:
+                # Interrupted (Ctrl-C while joining): no worker may outlive the group, so
+                # kill what is left at once, then let the interrupt go on.
+                self._kill_now()
+                raise
             finally:
                 self._closed = True
+
+    def _kill_now(self) -> None:
+        for process in self.processes:
+            try:
+                if process.is_alive():
+                    process.kill()
+                process.join(timeout=JOIN_TIMEOUT_S)
+            except (OSError, ValueError, AttributeError):
+                pass  # already closed or reaped
+        self._close_channels()
+
+    def _close_channels(self) -> None:
+        for conn in (*self.task_conns, *self.result_conns, *self.fd_sockets):
+            conn.close()
+        for process in self.processes:
+            try:
+                if process.exitcode is not None:
+                    process.close()
+                elif not _exists(process.pid):
+                    # Reaped by someone else (a program that sets SIGCHLD to SIG_IGN has the
+                    # kernel reap its children): the exit status is lost, but the process is
+                    # gone, so release its sentinel descriptor.
+                    process._popen.close()  # noqa: SLF001 (multiprocessing keeps it private)
+            except (OSError, ValueError, AttributeError):
+                pass
 
     def _shutdown(self, graceful: bool) -> None:
         for conn in self.task_conns if graceful else ():
@@ -175,11 +209,18 @@ class WorkerGroup:
             deadline = time.monotonic() + JOIN_TIMEOUT_S
             for process in alive:
                 process.join(timeout=max(0.0, deadline - time.monotonic()))
-        for conn in (*self.task_conns, *self.result_conns, *self.fd_sockets):
-            conn.close()
-        for process in self.processes:
-            if process.exitcode is not None:
-                process.close()
+        self._close_channels()
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` still exists (a zombie counts: it still holds its exit status)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def check_descriptor_limit(num_workers: int) -> None:

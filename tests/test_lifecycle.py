@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +21,8 @@ from arena_loader._slab import NAME_PREFIX
 
 from .conftest import live_children, our_slab_mappings, wait_until
 from .datasets import ImageDataset, RaisingDataset, reference_epoch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -330,3 +333,81 @@ def test_ctrl_c_while_waiting_for_a_batch_interrupts_and_cleans_up():
     finally:
         proc.kill()
         proc.wait()
+
+
+SIGCHLD_IGNORED_SCRIPT = r"""
+import json, os, signal, sys
+import numpy as np
+from arena_loader import ArenaLoader, WorkerCrashedError
+
+class Rows:
+    def __len__(self): return 16
+    def __getitem__(self, i):
+        if KILL[0] and i == 9:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return np.full(3, i)
+
+KILL = [False]
+if __name__ == "__main__":
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps children at once
+    loader = ArenaLoader(Rows(), batch_size=4, num_workers=2)
+    fds = []
+    for _ in range(6):
+        assert [int(b[0, 0]) for b in loader] == [0, 4, 8, 12]
+        fds.append(len(os.listdir("/proc/self/fd")))
+    KILL[0] = True
+    try:
+        list(loader)
+        crash = None
+    except WorkerCrashedError as exc:
+        crash = str(exc)
+    loader.close()
+    print(json.dumps({"fds": fds, "crash": crash}))
+"""
+
+
+@pytest.mark.timeout(90)
+def test_sigchld_ignored_by_the_program_leaks_nothing_and_crashes_say_why(tmp_path):
+    """A program that sets SIGCHLD to SIG_IGN (its children are reaped by the kernel, so
+    their exit status is lost): epochs leak no descriptor, and a killed worker is reported as
+    exited, naming SIGCHLD, not as "still running"."""
+    script = tmp_path / "sigchld.py"
+    script.write_text(SIGCHLD_IGNORED_SCRIPT)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=80, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert max(report["fds"]) == report["fds"][0], report["fds"]
+    assert "exit status lost" in report["crash"] and "SIGCHLD" in report["crash"]
+    assert "still running" not in report["crash"]
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_during_worker_shutdown_still_stops_every_worker(monkeypatch):
+    """A KeyboardInterrupt landing while close() joins the workers (one busy in a 30 s sample,
+    so it would not read its Stop for that long) reaches the caller, and no worker is left
+    running: they are killed at once, so a later close() is a no-op."""
+    import multiprocessing.process
+
+    from .datasets import SlowDataset
+
+    loader = ArenaLoader(SlowDataset(16, {4}, 30.0), batch_size=2, num_workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    time.sleep(0.3)  # worker 0 is now inside sample 4
+    pids = iterator.worker_pids
+    real_join, calls = multiprocessing.process.BaseProcess.join, []
+
+    def interrupted_join(self, timeout=None):
+        calls.append(self.pid)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_join(self, timeout)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "join", interrupted_join)
+    with pytest.raises(KeyboardInterrupt):
+        iterator.close()
+    monkeypatch.undo()
+    assert wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status()
+                                      != psutil.STATUS_ZOMBIE for p in pids), timeout_s=5)
+    loader.close()
