@@ -249,20 +249,25 @@ class ArenaSource:
             self._segments_given += 1
             weakref.finalize(lease, self._segments_released.append, None).atexit = False
             pinned = False
-        host = np.asarray(lease)
         try:
-            objects = plan.objects(host)
-        except Exception as exc:
-            raise RuntimeError(
-                f"the non-array values of batch idx={idx} (indices {indices!r}) did not "
-                f"unpickle in the main process: {exc!r}; return only numbers, arrays, str or "
-                "bytes from the dataset, or objects that unpickle") from exc
-        if self._lease_only:
-            return LeasedSlot(lease, plan, objects, pinned)
-        batch = plan.assemble(host, objects, _raw_field if _has_raw(plan) else None)
-        if self._to_torch is not None and (self._output == "torch" or plan.torch):
-            batch = self._to_torch(batch, plan.collated)
-        return batch
+            host = np.asarray(lease)
+            try:
+                objects = plan.objects(host)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"the non-array values of batch idx={idx} (indices {indices!r}) did not "
+                    f"unpickle in the main process: {exc!r}; return only numbers, arrays, str "
+                    "or bytes from the dataset, or objects that unpickle") from exc
+            if self._lease_only:
+                return LeasedSlot(lease, plan, objects, pinned)
+            batch = plan.assemble(host, objects, _raw_field if _has_raw(plan) else None)
+            if self._to_torch is not None and (self._output == "torch" or plan.torch):
+                batch = self._to_torch(batch, plan.collated)
+            return batch
+        except KeyboardInterrupt:
+            if slot is not None:  # not handed out: the slot goes back to FILLED, kept
+                arena.pool.unlease(lease)
+            raise
 
     def close(self) -> None:
         with self._lock:

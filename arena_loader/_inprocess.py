@@ -11,6 +11,7 @@ from typing import Any
 
 from ._arena import Arena, ArenaSource, slot_budget
 from ._fetch import BatchFiller, Fetched, StreamPosition
+from ._pool import SlotState
 from ._slab import map_new_segment
 from .errors import ShmCapacityError, forked_iterator_error
 
@@ -35,6 +36,7 @@ class InProcessIterator:
         self._count = 0  # batches made: names a batch in errors
         self._lock = threading.Lock()
         self._slabless = False
+        self._stash: Any = None  # a batch built for a next() that Ctrl-C interrupted
 
     def __iter__(self) -> InProcessIterator:
         return self
@@ -49,6 +51,9 @@ class InProcessIterator:
             return self._next()
 
     def _next(self) -> Any:
+        if self._stash is not None:  # built by a next() that Ctrl-C interrupted: it is next
+            batch, self._stash = self._stash, None
+            return batch
         if self._done:
             raise StopIteration
         if self._arena is not None:
@@ -66,13 +71,13 @@ class InProcessIterator:
         if fetched is None:
             try:
                 fetched = filler.fetch(indices)
-            except BaseException:
-                self._pending = None  # that batch is consumed; the next next() goes on
+            except Exception:  # that batch's error; the next next() goes on (Ctrl-C: retried)
+                self._pending = None
                 raise
             self._pending = (indices, fetched)
         try:
             prepared = filler.prepare(fetched, indices)
-        except BaseException:
+        except Exception:
             self._pending = None
             raise
         source = self._source
@@ -86,25 +91,30 @@ class InProcessIterator:
             else:
                 self._finalizer = weakref.finalize(self, source.unclaim, self._arena)
         arena = self._arena
-        slot = source.collect_or_overflow(arena) if arena is not None and \
-            prepared.nbytes <= arena.slot_nbytes else None
-        self._pending = None
-        if slot is None:
-            storage = map_new_segment(prepared.nbytes)
-        else:
-            storage = arena.slot_bytes(slot)
+        slot = batch = None
         try:
+            slot = source.collect_or_overflow(arena) if arena is not None and \
+                prepared.nbytes <= arena.slot_nbytes else None
+            if slot is None:
+                storage = map_new_segment(prepared.nbytes)
+            else:
+                storage = arena.slot_bytes(slot)
             filler.write(prepared, fetched, storage, indices)
-        except BaseException:
             if slot is not None:
-                arena.pool.reclaim(slot)
+                arena.pool.mark_filled(slot)
+            batch = source.deliver(arena, slot, storage if slot is None else None,
+                                   prepared.plan, self._count, indices)
+            self._pending, self._count = None, self._count + 1
+            return batch
+        except BaseException as exc:
+            if batch is not None:  # Ctrl-C after the batch was built: the next next()'s
+                self._stash, self._pending, self._count = batch, None, self._count + 1
+            elif slot is not None and arena.pool.state(slot) in (SlotState.ASSIGNED,
+                                                                 SlotState.FILLED):
+                arena.pool.reclaim(slot)  # rewritten from the kept batch next time
+            if not isinstance(exc, KeyboardInterrupt) and batch is None:
+                self._pending = None  # that batch's error (a write error): it is consumed
             raise
-        if slot is not None:
-            arena.pool.mark_filled(slot)
-        batch = source.deliver(arena, slot, storage if slot is None else None, prepared.plan,
-                               self._count, indices)
-        self._count += 1
-        return batch
 
     def _take(self) -> tuple[Any, Fetched | None]:
         filler = self._filler

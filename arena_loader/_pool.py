@@ -34,10 +34,11 @@ class SlotLease:
     When the last view dies, this object dies and a ``weakref.finalize`` returns the slot.
     """
 
-    __slots__ = ("__weakref__", "_bytes", "slot")
+    __slots__ = ("__weakref__", "_bytes", "_finalizer", "slot")
 
     def __init__(self, slot: int, slot_bytes: np.ndarray):
         self.slot = slot
+        self._finalizer: weakref.finalize | None = None
         self._bytes = slot_bytes  # keeps the slab mapping alive while any view exists
 
     @property
@@ -125,17 +126,32 @@ class SlotPool:
             self._move(slot, SlotState.ASSIGNED, SlotState.FILLED)
 
     def lease(self, slot: int) -> SlotLease:
-        with self._lock:
-            if self._slab_array is None:
-                raise LoaderClosedError("the loader was closed; create a new one")
-            self._move(slot, SlotState.FILLED, SlotState.LEASED)
-        start = slot * self.slot_nbytes
-        lease = SlotLease(slot, self._slab_array[start: start + self.slot_nbytes])
-        # A process forked while the batch lives gets its own copy of the slot's bytes.
-        keep_across_fork(lease, self._slab_address + start, self.slot_nbytes)
-        finalizer = weakref.finalize(lease, self._release, slot)
-        finalizer.atexit = False
+        lease = None
+        try:
+            with self._lock:
+                if self._slab_array is None:
+                    raise LoaderClosedError("the loader was closed; create a new one")
+                self._move(slot, SlotState.FILLED, SlotState.LEASED)
+            start = slot * self.slot_nbytes
+            lease = SlotLease(slot, self._slab_array[start: start + self.slot_nbytes])
+            # A process forked while the batch lives gets its own copy of the slot's bytes.
+            keep_across_fork(lease, self._slab_address + start, self.slot_nbytes)
+            lease._finalizer = weakref.finalize(lease, self._release, slot)
+            lease._finalizer.atexit = False
+        except BaseException:  # Ctrl-C before the lease was handed back: undo it whole
+            if lease is not None and lease._finalizer is not None:
+                lease._finalizer.detach()
+            with self._lock:  # by state, not a flag: Ctrl-C may land right after the move
+                if self._states[slot] is SlotState.LEASED:
+                    self._states[slot] = SlotState.FILLED
+            raise
         return lease
+
+    def unlease(self, lease: SlotLease) -> None:
+        """Undo ``lease`` (the batch was never handed out): its slot is FILLED again."""
+        if lease._finalizer is not None and lease._finalizer.detach() is not None:
+            with self._lock:
+                self._move(lease.slot, SlotState.LEASED, SlotState.FILLED)
 
     def close(self) -> None:
         """Drop the slab reference: leases already given keep their own."""

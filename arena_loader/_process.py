@@ -187,7 +187,7 @@ class WorkerGroup:
                     # Reaped by someone else (a program that sets SIGCHLD to SIG_IGN has the
                     # kernel reap its children): the exit status is lost, but the process is
                     # gone, so release its sentinel descriptor.
-                    process._popen.close()  # noqa: SLF001 (multiprocessing keeps it private)
+                    process._popen.close()  # multiprocessing keeps it private
             except (OSError, ValueError, AttributeError):
                 pass
 

@@ -101,6 +101,7 @@ class _Session:
         self.workers: WorkerGroup | ThreadWorkerGroup | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._torn_down = False  # close() ran to its end (workers, arena, pipes released)
         self._finished = False  # closed because the epoch ended: next() is StopIteration
         self.result_bytes = 0  # bytes of worker messages (records, no arrays: tests check)
         self.results_received = 0
@@ -130,6 +131,10 @@ class _Session:
         # The consumer holds held_batch_limit batches: the dispatch thread waits for one back.
         self._held_blocked = False
         self._held_overflow = False  # a batch went to a segment because every slot is held
+        self._stash: Any = None  # a batch built for a next() that Ctrl-C interrupted
+        # The entry between being taken and being handed over: an interrupt there puts it
+        # back (see next_batch, _take_locked).
+        self._taken: Any = None
         self._window_full = False  # the dispatch thread waits for the consumer to take one
         self._completion_order: deque[int] = deque()  # in_order=False only
         self._exhausted = False
@@ -532,6 +537,9 @@ class _Session:
     def next_batch(self) -> Any:
         if os.getpid() != self._pid:
             raise forked_iterator_error(self._pid)
+        if self._stash is not None:  # built by a next() that Ctrl-C interrupted: it is next
+            batch, self._stash = self._stash, None
+            return batch
         if not self._started and not self._closed:
             self._begin()
         if self.arena is not None:
@@ -539,6 +547,20 @@ class _Session:
         timeout = self._options.timeout
         deadline = time.monotonic() + timeout if timeout > 0 else None
         collected = False
+        try:
+            self._wait_for_entry(deadline, timeout, collected)  # sets _taken
+            return self._hand_over()
+        except KeyboardInterrupt:
+            taken, self._taken = self._taken, None
+            if taken is not None:  # taken, not handed over: back to the front of the queue
+                with self._cv:
+                    self._unget_locked(taken)
+            raise
+
+    def _wait_for_entry(self, deadline: float | None, timeout: float, collected: bool) -> None:
+        """Take the next entry (under ``_cv``) into ``_taken``, or raise the error or
+        StopIteration that ends the wait. ``_taken`` holds it until it is handed over, so
+        Ctrl-C in between puts it back."""
         with self._cv:
             while True:
                 if self._closed:
@@ -549,9 +571,8 @@ class _Session:
                 if self._failing and self._fatal is None:
                     self._cv.wait(CONSUMER_POLL_S)
                     continue
-                entry = self._take_locked()
-                if entry is not None:
-                    break
+                if self._take_locked() is not None:
+                    return  # in self._taken
                 if self._fatal is not None:
                     self._release_arena()  # a broken session keeps no slot of the loader's
                     raise fresh_copy(self._fatal)
@@ -576,45 +597,88 @@ class _Session:
                 if not self._cv.wait(wait_s) and not self._thread_alive():
                     if self._fatal is None and not (self._exhausted and not self._in_flight):
                         raise RuntimeError("the arena_loader dispatch thread stopped unexpectedly")
-        what, indices = entry
-        if isinstance(what, BatchFailed):
-            raise rebuild_worker_error(what, indices, what.idx)
-        if self._held_overflow:
-            self._held_overflow = False
-            self._source.note_overflow(self.arena)
-        record = what.record
+    def _hand_over(self) -> Any:
+        """The taken entry as the consumer's batch (or its error raised). Ctrl-C in here:
+        a built batch is stashed for the next next(), an unbuilt one stays in ``_taken``."""
+        batch = None
+        entry = self._taken
         try:
+            what, indices = entry
+            if isinstance(what, BatchFailed):
+                error = rebuild_worker_error(what, indices, what.idx)
+                self._taken = None  # handed out: raised on the next line
+                raise error
+            if self._held_overflow:
+                self._held_overflow = False
+                self._source.note_overflow(self.arena)
+            record = what.record
             with self._cv:
                 if self._closed:  # closed by another thread while this batch was taken
                     raise LoaderClosedError("this iterator was closed; call iter(loader) for "
                                             "a new one")
-            return self._source.deliver(self.arena, None if what.storage is not None
-                                        else record.slot, what.storage, record.plan,
-                                        record.idx, indices)
+            batch = self._source.deliver(self.arena, None if what.storage is not None
+                                         else record.slot, what.storage, record.plan,
+                                         record.idx, indices)
+            self._taken = None
+            return batch
+        except KeyboardInterrupt:
+            # Ctrl-C after the batch was taken: it is not lost. Built, it is handed out by
+            # the next next(); not yet leased, it stays in _taken (next_batch puts it back).
+            if batch is not None:
+                self._stash, self._taken = batch, None
+            elif isinstance(entry[0], _Loaded) and entry[0].storage is None and \
+                    self.arena.pool.state(entry[0].record.slot) is not SlotState.FILLED:
+                self._taken = None  # leased and lost mid-assembly: nothing to put back
+            raise
         except BaseException:
-            # Not delivered (a bad object leaf, close() from another thread, or Ctrl-C right
-            # here): the slot would otherwise stay FILLED, lost to every later epoch.
+            self._taken = None
+            what = entry[0] if entry is not None else None
+            record = what.record if isinstance(what, _Loaded) else None
+            if record is None:
+                raise
+            # Not delivered (a bad object leaf, close() from another thread): the slot would
+            # otherwise stay FILLED, lost to every later epoch.
             if what.storage is None and \
                     self.arena.pool.state(record.slot) is SlotState.FILLED:
                 self.arena.pool.reclaim(record.slot)
             raise
 
+    def _unget_locked(self, entry: tuple[Any, Any]) -> None:
+        """Put a taken entry back where ``_take_locked`` found it."""
+        what = entry[0]
+        idx = what.idx if isinstance(what, BatchFailed) else what.record.idx
+        self._done[idx] = entry
+        if self._options.in_order:
+            self._rcvd_idx = min(self._rcvd_idx, idx)
+        else:
+            self._completion_order.appendleft(idx)
+
     def _take_locked(self) -> tuple[_Loaded | BatchFailed, Any] | None:
-        """The next batch to hand out; skips the batches an ended iterator did not make."""
+        """The next batch to hand out, also kept in ``_taken`` from the moment it is taken
+        (so Ctrl-C anywhere after puts it back: next_batch); skips the batches an ended
+        iterator did not make."""
         while True:
             if self._options.in_order:
-                entry = self._done.pop(self._rcvd_idx, None)
+                idx = self._rcvd_idx
+                entry = self._done.get(idx)
                 if entry is not None:
-                    self._rcvd_idx += 1
+                    self._taken = entry  # from here on, an interrupt puts it back
+                    self._rcvd_idx = idx + 1
+                    del self._done[idx]
             else:
                 entry = None
                 while entry is None and self._completion_order:
-                    entry = self._done.pop(self._completion_order.popleft(), None)
+                    idx = self._completion_order[0]
+                    entry = self._done.get(idx)
+                    self._taken = entry
+                    self._completion_order.popleft()
+                    self._done.pop(idx, None)
             if entry is not None and self._window_full:
                 self._window_full = False
                 self._waker.wake()
             if entry is None or not isinstance(entry[0], Record):
                 return entry
+            self._taken = None  # an ended iterator's record: dropped, not handed out
 
     def _starved_locked(self) -> bool:
         """Nothing in flight or ready, a batch's indices waiting, and the consumer holds
@@ -652,11 +716,12 @@ class _Session:
         self.close()
 
     def close(self) -> None:
-        """Idempotent; safe from a finalizer. Workers joined, undelivered slots reclaimed."""
+        """Idempotent; safe from a finalizer. Workers joined, undelivered slots reclaimed.
+        A close that Ctrl-C interrupted is finished by the next call."""
         if os.getpid() != self._pid:
             return  # a finalizer copied into a forked worker: this session is not its own
         with self._cv:
-            if self._closed:
+            if self._torn_down:
                 return
             self._closed = True
             self._stop_requested = True
@@ -674,6 +739,7 @@ class _Session:
             if reserve is not None:
                 reserve.close()
             self._waker.close()
+            self._torn_down = True
 
 
 class MultiProcessIterator:
@@ -727,3 +793,4 @@ class MultiProcessIterator:
 
     def close(self) -> None:
         self._finalizer()
+        self._session.close()  # finishes a close that Ctrl-C interrupted; else a no-op

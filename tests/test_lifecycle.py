@@ -411,3 +411,40 @@ def test_ctrl_c_during_worker_shutdown_still_stops_every_worker(monkeypatch):
     assert wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status()
                                       != psutil.STATUS_ZOMBIE for p in pids), timeout_s=5)
     loader.close()
+
+
+@pytest.mark.timeout(120)
+def test_close_racing_iteration_from_another_thread_is_only_ever_loader_closed_error():
+    """close() from another thread at a random moment of iter()/next() (first epoch or later,
+    persistent or not): the iterating thread finishes its epoch or gets LoaderClosedError,
+    never another error or a hang, and nothing is left behind."""
+    import random
+    import threading
+
+    rng = random.Random(7)
+    outcomes: dict[str, int] = {}
+    for trial in range(24):
+        loader = ArenaLoader(ImageDataset(8, shape=(4,)), batch_size=2, num_workers=2,
+                             persistent_workers=trial % 2 == 1)
+        if trial % 4 >= 2:
+            assert sum(1 for _ in loader) == 4  # the slab is sized: the other start path
+        result: list[str] = []
+
+        def iterate(loader=loader, result=result):
+            try:
+                for _ in loader:
+                    pass
+                result.append("finished")
+            except LoaderClosedError:
+                result.append("closed")
+            except BaseException as exc:  # what must not happen
+                result.append(f"{type(exc).__name__}: {exc}")
+
+        thread = threading.Thread(target=iterate)
+        thread.start()
+        time.sleep(rng.random() * 0.05)
+        loader.close()
+        thread.join(timeout=20)
+        assert not thread.is_alive(), f"trial {trial}: the iterating thread hangs"
+        outcomes[result[0]] = outcomes.get(result[0], 0) + 1
+    assert set(outcomes) <= {"finished", "closed"}, outcomes
