@@ -168,15 +168,15 @@ class ArenaSource:
                 self._claimed = True
                 return self._arena
             budget = self.slot_nbytes
-        if slot_nbytes is None and slab is None:
-            return Arena(budget, self.slots, None, self._pinner)
         return Arena(slot_nbytes or budget, self.slots, slab, self._pinner)
 
     def unclaim(self, arena: Arena) -> None:
         with self._lock:
             if arena is self._arena:
                 self._claimed = False
-                return
+                if not self._closed:
+                    return
+                self._arena = None  # the loader was closed while this session used it
         arena.close()
 
     # -- held batches --------------------------------------------------------------------
@@ -222,7 +222,7 @@ class ArenaSource:
             "error instead, pass held_batch_limit=N", UserWarning,
             stacklevel=4)
 
-    def collect_or_overflow(self, arena: Arena) -> int | None:
+    def acquire_or_overflow(self, arena: Arena) -> int | None:
         """num_workers=0: a free slot, or None: the batch goes to a segment (no garbage
         collection here: it would cost a collection per batch while the user keeps batches).
         Raises when the consumer holds ``held_batch_limit`` batches."""
@@ -270,9 +270,11 @@ class ArenaSource:
             raise
 
     def close(self) -> None:
+        """No new arena; the loader's own is closed now, or by ``unclaim`` if a session still
+        uses it (its workers may be starting with the slab's descriptor)."""
         with self._lock:
             self._closed = True
-            if self._arena is not None:
+            if self._arena is not None and not self._claimed:
                 self._arena.close()
                 self._arena = None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from ._arena import Arena, ArenaSource, slot_budget
@@ -18,13 +18,12 @@ from .errors import ShmCapacityError, forked_iterator_error
 
 class InProcessIterator:
     def __init__(self, owner: Any, filler: BatchFiller, source: ArenaSource,
-                 batches: Iterator, convert: Callable[[Any], Any] | None = None):
+                 batches: Iterator):
         self._pid = os.getpid()
         self._owner = owner  # the loader: `for b in ArenaLoader(...)` must keep it alive
         self._filler = filler
         self._source = source
         self._batches = batches
-        self._convert = convert
         self._stream: Iterator | None = None  # iterable-style datasets, made at first next()
         self._position = 0  # items taken from the stream: names samples in errors
         self._arena: Arena | None = None
@@ -93,7 +92,7 @@ class InProcessIterator:
         arena = self._arena
         slot = batch = None
         try:
-            slot = source.collect_or_overflow(arena) if arena is not None and \
+            slot = source.acquire_or_overflow(arena) if arena is not None and \
                 prepared.nbytes <= arena.slot_nbytes else None
             if slot is None:
                 storage = map_new_segment(prepared.nbytes)

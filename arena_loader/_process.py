@@ -17,7 +17,7 @@ from typing import Any
 
 from ._forksafe import handing_over
 from ._messages import Stop
-from ._worker import WorkerSetup, worker_main
+from ._worker import WorkerSetup, pid_exists, worker_main
 from .errors import DescriptorLimitError, WorkerCrashedError
 
 JOIN_TIMEOUT_S = 2.0  # per escalation step: join, then terminate, then kill
@@ -32,7 +32,7 @@ FD_HEADROOM = 16
 
 def describe_exit(exitcode: int | None, pid: int | None = None) -> str:
     if exitcode is None:
-        if pid is not None and not _exists(pid):
+        if pid is not None and not pid_exists(pid):
             return ("exited, with its exit status lost (this program ignores SIGCHLD, so "
                     "the kernel reaped it; do not set SIGCHLD to SIG_IGN)")
         return "is still running"
@@ -183,7 +183,7 @@ class WorkerGroup:
             try:
                 if process.exitcode is not None:
                     process.close()
-                elif not _exists(process.pid):
+                elif not pid_exists(process.pid):
                     # Reaped by someone else (a program that sets SIGCHLD to SIG_IGN has the
                     # kernel reap its children): the exit status is lost, but the process is
                     # gone, so release its sentinel descriptor.
@@ -210,17 +210,6 @@ class WorkerGroup:
             for process in alive:
                 process.join(timeout=max(0.0, deadline - time.monotonic()))
         self._close_channels()
-
-
-def _exists(pid: int) -> bool:
-    """Whether ``pid`` still exists (a zombie counts: it still holds its exit status)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def check_descriptor_limit(num_workers: int) -> None:

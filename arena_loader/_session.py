@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from multiprocessing.connection import wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -85,6 +85,9 @@ class _Session:
         self._base_seed = base_seed
         self._pid = os.getpid()
         self._cv = threading.Condition()
+        # Held while workers start (they are handed the slab's descriptor) and while close()
+        # releases the slab: see _begin. Re-entrant: a finalizer may close during _begin.
+        self._starting = threading.RLock()
         self._waker = Waker()
         self.arena: Arena | None = None
         self._arena_claimed = False
@@ -152,8 +155,14 @@ class _Session:
         if there are none, and start the dispatch thread.
 
         ``close()`` may run meanwhile on another thread: each result is published under
-        ``_cv`` only while the session is open, and undone otherwise.
+        ``_cv`` only while the session is open, and undone otherwise; and close() releases the
+        slab only once no worker is being started with its descriptor (``_starting``), or a
+        forked worker could inherit that number already reused for another file.
         """
+        with self._starting:
+            self._begin_locked()
+
+    def _begin_locked(self) -> None:
         if self.arena is None and self._reserve is None:
             try:
                 arena = self._source.claim()  # None until the first batch sets the budget
@@ -730,6 +739,10 @@ class _Session:
         try:
             self._join_thread(raise_on_timeout=False)
         finally:
+            self._release_all()
+
+    def _release_all(self) -> None:
+        with self._starting:  # not while workers are being started with the slab's descriptor
             if self.workers is not None:
                 self._kill_workers()
             if self.arena is not None:
@@ -746,10 +759,10 @@ class MultiProcessIterator:
     """What ``iter(loader)`` returns when ``num_workers > 0``."""
 
     def __init__(self, owner: Any, options: LoaderOptions, filler: BatchFiller,
-                 source: ArenaSource, batches: Iterator, base_seed: int,
-                 convert: Callable[[Any], Any] | None = None):
-        self._owner = owner  # the loader: `for b in ArenaLoader(...)` must keep it alive
-        self._convert = convert
+                 source: ArenaSource, batches: Iterator, base_seed: int):
+        # The loader: `for b in ArenaLoader(...)` must keep it alive. Batches come converted
+        # (to tensors, or leases for a device stage) from ArenaSource.deliver.
+        self._owner = owner
         self._persistent = options.persistent_workers
         self._session = _Session(options, filler, source, base_seed)
         self._finalizer = weakref.finalize(self, self._session.close)
@@ -764,12 +777,11 @@ class MultiProcessIterator:
 
     def __next__(self) -> Any:
         try:
-            batch = self._session.next_batch()
+            return self._session.next_batch()
         except StopIteration:
             if not self._persistent:
                 self._session.finish()
             raise
-        return batch if self._convert is None else self._convert(batch)
 
     def reset(self, batches: Iterator) -> None:
         """Persistent workers: begin a new epoch on the same workers and slab."""

@@ -103,7 +103,7 @@ def worker_main(setup: WorkerSetup, task_conn: Connection, result_conn: Connecti
     parent_pid = os.getppid()
     if setup.arm_parent_death_signal:
         _arm_parent_death_signal()
-    if parent_pid == 1 or not _alive(parent_pid):
+    if parent_pid == 1 or not pid_exists(parent_pid):
         return  # the parent died before the signal was armed
     global _worker_info
     try:
@@ -157,7 +157,8 @@ def _publish_to_torch(info: WorkerInfo) -> None:
         pass  # a torch without that private hook: only arena_loader.get_worker_info() answers
 
 
-def _alive(pid: int) -> bool:
+def pid_exists(pid: int) -> bool:
+    """Whether ``pid`` still exists (a zombie counts: it still holds its exit status)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

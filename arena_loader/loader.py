@@ -132,9 +132,6 @@ class ArenaLoader(Generic[T_co]):
         self.worker_mode = worker_mode
         self.output = output
         self.device = self.options.device
-        # Batches are converted (to tensors) where they are delivered; with a device stage,
-        # host iterators hand it slot leases and it makes the batches.
-        self._convert = None
         self._iterable = iterable
         self._IterableDataset_len_called: int | None = None  # torch's name; see __len__
         # torch's rule: a DataPipe's shuffle() steps follow `shuffle` when it is given.
@@ -242,8 +239,7 @@ class ArenaLoader(Generic[T_co]):
         if self._device is not None and options.persistent_workers:
             self._device.detach()  # no device thread may read the persistent iterator now
         if options.num_workers == 0:
-            iterator: Any = InProcessIterator(self, self._filler, self._source, batches,
-                                              self._convert)
+            iterator: Any = InProcessIterator(self, self._filler, self._source, batches)
         elif reuse:
             self._persistent.reset(batches)
             return self._checked_length(self._on_device(self._persistent, owns_host=False))
@@ -255,10 +251,13 @@ class ArenaLoader(Generic[T_co]):
             # back, or a dropped loader would wait for the cyclic GC to stop its workers.
             iterator = MultiProcessIterator(None if options.persistent_workers else self,
                                             options, self._filler, self._source, batches,
-                                            base_seed, self._convert)
+                                            base_seed)
             if options.persistent_workers:
                 self._persistent = iterator
         self._live.add(iterator)
+        if self._closed:  # close() from another thread while this iterator was being made
+            iterator.close()
+            raise LoaderClosedError("this ArenaLoader was closed; create a new one")
         return self._checked_length(
             self._on_device(iterator, owns_host=not options.persistent_workers))
 
