@@ -28,9 +28,10 @@ class Reviews(Dataset):
     def __len__(self):
         return len(self.lengths)
     def __getitem__(self, i):
-        n = int(self.lengths[i])
-        ids = (torch.arange(n) * 7 + i) % 1000
-        return ids, int(self.labels[i])
+        n, label = int(self.lengths[i]), int(self.labels[i])
+        # Label 1 reviews use the upper half of the vocabulary: a model can learn it.
+        ids = (torch.arange(n) * 7 + i) % 500 + 500 * label
+        return ids, label
 
 
 def collate(batch):
@@ -55,7 +56,7 @@ if __name__ == "__main__":
     loader = DataLoader(Reviews(), batch_size=64, shuffle=True, num_workers=2,
                         collate_fn=collate, persistent_workers=True)
     model = Model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
     losses, order = [], []
     start = time.perf_counter()
     for _epoch in range(2):
@@ -66,5 +67,6 @@ if __name__ == "__main__":
             loss.backward()
             opt.step()
             losses.append(loss.item())
-    print(sys.argv[1], f"batches {len(losses)} first-loss {losses[0]:.4f} last-loss "
-          f"{losses[-1]:.4f} order {order[:6]} time {time.perf_counter() - start:.2f}s")
+    first, last = sum(losses[:8]) / 8, sum(losses[-8:]) / 8
+    print(sys.argv[1], f"batches {len(losses)} first-loss {first:.4f} last-loss {last:.4f} "
+          f"order {order[:6]} time {time.perf_counter() - start:.2f}s")

@@ -41,7 +41,8 @@ def test_train_memmap_example_reduces_the_loss():
 @pytest.mark.timeout(120)
 def test_a_torch_script_switched_by_one_import_sees_the_same_batches_and_losses():
     """examples/switch_from_torch.py with torch's DataLoader and with ArenaLoader (only the
-    import differs): same number of batches, same shuffled order, same losses."""
+    import differs): same number of batches, same shuffled order, same losses, and the model
+    learns."""
     outputs = {}
     for loader in ("torch", "arena"):
         result = subprocess.run([sys.executable, str(EXAMPLES / "switch_from_torch.py"), loader],
@@ -50,3 +51,5 @@ def test_a_torch_script_switched_by_one_import_sees_the_same_batches_and_losses(
         outputs[loader] = result.stdout.strip().rpartition(" time ")[0].partition(" ")[2]
     assert outputs["torch"] == outputs["arena"]
     assert outputs["arena"].startswith("batches 128 ")
+    first, last = (float(v) for v in re.findall(r"-loss ([\d.]+)", outputs["arena"]))
+    assert last < 0.5 * first  # the model learns from the batches it is given
