@@ -1,7 +1,6 @@
 """arena_loader: a DataLoader with torch's interface whose workers write batches in place
 into one preallocated POSIX shared-memory slab."""
 
-from ._worker import WorkerInfo, get_worker_info
 from .datasets import ArrayDataset, BatchReadable, MemmapDataset
 from .errors import (
     ArenaLoaderError,
@@ -23,6 +22,7 @@ from .samplers import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
+from .worker_info import WorkerInfo, get_worker_info
 
 __all__ = [
     "ArenaLoader",

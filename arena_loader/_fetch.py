@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ._layout import Prepared, prepare_batch, prepare_rows, prepare_samples, rows_view
+from .worker_info import get_worker_info
 
 _END = object()
 
@@ -175,8 +176,6 @@ class StreamPosition(int):
     such a dataset in error messages (it has no index)."""
 
     def __repr__(self) -> str:
-        from ._worker import get_worker_info  # the worker this runs in, if any
-
         info = get_worker_info()
         where = "the iterator" if info is None else f"worker {info.id}'s iterator"
         return f"item {int(self)} of {where}"

@@ -1,62 +1,18 @@
-"""Messages between the main process and workers: small frozen dataclasses, never arrays.
+"""Worker errors on their way to the main process: small frozen dataclasses, never arrays.
 
-A loaded batch is not one of these: it is a record (``_layout.PlanEncoder``)."""
+The per-batch path has no message of this kind: the batch order is an entry of the order ring
+(``_pipeline.order``) and a loaded batch a completion record (``_pipeline.completions``)."""
 
 from __future__ import annotations
 
 import pickle
-import struct
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
-# Task.slot when the batch has no slot (the slab is not sized yet, or the consumer holds every
-# slot): the worker writes it into a one-off segment.
+# An entry's slot when the batch has no slot (the slab is not sized yet, or the consumer holds
+# every slot): the worker writes it into a one-off segment.
 NO_SLOT = -1
-
-
-@dataclass(frozen=True)
-class Task:
-    """Main -> worker: fill ``slot`` with the samples ``indices`` of batch ``idx``.
-
-    Iterable-style datasets: ``indices`` is None and the worker takes the next batch from its
-    own iterator of the dataset, made anew when ``epoch`` changes.
-    """
-
-    idx: int
-    slot: int
-    indices: Any  # a list of sample indices, or one index when batch_size=None
-    epoch: int = 0
-
-
-# A task on the wire: a fixed header (magic, idx, slot, epoch), then the indices pickled (a
-# list of ints pickles in a few microseconds; the dataclass around them cost twice that).
-_TASK = struct.Struct("<cqiq")
-_TASK_MAGIC = b"T"
-
-
-def encode_task(idx: int, slot: int, indices: Any, epoch: int) -> bytes:
-    return _TASK.pack(_TASK_MAGIC, idx, slot, epoch) + pickle.dumps(indices, protocol=5)
-
-
-def decode_message(payload: bytes) -> Any:
-    """A task pipe's message: a ``Task`` from its compact form, else the pickled object."""
-    if payload[:1] == _TASK_MAGIC:
-        _, idx, slot, epoch = _TASK.unpack_from(payload)
-        return Task(idx, slot, pickle.loads(payload[_TASK.size:]), epoch)
-    return pickle.loads(payload)
-
-
-@dataclass(frozen=True)
-class Attach:
-    """Main -> worker: the slab now has ``slots`` slots of ``slot_nbytes`` bytes; map it."""
-
-    slot_nbytes: int
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Main -> worker: finish and exit."""
 
 
 @dataclass(frozen=True)

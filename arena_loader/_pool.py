@@ -117,8 +117,12 @@ class SlotPool:
                 if not self._free:
                     return None
             self._wanted = False
-            slot = self._free.popleft()
+            slot = self._free[0]
+            # Moved, then dropped from the free list: interrupted between, the next acquire
+            # skips it (_collect_released); a caller interrupted before it records the slot
+            # leaves it ASSIGNED and unowned, for reconcile().
             self._move(slot, SlotState.FREE, SlotState.ASSIGNED)
+            self._free.popleft()
             return slot
 
     def mark_filled(self, slot: int) -> None:
@@ -190,10 +194,34 @@ class SlotPool:
             waker.wake()
 
     def _collect_released(self) -> None:
-        while self._released:
-            slot = self._released.popleft()
-            self._move(slot, SlotState.LEASED, SlotState.FREE)
-            self._free.append(slot)
+        # Each step may be redone: a Ctrl-C between two leaves the slot at the head of
+        # _released (moved again as a no-op) or FREE and unlisted (reconcile() lists it).
+        released, free, states = self._released, self._free, self._states
+        while released:
+            slot = released[0]
+            if states[slot] is SlotState.LEASED:
+                states[slot] = SlotState.FREE
+                free.append(slot)
+            released.popleft()
+        while free and states[free[0]] is not SlotState.FREE:
+            free.popleft()  # moved to ASSIGNED by an acquire that Ctrl-C cut short
+
+    def reconcile(self, owned: set[int]) -> int:
+        """Free every ASSIGNED or FILLED slot not in ``owned`` (slots whose batch the caller
+        lost track of, e.g. to Ctrl-C between two steps) and list every FREE slot as free.
+        Returns how many slots were recovered."""
+        with self._lock:
+            self._collect_released()
+            recovered = 0
+            for slot, state in enumerate(self._states):
+                if state in (SlotState.ASSIGNED, SlotState.FILLED) and slot not in owned:
+                    self._states[slot] = SlotState.FREE
+                    recovered += 1
+            listed = set(self._free)
+            unlisted = [slot for slot, state in enumerate(self._states)
+                        if state is SlotState.FREE and slot not in listed]
+            self._free.extend(unlisted)
+            return recovered + len(unlisted)
 
     def _move(self, slot: int, expected: SlotState, new: SlotState) -> None:
         if self._states[slot] is not expected:

@@ -7,7 +7,6 @@ import errno
 import fcntl
 import os
 import resource
-import select
 import signal
 import socket
 import threading
@@ -16,17 +15,16 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ._forksafe import handing_over
-from ._messages import Stop
 from ._worker import WorkerSetup, pid_exists, worker_main
 from .errors import DescriptorLimitError, WorkerCrashedError
 
 JOIN_TIMEOUT_S = 2.0  # per escalation step: join, then terminate, then kill
-# Pipe buffers are raised from Linux's 64 KiB so that a task with a very long index list, or a
-# result with many object leaves, does not block one side while the other is also writing.
+# Pipe buffers are raised from Linux's 64 KiB so that a piped index list, or a completion with
+# many object leaves, does not block one side while the other is also writing.
 PIPE_NBYTES = 1 << 20
-# Descriptors the main process keeps per worker (task pipe, result pipe, sentinel), and a
-# margin for those open while one starts and for the dispatch thread's selector and waker.
-FDS_PER_WORKER = 3
+# Descriptors the main process keeps per worker (doorbell pipe, result pipe, fd socket,
+# sentinel), and a margin for those open while one starts, the order ring and the waker.
+FDS_PER_WORKER = 4
 FD_HEADROOM = 16
 
 
@@ -65,7 +63,9 @@ def torch_crash_text(pid: int | None, exitcode: int | None) -> str:
 
 
 class WorkerGroup:
-    """``num_workers`` processes, each with a private task pipe and result pipe."""
+    """``num_workers`` processes, each with a private doorbell pipe (the order ring's, see
+    ``_pipeline.order``) and result pipe. Asking them to stop is the order ring's job (a STOP
+    entry); this group joins, terminates and kills."""
 
     def __init__(self, context: Any, setups: list[WorkerSetup]):
         self.processes: list[Any] = []
@@ -87,7 +87,8 @@ class WorkerGroup:
                     target=worker_main, args=(setup, task_reader, result_writer),
                     name=f"arena_loader-worker-{setup.worker_id}", daemon=True,
                 )
-                with handing_over([setup.slab.fd]):  # under fork, its only slab descriptor
+                # Under fork, the only shared-memory descriptors it keeps.
+                with handing_over([setup.slab.fd, setup.order.fd]):
                     process.start()
                 # Close the child's ends here, before the next fork copies them: a dead
                 # worker's result pipe then reads EOF at once.
@@ -106,28 +107,11 @@ class WorkerGroup:
             self.shutdown()
             raise
         self.pids = [p.pid for p in self.processes]
-        self._sentinels = {p.sentinel: worker_id for worker_id, p in enumerate(self.processes)}
-        self._conn_ids = {id(conn): worker_id for worker_id, conn in enumerate(self.result_conns)}
+        self.sentinels = [p.sentinel for p in self.processes]
 
     @property
     def closed(self) -> bool:
         return self._closed
-
-    @property
-    def waitables(self) -> list:
-        return [*self.result_conns, *self._sentinels]
-
-    def worker_of(self, waitable: Any) -> tuple[int, bool]:
-        """(worker id, is it the result pipe) for an object returned by ``wait``."""
-        if isinstance(waitable, int):
-            return self._sentinels[waitable], False
-        return self._conn_ids[id(waitable)], True
-
-    def send(self, worker_id: int, message: Any) -> None:
-        self.task_conns[worker_id].send(message)
-
-    def send_bytes(self, worker_id: int, payload: bytes) -> None:
-        self.task_conns[worker_id].send_bytes(payload)
 
     def crash_error(self, worker_id: int, owed: list[tuple[int, Any]]) -> WorkerCrashedError:
         """The error for a dead worker; ``owed``: (idx, indices) of the batches it had."""
@@ -149,10 +133,9 @@ class WorkerGroup:
                                   exitcode=exitcode)
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Stop every worker: ask, join, terminate, kill; each step bounded. Idempotent.
-
-        ``graceful=False`` (after a crash, when their work is discarded anyway) skips asking.
-        """
+        """Stop every worker: join (they were asked to stop), terminate, kill; each step
+        bounded. Idempotent. ``graceful=False`` (after a crash, when their work is discarded
+        anyway) skips the wait."""
         with self._shutdown_lock:
             if self._closed:
                 return
@@ -192,13 +175,6 @@ class WorkerGroup:
                 pass
 
     def _shutdown(self, graceful: bool) -> None:
-        for conn in self.task_conns if graceful else ():
-            try:
-                # Only if it cannot block: a worker that is not reading is terminated below.
-                if select.select([], [conn.fileno()], [], 0)[1]:
-                    conn.send(Stop())
-            except (OSError, ValueError):
-                pass  # that worker is already gone
         for escalate in (None, "terminate", "kill") if graceful else ("terminate", "kill"):
             alive = [p for p in self.processes if p.is_alive()]
             if not alive:

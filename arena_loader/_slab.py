@@ -96,17 +96,17 @@ def _errno_of(exc: OSError) -> int:
     return errno.ENOSPC
 
 
-def open_shared() -> int:
+def open_shared(tag: str = "") -> int:
     """A new, already unlinked POSIX shared-memory object of size 0: its close-on-exec
     descriptor. Any failure (no inode left in /dev/shm, no descriptor left) is a
-    ShmCapacityError."""
+    ShmCapacityError. ``tag`` goes into the name (``/proc/<pid>/maps`` shows what it is)."""
     if shm_available_inodes() == 0:
         raise ShmCapacityError(
             errno.ENOSPC, f"{SHM_DIR} has no free inode left for a shared-memory object (it "
                           f"holds {os.statvfs(SHM_DIR).f_files:,}); fix: delete stale files in "
                           f"{SHM_DIR}, or remount it with more inodes (mount -o "
                           "remount,nr_inodes=...)")
-    name = f"/{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+    name = f"/{NAME_PREFIX}{os.getpid()}_{tag}{secrets.token_hex(6)}"
     try:
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
     except (OSError, posix_ipc.Error) as exc:

@@ -1,11 +1,12 @@
 """Thread workers (``worker_mode="thread"``): the worker loop run by threads of the main
-process, writing into the same slab through the same pipes and messages as worker processes.
+process, reading the same order ring and writing the same slab and completion records as
+worker processes.
 
-``ThreadWorkerGroup`` offers ``_session`` the interface of ``_process.WorkerGroup`` (send,
-waitables, worker_of, crash_error, shutdown, pids), so ordering, prefetching, slot handling and
-errors are the dispatch thread's, unchanged. Each thread runs ``_worker._serve`` over a private
-pair of OS pipes; when a thread ends for any reason it closes its ends, so the dispatch thread
-reads EOF exactly as for a dead process (docs/design.md, "Thread workers").
+``ThreadWorkerGroup`` offers the session the interface of ``_process.WorkerGroup``
+(``WorkerGroupLike``: pids, channels, crash_error, shutdown), so ordering, prefetching, slot
+handling and errors are the session's, unchanged. Each thread runs ``_worker.serve`` over a
+private pair of OS pipes; when a thread ends for any reason it closes its ends, so the
+session reads EOF exactly as for a dead process (docs/design.md, "Thread workers").
 """
 
 from __future__ import annotations
@@ -13,17 +14,17 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-import select
 import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ._messages import RemoteError, Stop, WorkerFailed
+from ._pipeline.order import OrderReader
 from ._process import JOIN_TIMEOUT_S, fd_socket_pair, worker_pipes
 from ._slab import Slab
-from ._worker import WorkerInfo, WorkerSetup, _serve, _WorkerState, set_thread_worker_info
+from ._worker import WorkerSetup, _WorkerState, report_worker_failure, serve
 from .errors import WorkerCrashedError
+from .worker_info import WorkerInfo, set_thread_worker_info
 
 
 class _ThreadWorkerState(_WorkerState):
@@ -35,7 +36,7 @@ class _ThreadWorkerState(_WorkerState):
         self._slab = slab
 
     def attach(self, slot_nbytes: int) -> None:
-        # Attach comes after the main process allocated the slab.
+        # ATTACH comes after the main process allocated the slab.
         self.slab = self._slab.array
         self.slot_nbytes = slot_nbytes
 
@@ -44,8 +45,9 @@ class ThreadWorkerGroup:
     """``num_workers`` daemon threads named ``arena_loader-worker-<id>``, each with a private
     task pipe and result pipe."""
 
-    def __init__(self, setups: list[WorkerSetup], slab: Slab):
-        """``slab``: the main process's slab (reserved, or allocated for a known layout)."""
+    def __init__(self, setups: list[WorkerSetup], slab: Slab, ring: Any):
+        """``slab``: the main process's slab (reserved, or allocated for a known layout);
+        ``ring``: the main process's mapping of the order ring."""
         self.threads: list[threading.Thread] = []
         self.task_conns: list[Connection] = []
         self.result_conns: list[Connection] = []
@@ -64,7 +66,7 @@ class ThreadWorkerGroup:
                 self.fd_sockets.append(fd_main)
                 setup = dataclasses.replace(setup, fd_socket=fd_worker)
                 thread = threading.Thread(
-                    target=self._main, args=(setup, slab, task_reader, result_writer),
+                    target=self._main, args=(setup, slab, ring, task_reader, result_writer),
                     name=f"arena_loader-worker-{setup.worker_id}", daemon=True)
                 self.task_conns.append(task_writer)
                 self.result_conns.append(result_reader)
@@ -81,12 +83,14 @@ class ThreadWorkerGroup:
             raise
         # Thread workers live in this process: every "worker pid" is ours.
         self.pids = [os.getpid()] * len(self.threads)
-        self._conn_ids = {id(conn): worker_id for worker_id, conn in enumerate(self.result_conns)}
+        self.sentinels: list[int] = []  # a thread that ends closes its result pipe instead
 
-    def _main(self, setup: WorkerSetup, slab: Slab, task_conn: Connection,
+    def _main(self, setup: WorkerSetup, slab: Slab, ring: Any, task_conn: Connection,
               result_conn: Connection) -> None:
         try:
             try:
+                reader = OrderReader(setup.worker_id, setup.num_workers, setup.order_depth,
+                                     setup.order_entry_nbytes, task_conn.fileno(), ring)
                 state = _ThreadWorkerState(setup, slab)
                 if setup.slot_nbytes:
                     state.attach(setup.slot_nbytes)
@@ -98,9 +102,9 @@ class ThreadWorkerGroup:
                 if setup.worker_init_fn is not None:
                     setup.worker_init_fn(setup.worker_id)
             except Exception as exc:
-                result_conn.send(WorkerFailed(setup.worker_id, RemoteError.capture(exc)))
+                report_worker_failure(result_conn.fileno(), setup.worker_id, exc)
                 return
-            _serve(state, task_conn, result_conn, parent_pid=None)
+            serve(state, reader, result_conn.fileno(), parent_pid=None)
         except BaseException as exc:  # SystemExit from user code, or its result pipe closed
             # Without its traceback: the frames hold slot arrays, which keep the slab mapped.
             self._exits[setup.worker_id] = exc.with_traceback(None)
@@ -114,21 +118,6 @@ class ThreadWorkerGroup:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    @property
-    def waitables(self) -> list:
-        # No sentinel: a thread that ends closes its result pipe, which then reads EOF.
-        return list(self.result_conns)
-
-    def worker_of(self, waitable: Any) -> tuple[int, bool]:
-        """(worker id, is it the result pipe) for an object returned by ``wait``."""
-        return self._conn_ids[id(waitable)], True
-
-    def send(self, worker_id: int, message: Any) -> None:
-        self.task_conns[worker_id].send(message)
-
-    def send_bytes(self, worker_id: int, payload: bytes) -> None:
-        self.task_conns[worker_id].send_bytes(payload)
 
     def crash_error(self, worker_id: int, owed: list[tuple[int, Any]]) -> WorkerCrashedError:
         """The error for a thread that ended unasked; ``owed``: (idx, indices) it had."""
@@ -146,9 +135,9 @@ class ThreadWorkerGroup:
         return error
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Stop every thread: ask (``graceful``), then close the pipes, each step bounded by
-        ``JOIN_TIMEOUT_S``. Idempotent. A thread stuck in user code cannot be killed: it is
-        left running as a daemon and named in ``stuck``."""
+        """Stop every thread: wait for those asked to stop (``graceful``), then close the
+        pipes, each step bounded by ``JOIN_TIMEOUT_S``. Idempotent. A thread stuck in user
+        code cannot be killed: it is left running as a daemon and named in ``stuck``."""
         with self._shutdown_lock:
             if self._closed:
                 return
@@ -159,12 +148,6 @@ class ThreadWorkerGroup:
 
     def _shutdown(self, graceful: bool) -> None:
         if graceful:
-            for conn in self.task_conns:
-                try:
-                    if select.select([], [conn.fileno()], [], 0)[1]:
-                        conn.send(Stop())
-                except (OSError, ValueError):
-                    pass  # that thread has already closed its end
             self._join_until(time.monotonic() + JOIN_TIMEOUT_S)
         # EOF on the task pipe ends an idle thread; a closed result pipe ends one that finishes
         # its batch (its send fails), before it can take another task.

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from ._worker import get_worker_info
+from .worker_info import get_worker_info
 
 
 def loaded_torch() -> Any:

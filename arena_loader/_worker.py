@@ -1,8 +1,12 @@
-"""The worker process: attach the slab, then turn tasks into filled slots until told to stop.
+"""The worker process: attach the slab, then turn order entries into filled slots until told
+to stop.
 
 Everything a worker needs arrives in one ``WorkerSetup`` (pickled under spawn/forkserver,
-inherited under fork), and it talks to the main process over two private pipes, so a worker
-that dies cannot corrupt a channel another worker uses (docs/design.md, "Workers").
+inherited under fork). It reads its entries of the epoch's batch order from the shared ring
+(``_pipeline.order``) and answers each with a completion record on its private result pipe
+(``_pipeline.completions``), so a worker that dies cannot corrupt a channel another worker
+uses (docs/design.md, "Workers"). ``serve`` is the one loop that process and thread workers
+both run.
 """
 
 from __future__ import annotations
@@ -12,10 +16,8 @@ import os
 import random
 import signal
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -23,17 +25,12 @@ import numpy as np
 
 from ._fetch import BatchFiller, Fetched, StreamPosition
 from ._forksafe import close_on_exec_inherited, started_by_fork
-from ._layout import PlanEncoder, encode_end
-from ._messages import (
-    Attach,
-    BatchFailed,
-    RemoteError,
-    Stop,
-    Task,
-    WorkerFailed,
-    decode_message,
-)
+from ._layout import PlanEncoder
+from ._messages import BatchFailed, RemoteError, WorkerFailed
+from ._pipeline.completions import Status, encode, write_completion
+from ._pipeline.order import Entry, EntryKind, OrderReader
 from ._slab import Segment, SlabHandle, send_segment
+from .worker_info import WorkerInfo, set_process_worker_info
 
 # How often an idle worker checks that its parent is still alive, in case the parent-death
 # signal could not be armed (see _arm_parent_death_signal).
@@ -42,36 +39,11 @@ _PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
-class WorkerInfo:
-    """What ``get_worker_info()`` returns inside a worker (torch's fields)."""
-
-    id: int
-    num_workers: int
-    seed: int
-    dataset: Any
-
-
-_worker_info: WorkerInfo | None = None
-# Thread workers (worker_mode="thread") share the process: each sets its own info here.
-_thread_worker = threading.local()
-
-
-def get_worker_info() -> WorkerInfo | None:
-    """This worker's ``WorkerInfo`` (process or thread worker), or ``None`` elsewhere."""
-    return getattr(_thread_worker, "info", None) or _worker_info
-
-
-def set_thread_worker_info(info: WorkerInfo | None) -> None:
-    """Set ``get_worker_info()`` for the calling thread only."""
-    _thread_worker.info = info
-
-
-@dataclass(frozen=True)
 class WorkerSetup:
     worker_id: int
     num_workers: int
     filler: BatchFiller
-    slot_nbytes: int  # 0: not known yet; an Attach message brings it
+    slot_nbytes: int  # 0: not known yet; an ATTACH entry brings it
     slab: SlabHandle
     slots: int
     fd_socket: Any  # a socket: one-off segments' descriptors go to the main process on it
@@ -81,6 +53,11 @@ class WorkerSetup:
     # The main process uses torch: set torch's worker info too, importing torch if a fresh
     # (spawn / forkserver) interpreter has not yet.
     publish_to_torch: bool = False
+    # The shared ring of the epoch's batch order (``_pipeline.order``): its descriptor (None
+    # for thread workers, which read the main process's own mapping) and geometry.
+    order: SlabHandle | None = None
+    order_depth: int = 0
+    order_entry_nbytes: int = 0
 
 
 def seed_worker(base_seed: int, worker_id: int) -> int:
@@ -94,7 +71,8 @@ def seed_worker(base_seed: int, worker_id: int) -> int:
     return seed
 
 
-def worker_main(setup: WorkerSetup, task_conn: Connection, result_conn: Connection) -> None:
+def worker_main(setup: WorkerSetup, doorbell: Any, result: Any) -> None:
+    """A worker process: ``doorbell`` and ``result`` are its ends of its two pipes."""
     # Ctrl-C reaches the whole process group; the main process handles it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not started_by_fork():  # spawn, forkserver: multiprocessing's fds come inheritable
@@ -105,8 +83,12 @@ def worker_main(setup: WorkerSetup, task_conn: Connection, result_conn: Connecti
         _arm_parent_death_signal()
     if parent_pid == 1 or not pid_exists(parent_pid):
         return  # the parent died before the signal was armed
-    global _worker_info
+    result_fd = result.fileno()
     try:
+        ring = setup.order.map()
+        os.close(setup.order.fd)
+        reader = OrderReader(setup.worker_id, setup.num_workers, setup.order_depth,
+                             setup.order_entry_nbytes, doorbell.fileno(), ring)
         state = _WorkerState(setup)
         if setup.slot_nbytes:
             state.attach(setup.slot_nbytes)
@@ -116,16 +98,22 @@ def worker_main(setup: WorkerSetup, task_conn: Connection, result_conn: Connecti
             _import_torch()
         _limit_torch_threads()
         seed = seed_worker(setup.base_seed, setup.worker_id)
-        _worker_info = WorkerInfo(setup.worker_id, setup.num_workers, seed,
-                                  setup.filler.dataset)
+        info = WorkerInfo(setup.worker_id, setup.num_workers, seed, setup.filler.dataset)
+        set_process_worker_info(info)
         if setup.publish_to_torch:
-            _publish_to_torch(_worker_info)
+            _publish_to_torch(info)
         if setup.worker_init_fn is not None:
             setup.worker_init_fn(setup.worker_id)
     except Exception as exc:
-        result_conn.send(WorkerFailed(setup.worker_id, RemoteError.capture(exc)))
+        report_worker_failure(result_fd, setup.worker_id, exc)
         return
-    _serve(state, task_conn, result_conn, parent_pid)
+    serve(state, reader, result_fd, parent_pid)
+
+
+def report_worker_failure(result_fd: int, worker_id: int, exc: BaseException) -> None:
+    """Tell the main process this worker cannot work (start-up, worker_init_fn, attach)."""
+    body = ForkingPickler.dumps(WorkerFailed(worker_id, RemoteError.capture(exc)))
+    write_completion(result_fd, encode(Status.WORKER_FAILED, -1, -1, bytes(body)))
 
 
 def _import_torch() -> None:
@@ -187,13 +175,13 @@ class _WorkerState:
         self.slab = np.frombuffer(slab_mmap, dtype=np.uint8)
         self.slot_nbytes = slot_nbytes
 
-    def fetch(self, task: Task) -> tuple[Fetched | None, Any]:
+    def fetch(self, entry: Entry) -> tuple[Fetched | None, Any]:
         """(the batch, its indices); (None, None) when an iterable's iterator is done."""
         filler = self.setup.filler
         if not filler.iterable:
-            return filler.fetch(task.indices), task.indices
-        if task.epoch != self._stream_epoch:  # a new epoch (persistent workers): start over
-            self._stream, self._stream_epoch, self._position = None, task.epoch, 0
+            return filler.fetch(entry.indices), entry.indices
+        if entry.epoch != self._stream_epoch:  # a new epoch (persistent workers): start over
+            self._stream, self._stream_epoch, self._position = None, entry.epoch, 0
             self._stream = iter(filler.dataset)
         if self._stream is None:
             return None, None  # the iterator raised while being made: nothing this epoch
@@ -205,60 +193,62 @@ class _WorkerState:
         self._position += fetched.rows
         return fetched, indices
 
-    def load(self, task: Task) -> bytes:
-        """Load batch ``task.idx``, write it into its slot (or, if it has none or does not
-        fit, a one-off segment sent over the descriptor socket) and return its record."""
-        fetched, indices = self.fetch(task)
+    def load(self, entry: Entry) -> bytes:
+        """Load batch ``entry.idx``, write it into its slot (or, if it has none or does not
+        fit, a one-off segment sent over the descriptor socket) and return its completion."""
+        fetched, indices = self.fetch(entry)
         if fetched is None:
-            return encode_end(task.idx, task.slot, self.setup.worker_id)
+            return encode(Status.ENDED, entry.idx, entry.slot)
         filler = self.setup.filler
         prepared = filler.prepare(fetched, indices)
         nbytes = prepared.nbytes
-        if task.slot >= 0 and self.slab is not None and nbytes <= self.slot_nbytes:
-            start = task.slot * self.slot_nbytes
+        # The plan record carries no idx or slot, so batches of one structure send equal
+        # bodies, which the main process decodes once (_pipeline.completions).
+        plan = self.encoder.encode(prepared.plan, 0, 0, 0, segment=False)
+        if entry.slot >= 0 and self.slab is not None and nbytes <= self.slot_nbytes:
+            start = entry.slot * self.slot_nbytes
             filler.write(prepared, fetched, self.slab[start: start + nbytes], indices)
-            return self.encoder.encode(prepared.plan, task.idx, task.slot,
-                                       self.setup.worker_id, segment=False)
+            return encode(Status.LOADED, entry.idx, entry.slot, plan)
         segment = Segment(nbytes)
         try:
             filler.write(prepared, fetched, segment.array, indices)
-            record = self.encoder.encode(prepared.plan, task.idx, -1, self.setup.worker_id,
-                                         segment=True)
-            send_segment(self.setup.fd_socket, task.idx, segment)
+            send_segment(self.setup.fd_socket, entry.idx, segment)
         finally:
             segment.close()
-        return record
+        return encode(Status.SEGMENT, entry.idx, entry.slot, plan)
 
 
-def _serve(state: _WorkerState, task_conn: Connection, result_conn: Connection,
-           parent_pid: int | None) -> None:
-    """The task loop; ``parent_pid=None`` (thread workers) skips the reparenting check."""
+def serve(state: _WorkerState, reader: OrderReader, result_fd: int,
+          parent_pid: int | None) -> None:
+    """The worker loop, for process and thread workers alike (``parent_pid=None``: a thread,
+    no reparenting check): take entries in order until STOP or the main process goes."""
     worker_id = state.setup.worker_id
     while True:
-        if not task_conn.poll(PARENT_CHECK_S):
+        try:
+            entry = reader.next_entry(PARENT_CHECK_S)
+        except EOFError:
+            return
+        if entry is None:
             if parent_pid is not None and os.getppid() != parent_pid:
                 return  # reparented: the parent is gone
             continue
-        try:
-            message = decode_message(task_conn.recv_bytes())
-        except EOFError:
+        kind = entry.kind
+        if kind is EntryKind.STOP:
             return
-        if isinstance(message, Stop):
-            return
-        if isinstance(message, Attach):
+        if kind is EntryKind.ATTACH:
             try:
-                state.attach(message.slot_nbytes)
+                state.attach(entry.idx)
             except Exception as exc:  # the slab could not be mapped: this worker cannot work
-                result_conn.send(WorkerFailed(worker_id, RemoteError.capture(exc)))
+                report_worker_failure(result_fd, worker_id, exc)
                 return
             continue
-        assert isinstance(message, Task), message
         try:
-            payload = state.load(message)
+            record = state.load(entry)
         except Exception as exc:
-            payload = ForkingPickler.dumps(
-                BatchFailed(message.idx, message.slot, worker_id, RemoteError.capture(exc)))
-        result_conn.send_bytes(payload)
+            body = ForkingPickler.dumps(
+                BatchFailed(entry.idx, entry.slot, worker_id, RemoteError.capture(exc)))
+            record = encode(Status.FAILED, entry.idx, entry.slot, bytes(body))
+        write_completion(result_fd, record)
 
 
 def _arm_parent_death_signal() -> None:

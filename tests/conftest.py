@@ -11,6 +11,7 @@ import time
 import psutil
 import pytest
 
+from arena_loader._pipeline.order import ORDER_TAG
 from arena_loader._slab import NAME_PREFIX, SHM_DIR
 
 
@@ -40,9 +41,15 @@ def our_shm_objects() -> list[str]:
     return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(NAME_PREFIX))
 
 
-def our_slab_mappings() -> list[str]:
+def our_shm_mappings() -> list[str]:
+    """This process's mappings of our shared memory: slabs, segments and order rings."""
     with open("/proc/self/maps") as maps:
         return [line.strip() for line in maps if f"{SHM_DIR}/{NAME_PREFIX}" in line]
+
+
+def our_slab_mappings() -> list[str]:
+    """This process's mappings of our slabs and segments (not of the order rings)."""
+    return [line for line in our_shm_mappings() if ORDER_TAG not in line]
 
 
 # Helpers that the standard library starts once per interpreter (for spawn / forkserver) and
@@ -90,4 +97,4 @@ def no_leaks():
     assert wait_until(lambda: not our_shm_objects(), timeout_s=1.0), (
         f"shared-memory objects leaked: {our_shm_objects()}")
     gc.collect()
-    assert not our_slab_mappings(), f"slab still mapped: {our_slab_mappings()}"
+    assert not our_shm_mappings(), f"shared memory still mapped: {our_shm_mappings()}"

@@ -21,6 +21,7 @@ import numpy as np
 import psutil
 
 from arena_loader import ArenaLoader, WorkerCrashedError
+from arena_loader._pipeline.order import ORDER_TAG
 from arena_loader._slab import NAME_PREFIX, SHM_DIR
 
 from .datasets import make_array
@@ -44,11 +45,12 @@ def measure() -> dict[str, Any]:
     with open("/proc/self/status") as status:
         shmem_kb = next(int(line.split()[1]) for line in status if line.startswith("RssShmem:"))
     with open("/proc/self/maps") as maps:
-        slabs = {line.split()[4]: line for line in maps if f"{SHM_DIR}/{NAME_PREFIX}" in line}
+        ours = {line.split()[4]: line for line in maps if f"{SHM_DIR}/{NAME_PREFIX}" in line}
+    rings = sum(1 for line in ours.values() if ORDER_TAG in line)
     children = me.children(recursive=True)
     zombies = sum(1 for c in children if c.status() == psutil.STATUS_ZOMBIE)
     return {"rss": me.memory_info().rss, "shmem": shmem_kb * 1024,
-            "fds": len(os.listdir("/proc/self/fd")), "slabs": len(slabs),
+            "fds": len(os.listdir("/proc/self/fd")), "slabs": len(ours) - rings, "rings": rings,
             "children": len(children) - zombies, "zombies": zombies,
             "shm_objects": len([n for n in os.listdir(SHM_DIR) if n.startswith(NAME_PREFIX)
                                 and n.startswith(f"{NAME_PREFIX}{os.getpid()}_")])}

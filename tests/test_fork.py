@@ -25,6 +25,7 @@ from arena_loader import (
     _forksafe,
     _slab,
 )
+from arena_loader._pipeline.order import ORDER_TAG
 from arena_loader._slab import NAME_PREFIX, SHM_DIR, Slab
 
 from .conftest import live_children, our_slab_mappings, wait_until
@@ -315,9 +316,21 @@ def _slab_fds() -> list[str]:
             target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue
-        if f"{SHM_DIR}/{NAME_PREFIX}" in target:
+        if f"{SHM_DIR}/{NAME_PREFIX}" in target and ORDER_TAG not in target:
             found.append(target)
     return found
+
+
+def _order_ring_fds() -> list[str]:
+    return [os.readlink(f"/proc/self/fd/{name}") for name in os.listdir("/proc/self/fd")
+            if ORDER_TAG in _readlink_or_empty(f"/proc/self/fd/{name}")]
+
+
+def _readlink_or_empty(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
 
 
 class DescriptorReport:
@@ -336,13 +349,14 @@ class DescriptorReport:
 
         with open("/proc/self/maps") as maps:
             slab_names = {line.split()[5] for line in maps
-                          if f"{SHM_DIR}/{NAME_PREFIX}" in line}
+                          if f"{SHM_DIR}/{NAME_PREFIX}" in line and ORDER_TAG not in line}
         tracker_fd = getattr(resource_tracker._resource_tracker, "_fd", None)
         inheritable = [fd for fd in _inheritable_fds()
                        if int(fd.split()[0]) not in (tracker_fd, *self.ignore)]
         return {"x": np.full(SHAPE, index, dtype=np.int64),
                 "report": json.dumps({"inheritable": inheritable, "slab_fds": _slab_fds(),
-                                      "mapped_slabs": sorted(slab_names)})}
+                                      "mapped_slabs": sorted(slab_names),
+                                      "order_ring_fds": _order_ring_fds()})}
 
 
 # Inheritable descriptors that whoever started pytest gave it: not the loader's.
@@ -366,6 +380,7 @@ def test_every_loader_descriptor_is_close_on_exec_and_workers_hold_no_other_slab
         assert len(report["slab_fds"]) == 1
         assert other_slab not in report["slab_fds"][0]
         assert other_slab not in report["mapped_slabs"]
+        assert len(report["order_ring_fds"]) == 1  # its loader's ring (the mmap's duplicate)
     # A later epoch's workers start with the slab sized (by the first epoch's first batch):
     # each holds exactly its mapping's duplicate descriptor.
     for report in [json.loads(str(b["report"])) for b in loader]:

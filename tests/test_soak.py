@@ -47,10 +47,11 @@ def assert_flat(report: dict) -> None:
     first, last = first_and_last_peak("shmem")
     assert last <= first + 4096
     assert all(s["slabs"] == 2 and s["shm_objects"] == 0 for s in steady)  # one per loader
+    assert all(s["rings"] <= 1 for s in steady)  # the persistent loader's live iterator
     assert all(s["children"] <= 2 and s["zombies"] == 0 for s in steady)
     closed = report["closed"]
-    assert (closed["children"], closed["zombies"], closed["slabs"], closed["shm_objects"]) == (
-        0, 0, 0, 0)
+    assert (closed["children"], closed["zombies"], closed["slabs"], closed["rings"],
+            closed["shm_objects"]) == (0, 0, 0, 0, 0)
     assert closed["fds"] <= report["samples"][0]["fds"]
 
 

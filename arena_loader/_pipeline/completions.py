@@ -1,0 +1,111 @@
+"""Completion records: what a worker sends back for each order entry, on its own pipe.
+
+A record is a fixed-size header (``COMPLETION``: body length, status, idx, slot) and a body:
+the batch's plan record (``_layout.PlanEncoder``) for a loaded batch, the pickled failure for
+a failed one, nothing otherwise. Arrays never travel: the batch is already in its slot or
+segment. The main process reads each worker's pipe itself (``CompletionReader``), many
+records per ``read`` when they are there, and decodes a plan only when its bytes differ from
+that worker's previous one (batches of one structure share a ``Plan``).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import struct
+from collections import deque
+from typing import Any
+
+from .._layout import PlanDecoder
+
+COMPLETION = struct.Struct("<IBxxxqi")  # body bytes, status, idx, slot
+READ_NBYTES = 1 << 16
+
+
+class Status(enum.IntEnum):
+    LOADED = 1  # in the entry's slot
+    SEGMENT = 2  # in a one-off segment whose descriptor follows on the worker's fd socket
+    ENDED = 3  # an iterable-style dataset's iterator ended: no batch
+    FAILED = 4  # body: a pickled BatchFailed
+    WORKER_FAILED = 5  # body: a pickled WorkerFailed (the worker could not start or attach)
+
+
+class Completion:
+    """One decoded record: ``plan`` for loaded batches, ``body`` (bytes) otherwise."""
+
+    __slots__ = ("body", "idx", "nbytes", "plan", "slot", "status", "storage", "worker")
+
+    def __init__(self, worker: int, status: Status, idx: int, slot: int, body: bytes,
+                 plan: Any, nbytes: int):
+        self.worker, self.status, self.idx, self.slot = worker, status, idx, slot
+        self.body, self.plan, self.nbytes = body, plan, nbytes
+        self.storage: Any = None  # a SEGMENT batch's bytes, once received
+
+
+def encode(status: Status, idx: int, slot: int, body: bytes = b"") -> bytes:
+    return COMPLETION.pack(len(body), status, idx, slot) + body
+
+
+def write_completion(fd: int, record: bytes) -> None:
+    """Write a whole record to a worker's (blocking) result pipe."""
+    view = memoryview(record)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class CompletionReader:
+    """The main process's side: one buffer and one plan decoder per worker; parsed records
+    wait in ``arrived`` until the session has filed them (it pops each only once filed, and
+    filing is idempotent, so an interrupt anywhere loses no record: see ``fill``)."""
+
+    def __init__(self, fds: list[int]):
+        self.fds = list(fds)
+        for fd in self.fds:
+            os.set_blocking(fd, False)
+        self.arrived: deque[Completion] = deque()
+        self.records = 0  # parsed so far, and their bytes (tests check no array travels)
+        self.nbytes = 0
+        self._buffers = [bytearray() for _ in fds]
+        self._decoders = [PlanDecoder() for _ in fds]
+        self._last_plan: list[tuple[bytes, Any]] = [(b"", None)] * len(fds)
+
+    def fill(self, worker: int) -> bool | None:
+        """Parse what ``worker``'s pipe holds into ``arrived``: True if it held anything,
+        False if nothing (yet), None at EOF (the worker is gone; all it sent is parsed).
+
+        A record is appended before the buffer drops its bytes: interrupted in between, it is
+        parsed again, and the session files a duplicate as a no-op."""
+        buffer = self._buffers[worker]
+        try:
+            buffer += (data := os.read(self.fds[worker], READ_NBYTES))  # one statement
+            got: bool | None = True if data else None
+        except BlockingIOError:
+            got = False
+        if buffer:
+            self._parse(worker)
+        return got
+
+    def _parse(self, worker: int) -> None:
+        buffer, pos, count = self._buffers[worker], 0, 0
+        header, unpack, append = COMPLETION.size, COMPLETION.unpack_from, self.arrived.append
+        while len(buffer) - pos >= header:
+            body_len, status, idx, slot = unpack(buffer, pos)
+            end = pos + header + body_len
+            if end > len(buffer):
+                break
+            body = bytes(buffer[pos + header: end])
+            plan = None
+            if status == Status.LOADED or status == Status.SEGMENT:
+                plan = self._plan(worker, body)
+            append(Completion(worker, Status(status), idx, slot, body, plan, end - pos))
+            pos, count = end, count + 1
+        self.records, self.nbytes = self.records + count, self.nbytes + pos
+        del buffer[:pos]
+
+    def _plan(self, worker: int, body: bytes) -> Any:
+        last_body, last_plan = self._last_plan[worker]
+        if body == last_body:
+            return last_plan
+        plan = self._decoders[worker].decode(body).plan
+        self._last_plan[worker] = (body, plan)
+        return plan
