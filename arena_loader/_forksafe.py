@@ -100,6 +100,13 @@ _objects = _Registry()
 _handed_over = threading.local()
 # In a child: was it forked by a thread inside ``handing_over`` (a fork-started worker)?
 _forked_as_worker = False
+# Bumped in every forked child: an object made in generation g is used by its own process
+# while ``generation()`` is g (one attribute read; os.getpid() is a system call).
+_generation = 0
+
+
+def generation() -> int:
+    return _generation
 # Per thread (two threads may fork at once; only the forking thread survives in the child),
 # set between the before-fork and after-fork hooks: (pinned owners, pipe read fd, write fd).
 _forking = threading.local()
@@ -282,7 +289,8 @@ def close_on_exec_inherited() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _forked_as_worker
+    global _forked_as_worker, _generation
+    _generation += 1
     _forked_as_worker = bool(getattr(_handed_over, "fds", None))
     state, _forking.state = getattr(_forking, "state", None), None
     try:

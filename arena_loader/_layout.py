@@ -173,7 +173,9 @@ class Prepared:
         """Write every field (one C call each where the data allows) and the objects."""
         for field, column in zip(self.plan.fields, self._columns):
             flat = storage[field.offset: field.offset + field.nbytes].view(field.dtype)
-            if type(column) is list:
+            if type(column) is _EqualRows:
+                _write_equal_rows(flat, column, field)
+            elif type(column) is list:
                 _write_rows(flat, column, field)
             elif type(column) is np.ndarray and column.dtype == field.dtype:
                 np.concatenate((column,), axis=None, out=flat, casting="no")
@@ -182,6 +184,23 @@ class Prepared:
         if self._objects is not None:
             start = self.plan.objects_offset
             storage[start: start + len(self._objects)] = np.frombuffer(self._objects, np.uint8)
+
+
+class _EqualRows(list):
+    """Rows of one dtype and one length, whose other dimensions the write checks (in
+    C, as it copies): the per-row shape walk is done only if that check fails."""
+
+    __slots__ = ("indices", "path")
+
+
+def _write_equal_rows(flat: np.ndarray, rows: _EqualRows, field: FieldPlacement) -> None:
+    shape = field.shape
+    try:  # axis 0 into an out of the batch's shape: numpy checks every row's other dims
+        np.concatenate(rows, axis=0, out=flat.reshape(shape[0] * shape[1], *shape[2:]),
+                       casting="no")
+    except (ValueError, TypeError):
+        _column(list(rows), rows.path, rows.indices, fast=False)  # raises the named error
+        raise
 
 
 def _write_rows(flat: np.ndarray, rows: list, field: FieldPlacement) -> None:
@@ -341,9 +360,21 @@ _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
 
-def _column(values: list, path: str, indices: Sequence[Any]) -> tuple[list, FieldPlacement]:
+def _column(values: list, path: str, indices: Sequence[Any],
+            fast: bool = True) -> tuple[list, FieldPlacement]:
     """The rows of one field as numpy values, and its dtype, shape and kind (offset 0)."""
     first = values[0]
+    # The hottest path: arrays of at least one dimension, one dtype and one length;
+    # their other dimensions are checked by the write itself (_write_equal_rows).
+    if fast and type(first) is np.ndarray and first.ndim and not first.dtype.hasobject:
+        try:
+            equal = len(set(map(len, values))) == 1 and len(set(map(_DTYPE, values))) == 1
+        except (TypeError, AttributeError):  # a row without len() or dtype: the full walk
+            equal = False
+        if equal:
+            rows = _EqualRows(values)
+            rows.path, rows.indices = path, indices
+            return rows, FieldPlacement(first.dtype, (len(values), *first.shape), 0)
     # The hot path: every row an ndarray of one dtype and shape, checked by C-level maps.
     if type(first) is np.ndarray and set(map(type, values)) == {np.ndarray}:
         shapes, dtypes = set(map(_SHAPE, values)), set(map(_DTYPE, values))

@@ -126,8 +126,10 @@ class SlotPool:
             return slot
 
     def mark_filled(self, slot: int) -> None:
+        """ASSIGNED -> FILLED; a slot already FILLED stays so (a record filed twice)."""
         with self._lock:
-            self._move(slot, SlotState.ASSIGNED, SlotState.FILLED)
+            if self._states[slot] is not SlotState.FILLED:
+                self._move(slot, SlotState.ASSIGNED, SlotState.FILLED)
 
     def lease(self, slot: int) -> SlotLease:
         lease = None
@@ -163,9 +165,12 @@ class SlotPool:
             self._slab_array = None  # type: ignore[assignment]
 
     def reclaim(self, slot: int) -> None:
-        """Return an ASSIGNED or FILLED slot whose batch will never reach the consumer."""
+        """Return an ASSIGNED or FILLED slot whose batch will never reach the consumer (one
+        already FREE stays so: a record filed twice)."""
         with self._lock:
             state = self._states[slot]
+            if state is SlotState.FREE:
+                return
             if state not in (SlotState.ASSIGNED, SlotState.FILLED):
                 raise RuntimeError(f"slot {slot} cannot be reclaimed from state {state.value}")
             self._states[slot] = SlotState.FREE

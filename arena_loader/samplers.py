@@ -148,8 +148,9 @@ class RandomSampler:
         else:
             whole, rest = divmod(self.num_samples, n)
             parts = [self._rng.permutation(n) for _ in range(whole)]
-            parts.append(self._rng.permutation(n)[:rest])
-            drawn = np.concatenate(parts)
+            if rest:  # no permutation drawn only to take none of it
+                parts.append(self._rng.permutation(n)[:rest])
+            drawn = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return iter(drawn.tolist())
 
     def _torch_indices(self, torch: Any, n: int) -> Iterator[int]:

@@ -30,15 +30,23 @@ class Status(enum.IntEnum):
     WORKER_FAILED = 5  # body: a pickled WorkerFailed (the worker could not start or attach)
 
 
+# The statuses as plain ints, for the per-batch path (an IntEnum call costs a microsecond);
+# a Completion's ``status`` is one of these.
+LOADED, SEGMENT, ENDED, FAILED, WORKER_FAILED = (int(s) for s in Status)
+
+
 class Completion:
-    """One decoded record: ``plan`` for loaded batches, ``body`` (bytes) otherwise."""
+    """One decoded record: ``plan`` for loaded batches, ``body`` (bytes) otherwise. Filed,
+    it also carries the batch's ``indices`` and, for a SEGMENT batch, its ``storage``."""
 
-    __slots__ = ("body", "idx", "nbytes", "plan", "slot", "status", "storage", "worker")
+    __slots__ = ("body", "idx", "indices", "nbytes", "plan", "slot", "status", "storage",
+                 "worker")
 
-    def __init__(self, worker: int, status: Status, idx: int, slot: int, body: bytes,
+    def __init__(self, worker: int, status: int, idx: int, slot: int, body: bytes,
                  plan: Any, nbytes: int):
         self.worker, self.status, self.idx, self.slot = worker, status, idx, slot
         self.body, self.plan, self.nbytes = body, plan, nbytes
+        self.indices: Any = None
         self.storage: Any = None  # a SEGMENT batch's bytes, once received
 
 
@@ -94,10 +102,8 @@ class CompletionReader:
             if end > len(buffer):
                 break
             body = bytes(buffer[pos + header: end])
-            plan = None
-            if status == Status.LOADED or status == Status.SEGMENT:
-                plan = self._plan(worker, body)
-            append(Completion(worker, Status(status), idx, slot, body, plan, end - pos))
+            plan = self._plan(worker, body) if status <= SEGMENT else None
+            append(Completion(worker, status, idx, slot, body, plan, end - pos))
             pos, count = end, count + 1
         self.records, self.nbytes = self.records + count, self.nbytes + pos
         del buffer[:pos]

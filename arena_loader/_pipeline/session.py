@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from .. import _forksafe
 from .._arena import Arena, ArenaSource, slot_budget
 from .._fetch import BatchFiller
 from .._messages import NO_SLOT, fresh_copy, rebuild_worker_error
@@ -35,9 +36,9 @@ from .._slab import Slab, receive_segment
 from .._threads import ThreadWorkerGroup
 from .._worker import WorkerSetup
 from ..errors import LoaderClosedError, LoaderTimeoutError, ShmCapacityError, forked_iterator_error
-from .completions import Completion, CompletionReader, Status
+from .completions import ENDED, FAILED, LOADED, SEGMENT, WORKER_FAILED, Completion, CompletionReader
 from .order import EntryKind, OrderRing
-from .reorder import Ready, Reorderer
+from .reorder import Reorderer
 
 # The longest single wait; results, worker exits, freed slots and close() all end it at once.
 POLL_S = 0.5
@@ -71,6 +72,7 @@ class Session:
         self._source = source
         self._base_seed = base_seed
         self._pid = os.getpid()
+        self._generation = _forksafe.generation()
         # Held for short steps by next() and close(), never while waiting or in user code.
         self._lock = threading.RLock()
         # Held for a whole next() or epoch start: one consumer at a time. close() never
@@ -150,7 +152,7 @@ class Session:
         self._held_blocked = False  # the consumer holds held_batch_limit batches
         self._held_overflow = False  # a batch went to a segment: every slot is held
         self._stash: Any = None  # a batch built for a next() that Ctrl-C interrupted
-        self._taken: Ready | None = None  # taken, not yet handed over (see next_batch)
+        self._taken: Completion | None = None  # taken, not yet handed over (see next_batch)
         self._active = [True] * self._options.num_workers  # iterables: iterator not ended
         self._next_worker = 0
 
@@ -254,8 +256,9 @@ class Session:
 
     def _publish(self) -> bool:
         """Send the drawn batches the window allows; True when the next needs a draw."""
+        order = self._order
         while (not self._exhausted and self.phase is Phase.RUNNING
-               and len(self._order) < self._window):
+               and len(order.in_flight) + len(order.done) < self._window):
             if self._pending is _NO_PENDING:
                 return True
             worker = self._pick_worker()
@@ -337,10 +340,9 @@ class Session:
         teardown. A stuck thread worker's slot stays owned for good. Returns how many."""
         order = self._order
         owned = {entry[1] for entry in order.in_flight.values()} | self._stuck_slots
-        owned.update(ready.completion.slot for ready in order.done.values()
-                     if ready.storage is None)
+        owned.update(ready.slot for ready in order.done.values() if ready.storage is None)
         if self._taken is not None and self._taken.storage is None:
-            owned.add(self._taken.completion.slot)
+            owned.add(self._taken.slot)
         return self.arena.pool.reconcile(owned)
 
     def _pick_worker(self) -> int | None:
@@ -404,7 +406,7 @@ class Session:
                                      completion.slot)
         if self.phase not in (Phase.RUNNING, Phase.DRAINING):
             return  # failed: the workers are stopped and every slot they had is reclaimed
-        if status is Status.WORKER_FAILED:
+        if status == WORKER_FAILED:
             error = rebuild_worker_error(ForkingPickler.loads(completion.body))
             if self.phase is Phase.DRAINING:
                 self._stop_workers(graceful=False)  # the next epoch starts new workers
@@ -423,29 +425,28 @@ class Session:
                 f"arena_loader worker {worker} reported batch idx={idx} in slot {slot}, but "
                 f"that is not a batch it was loading ({entry and entry[:2]}); the worker "
                 "process is corrupt")
-        if status is Status.SEGMENT and completion.storage is None:
+        if status == SEGMENT and completion.storage is None:
             completion.storage = receive_segment(self.workers.fd_sockets[worker], idx,
                                                  completion.plan.nbytes)
         draining = self.phase is Phase.DRAINING
         if slot != NO_SLOT:
-            state = self.arena.pool.state(slot)
-            if status is Status.LOADED and not draining:
+            if status == LOADED and not draining:
                 if completion.plan.nbytes > self.arena.slot_nbytes:
                     raise RuntimeError(f"arena_loader worker {worker} wrote batch idx={idx} "
                                        f"of {completion.plan.nbytes} bytes into a slot of "
                                        f"{self.arena.slot_nbytes}")
-                if state is SlotState.ASSIGNED:
-                    self.arena.pool.mark_filled(slot)
-            elif state is not SlotState.FREE:
+                self.arena.pool.mark_filled(slot)
+            else:
                 self.arena.pool.reclaim(slot)  # not used (segment, ended, failed), not wanted
         if draining:
             order.in_flight.pop(idx, None)
             return
-        if status is Status.ENDED:
+        if status == ENDED:
             self._active[worker] = False
         elif self.arena is None and completion.plan is not None and not self._slabless:
             self._attach(completion.plan.nbytes)
-        order.arrive(Ready(completion, entry[2], completion.storage))
+        completion.indices = entry[2]
+        order.arrive(completion)
 
     def _attach(self, first_nbytes: int) -> None:
         """The session's first batch sets the slot budget: size the reserved slab for it and
@@ -512,7 +513,7 @@ class Session:
     # -- the consumer -----------------------------------------------------------------
 
     def next_batch(self) -> Any:
-        if os.getpid() != self._pid:
+        if _forksafe.generation() != self._generation:
             raise forked_iterator_error(self._pid)
         with self._consumer:
             try:
@@ -534,11 +535,23 @@ class Session:
                 self._begin()
             if self.arena is not None:
                 self._source.check_limit(self.arena)
+        batch = None
+        try:
+            batch = self._wait_for_batch()
+            # The window has room for the batch just taken: send the next one now, as torch
+            # does, so workers go on while the training step runs.
+            self._fill_window()
+            return batch
+        except BaseException:
+            if batch is not None:
+                self._stash = batch  # handed out by the next next()
+            raise
+
+    def _wait_for_batch(self) -> Any:
         timeout = self._options.timeout
         deadline = time.monotonic() + timeout if timeout > 0 else None
         collected = False
         while True:
-            self._fill_window()
             with self._lock:
                 self._check_open()
                 if self._take():
@@ -563,6 +576,7 @@ class Session:
                 gc.collect()  # views in reference cycles give their slots back
                 collected = True
                 continue
+            self._fill_window()  # a slot freed since, or a draw left pending
             self._wait(wait_s)
 
     def _take(self) -> bool:
@@ -573,17 +587,17 @@ class Session:
             if ready is None:
                 return False
             self._order.taken(ready)
-            if ready.completion.status is not Status.ENDED:
+            if ready.status != ENDED:
                 return True
             self._taken = None
 
     def _hand_over(self) -> Any:
         """The taken batch as the consumer's (or its error raised). Ctrl-C in here: a built
         batch is stashed for the next next(), an unbuilt one stays in ``_taken``."""
-        ready, batch = self._taken, None
-        completion = ready.completion
+        ready = completion = self._taken
+        batch = None
         try:
-            if completion.status is Status.FAILED:
+            if completion.status == FAILED:
                 self._taken = None  # handed out: raised on the next line
                 raise rebuild_worker_error(ForkingPickler.loads(completion.body),
                                            ready.indices, ready.idx)
@@ -599,14 +613,14 @@ class Session:
         except KeyboardInterrupt:
             if batch is not None:
                 self._stash, self._taken = batch, None
-            elif ready.storage is None and completion.status is Status.LOADED and \
+            elif ready.storage is None and completion.status == LOADED and \
                     self.arena.pool.state(completion.slot) is not SlotState.FILLED:
                 self._taken = None  # leased and lost mid-assembly: nothing to put back
             raise
         except BaseException:
             self._taken = None
             # Not delivered (a bad object leaf): the slot would otherwise stay FILLED.
-            if completion.status is Status.LOADED and ready.storage is None and \
+            if completion.status == LOADED and ready.storage is None and \
                     self.arena.pool.state(completion.slot) is SlotState.FILLED:
                 self.arena.pool.reclaim(completion.slot)
             raise
@@ -614,7 +628,7 @@ class Session:
     def _starved(self) -> bool:
         """Nothing in flight or ready, a batch's indices waiting, and the consumer holds
         ``held_batch_limit`` batches."""
-        if (len(self._order) or self._pending is _NO_PENDING
+        if (self._order.in_flight or self._order.done or self._pending is _NO_PENDING
                 or self.arena is None or not self._held_blocked):
             return False
         return self._source.over_limit(self.arena)
@@ -689,9 +703,8 @@ class Session:
 
     def _reclaim_done(self) -> None:
         for ready in self._order.clear_done():
-            if ready.storage is None and ready.completion.status is Status.LOADED and \
-                    self.arena is not None:
-                self.arena.pool.reclaim(ready.completion.slot)
+            if ready.storage is None and ready.status == LOADED and self.arena is not None:
+                self.arena.pool.reclaim(ready.slot)
 
     def _release_arena(self) -> None:
         """Give the arena back to the loader (idempotent); in-flight slots must be reclaimed."""
