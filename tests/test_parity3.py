@@ -486,3 +486,23 @@ def test_lightning_trains_on_the_order_torchs_dataloader_gives(num_workers):
             loader.close()
         orders.append(model.seen)
     assert orders[0] == orders[1] and len(orders[0]) == 12
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_the_sampler_draws_inside_iter_like_torch(num_workers):
+    """A draw from torch's RNG between iter(loader) and the first batch comes after the
+    sampler's (with workers) or before it (without), as with torch's DataLoader, every run."""
+    def run(cls):
+        torch.manual_seed(0)
+        loader = cls(Indices(), batch_size=4, shuffle=True, num_workers=num_workers)
+        iterator = iter(loader)
+        drawn = torch.rand(3).tolist()
+        order = [int(x) for batch in iterator for x in batch.reshape(-1)]
+        if hasattr(loader, "close"):
+            loader.close()
+        return drawn, order
+
+    theirs = run(tud.DataLoader)
+    for _ in range(3):
+        assert run(ArenaLoader) == theirs
