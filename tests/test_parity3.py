@@ -20,6 +20,7 @@ import pytest
 import arena_loader.errors
 from arena_loader import ArenaLoader, SampleTypeError, WorkerCrashedError
 
+from .test_real_batches import assert_same as assert_same_values
 from .test_torch_parity import torch, tud
 
 WORKERS = [0, 2]
@@ -47,24 +48,21 @@ def tuple_sample(i: int) -> tuple:
     return (b"payload-%d" % i, f"name {i}", i)
 
 
-def assert_same(ours, theirs, where="batch") -> None:
-    """The same structure, container types, leaf types and values (tensors compared by
-    dtype and value)."""
-    if isinstance(theirs, torch.Tensor):
-        assert isinstance(ours, torch.Tensor), (where, type(ours))
-        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), where
-        return
-    assert type(ours) is type(theirs), (where, type(ours), type(theirs))
-    if isinstance(theirs, dict):
-        assert list(ours) == list(theirs), where
-        for key in theirs:
-            assert_same(ours[key], theirs[key], f"{where}[{key!r}]")
-    elif isinstance(theirs, (list, tuple)):
-        assert len(ours) == len(theirs), where
-        for i, (a, b) in enumerate(zip(ours, theirs)):
-            assert_same(a, b, f"{where}[{i}]")
-    else:
-        assert ours == theirs, where
+def kinds(value):
+    """A batch's structure: container types and leaf types, tensors by their dtype."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype)
+    if isinstance(value, dict):
+        return type(value), {key: kinds(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value), [kinds(item) for item in value]
+    return type(value)
+
+
+def assert_same(ours, theirs) -> None:
+    """The same structure, container and leaf types, and values."""
+    assert kinds(ours) == kinds(theirs)
+    assert_same_values(ours, theirs)
 
 
 def both(dataset, num_workers: int, **kwargs) -> tuple[list, list]:
