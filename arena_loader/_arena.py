@@ -141,6 +141,7 @@ class ArenaSource:
         # Segment batches handed out, and those whose views all died (appended by finalizers
         # in any thread: deque.append takes no lock the dropping thread might hold).
         self._segments_given = 0
+        self._delivered = 0  # batches handed out (or being): tells an unused iterator
         self._segments_released: deque[None] = deque()
         self._warned = False
         self._pid = os.getpid()
@@ -182,6 +183,10 @@ class ArenaSource:
         arena.close()
 
     # -- held batches --------------------------------------------------------------------
+
+    def delivered_count(self) -> int:
+        """Batches ``deliver`` has handed out (or begun to) over this source's life."""
+        return self._delivered
 
     def held(self, arena: Arena | None) -> int:
         """Batches the consumer holds: leased slots plus batches in segments."""
@@ -251,6 +256,7 @@ class ArenaSource:
             self._segments_given += 1
             weakref.finalize(lease, self._segments_released.append, None).atexit = False
             pinned = False
+        self._delivered += 1
         try:
             host = np.asarray(lease)
             try:

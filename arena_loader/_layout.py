@@ -2,11 +2,13 @@
 
 Every batch is laid out on its own: the worker walks it (the samples under default
 collation, or the batch a ``collate_fn`` returned), and every numeric leaf (numpy array or
-scalar, Python number, CPU torch tensor) becomes a *field* with its own dtype, shape and
-64-byte aligned offset. Shapes and dtypes may change from batch to batch and, in a collated
-batch, from leaf to leaf (a list of variable-length arrays stays a list of arrays). Every
-other leaf (str, bytes, None, arbitrary objects) is an *object leaf*: the values are pickled
-into the same storage, after the fields.
+numeric scalar, Python number, dense CPU torch tensor) becomes a *field* with its own dtype,
+shape and 64-byte aligned offset. Shapes and dtypes may change from batch to batch and, in a
+collated batch, from leaf to leaf (a list of variable-length arrays stays a list of arrays).
+Every other leaf (str and ``np.str_``, bytes, tensors the slab cannot hold: nested, sparse,
+quantized) is an *object leaf*: the values are pickled into the same storage, after the fields.
+Default collation accepts as object leaves only what torch's ``default_collate`` accepts, and
+raises torch's error type for the rest (``collate_objects``).
 
 ``prepare_samples`` / ``prepare_batch`` give a ``Prepared`` batch: its ``Plan`` (the small
 description the consumer needs: structure, fields, where the objects are) and how many bytes
@@ -19,6 +21,7 @@ The consumer's ``Plan.assemble`` builds views of the storage (docs/design.md, "B
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import pickle
 import struct
@@ -29,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import LayoutError
+from .errors import LayoutError, SampleTypeError
 
 FIELD_ALIGNMENT = 64
 
@@ -229,6 +232,25 @@ def _is_tensor(value: Any) -> bool:
     return type(value).__module__.startswith("torch") and hasattr(value, "untyped_storage")
 
 
+def _slab_holds(tensor: Any) -> bool:
+    """A tensor whose values are one dense block numpy can view: strided, neither nested nor
+    quantized. Any other kind (nested, sparse, quantized, mkldnn) travels pickled, as torch's
+    workers send it."""
+    return (tensor.layout is sys.modules["torch"].strided and not tensor.is_nested
+            and not tensor.is_quantized)
+
+
+def _is_field(value: Any) -> bool:
+    """A leaf stored as an array in the slab: numpy arrays, numeric numpy scalars (a
+    ``np.str_`` is a str to torch's ``default_collate``, so an object leaf), Python numbers,
+    dense tensors."""
+    if isinstance(value, np.ndarray) or type(value) in _PYTHON_NUMBER_DTYPES:
+        return True
+    if isinstance(value, np.generic):
+        return not isinstance(value, np.character)
+    return _is_tensor(value) and _slab_holds(value)
+
+
 def _tensor_array(value: Any) -> tuple[np.ndarray, int, str]:
     """A CPU torch tensor's values as numpy: (array, kind, raw torch dtype name)."""
     tensor = value.detach()
@@ -258,10 +280,12 @@ class _SpecBuilder:
         self.field_values: list[Any] = []
         self.object_paths: list[str] = []
         self.object_values: list[Any] = []
+        # Per object leaf: its parent is a tuple or list (torch's default_collate then hands
+        # out the leaf's values as the tuple its zip() made, not a list).
+        self.object_in_sequence: list[bool] = []
 
-    def build(self, value: Any, path: str) -> Any:
-        if isinstance(value, (np.ndarray, np.generic)) or type(value) in _PYTHON_NUMBER_DTYPES \
-                or _is_tensor(value):
+    def build(self, value: Any, path: str, in_sequence: bool = False) -> Any:
+        if _is_field(value):
             self.field_paths.append(path)
             self.field_values.append(value)
             return _FieldLeaf(len(self.field_paths) - 1)
@@ -272,9 +296,11 @@ class _SpecBuilder:
         if isinstance(value, (tuple, list)):
             if _is_namedtuple(value):
                 names = type(value)._fields
-                children = tuple(self.build(v, f"{path}.{n}") for n, v in zip(names, value))
+                children = tuple(self.build(v, f"{path}.{n}", True)
+                                 for n, v in zip(names, value))
             else:
-                children = tuple(self.build(v, f"{path}[{i}]") for i, v in enumerate(value))
+                children = tuple(self.build(v, f"{path}[{i}]", True)
+                                 for i, v in enumerate(value))
             return _SequenceNode(type(value), children, path)
         if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
             names = tuple(value.__dataclass_fields__)
@@ -282,6 +308,7 @@ class _SpecBuilder:
             return _MappingNode(type(value), names, children, path)
         self.object_paths.append(path)
         self.object_values.append(value)
+        self.object_in_sequence.append(in_sequence)
         return _ObjectLeaf(len(self.object_paths) - 1)
 
 
@@ -325,6 +352,60 @@ def _structure_error(node: Any, value: Any, index: Any) -> None:
     raise LayoutError(f"sample {index!r}: {node.path} must be {expected} like the batch's first "
                       f"sample, got {actual}; return the same structure (keys, lengths) for "
                       "every sample, or pass a collate_fn")
+
+
+# torch's default_collate text for a leaf it cannot batch (torch/utils/data/_utils/collate.py).
+_TORCH_COLLATE_TYPE_ERROR = ("default_collate: batch must contain tensors, numpy arrays, numbers, "
+                             "dicts or lists; found {}")
+_TORCH_UNSTACKABLE = ("Batches of {} tensors are not currently supported by the default "
+                      "collate_fn; please provide a custom collate_fn to handle them "
+                      "appropriately.")
+_SPARSE_LAYOUTS = ("sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc")
+
+
+def collate_objects(values: list, path: str, in_sequence: bool, indices: Sequence[Any]) -> Any:
+    """One object leaf's values under default collation, as torch's ``default_collate`` gives
+    them: str and bytes as they are (a tuple inside a tuple or list sample, the list otherwise),
+    a tensor kind the slab cannot hold stacked by torch (nested and sparse raise torch's
+    ``RuntimeError``); what torch rejects raises ``SampleTypeError`` (a ``TypeError``). As in
+    torch, the first sample's value decides."""
+    first = values[0]
+    if isinstance(first, (str, bytes)):
+        return tuple(values) if in_sequence else values
+    where = f"sample {indices[0]!r}"
+    if path != "sample":
+        where = f"field {path} of {where}"
+    if _is_tensor(first):
+        torch = sys.modules["torch"]
+        kind = ("nested" if first.is_nested else "sparse"
+                if str(first.layout).rpartition(".")[2] in _SPARSE_LAYOUTS else None)
+        if kind is not None:
+            raise RuntimeError(f"{_TORCH_UNSTACKABLE.format(kind)} ({where} is a {kind} "
+                               "tensor; a collate_fn that returns them as a list, or "
+                               "batch_size=None, hands them out as they are)")
+        return torch.stack(values)  # quantized, mkldnn, ...: torch stacks them, pickled here
+    if isinstance(first, Sequence):
+        return values  # range, deque, ...: kept as a list (torch transposes them)
+    what = "None" if first is None else f"a {type(first).__module__}.{type(first).__qualname__}"
+    raise SampleTypeError(f"{_TORCH_COLLATE_TYPE_ERROR.format(type(first))} ({where} is {what}, "
+                          f"which default collation cannot batch; {_collate_fix(first)})")
+
+
+def _collate_fix(value: Any) -> str:
+    """How to make ``value`` batchable, by what it is."""
+    if value is None:
+        return ("give the field a value in every sample (a number, an array or a string, "
+                "with a mask if it can be missing), leave it out of the sample, or pass a "
+                "collate_fn that handles None")
+    if type(value).__module__.startswith("PIL."):
+        return ("convert the image to an array in the dataset's transform "
+                "(torchvision.transforms.ToTensor() or PILToTensor(), or np.asarray(image)), "
+                "or pass a collate_fn")
+    if isinstance(value, numbers.Number):
+        return ("convert it to float or int in the dataset (float(value)), or pass a "
+                "collate_fn")
+    return ("convert it to an array, a number or a string in the dataset, or pass a "
+            "collate_fn that batches it")
 
 
 def _promote(dtypes: list[np.dtype]) -> np.dtype:
@@ -399,7 +480,7 @@ def _column(values: list, path: str, indices: Sequence[Any],
         elif type(value) in _PYTHON_NUMBER_DTYPES:
             array = np.asarray(value, dtype=_number_dtype([value], path, [index]))
         elif value is None and type(first) is not type(None) and path == "sample":
-            _reject_none(value, f"dataset[{index!r}]")
+            _reject_none(value, f"dataset[{index!r}]", collated=True)
         else:
             raise LayoutError(f"sample {index!r}: field {path} is {_describe(value)} where "
                               f"sample {indices[0]!r} has {_describe(first)}; return the same "
@@ -475,7 +556,7 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any]) -> Prepared:
     (dtype promotion included); str and other objects become lists."""
     first = samples[0]
     if first is None:
-        _reject_none(first, f"dataset[{indices[0]!r}]")
+        _reject_none(first, f"dataset[{indices[0]!r}]", collated=True)
     builder = _SpecBuilder()
     spec = builder.build(first, "sample")
     if type(spec) is _FieldLeaf:  # samples that are one array or number: no walk
@@ -485,8 +566,10 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any]) -> Prepared:
         objects = [[v] for v in builder.object_values]
         for sample, index in zip(samples[1:], indices[1:]):
             if sample is None:
-                _reject_none(sample, f"dataset[{index!r}]")
+                _reject_none(sample, f"dataset[{index!r}]", collated=True)
             _flatten(spec, sample, raw_columns, objects, index)
+        objects = [collate_objects(values, path, in_sequence, indices) for values, path, in_sequence
+                   in zip(objects, builder.object_paths, builder.object_in_sequence)]
     columns, placements = [], []
     for values, path in zip(raw_columns, builder.field_paths):
         rows, placement = _column(values, path, indices)
@@ -713,11 +796,15 @@ def _rebuild(node: Any, views: list, objects: list) -> Any:
         return children
 
 
-def _reject_none(value: Any, subject: str) -> None:
+def _reject_none(value: Any, subject: str, collated: bool = False) -> None:
+    """``collated``: default collation, where torch raises TypeError for a None sample too."""
     if value is None:
-        raise LayoutError(f"{subject} returned None; every sample must be an array, a number or "
-                          "a nested dict/tuple/list of them (filter missing samples in the "
-                          "dataset or the sampler)")
+        message = (f"{subject} returned None; every sample must be an array, a number or a "
+                   "nested dict/tuple/list of them (filter missing samples in the dataset or "
+                   "the sampler)")
+        if collated:
+            raise SampleTypeError(f"{_TORCH_COLLATE_TYPE_ERROR.format(type(None))} ({message})")
+        raise LayoutError(message)
 
 
 def _align(offset: int) -> int:

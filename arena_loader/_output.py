@@ -60,6 +60,11 @@ def _to_torch(torch: Any, value: Any, collated: bool) -> Any:
     if isinstance(value, tuple) and hasattr(type(value), "_fields"):
         return type(value)(*(_to_torch(torch, item, collated) for item in value))
     if isinstance(value, (tuple, list)):
+        if collated and type(value) is tuple and value and isinstance(value[0], (str, bytes)):
+            # The strings of one object leaf inside a tuple or list sample: torch's
+            # default_collate hands out the tuple its zip() made. (In a collated batch a
+            # structure node's children are arrays or containers, never a str.)
+            return value
         items = [_to_torch(torch, item, collated) for item in value]
         # torch's default_collate turns a tuple of fields into a list
         return items if collated or type(value) is list else type(value)(items)

@@ -49,8 +49,12 @@ _FIXES = {
                  "or use smaller batches",
     errno.ENOMEM: "raise the address-space limit (`ulimit -v`, RLIMIT_AS) or free memory, pass "
                   "fewer `slots`, or use smaller batches",
-    errno.EMFILE: "raise the open-file limit (`ulimit -n`, RLIMIT_NOFILE), or use fewer "
-                  "loaders or a smaller num_workers",
+    errno.EMFILE: "raise the open-file limit (`ulimit -n`, RLIMIT_NOFILE); every batch you "
+                  "hold beyond the slab's `slots` keeps a descriptor of its own, so keep copies "
+                  "of the batches you store (x.clone(), np.array(x)) or pass a larger `slots` "
+                  "(ArenaLoader's equivalent of torch's advice to call torch.multiprocessing."
+                  "set_sharing_strategy('file_system'), which has no effect on it); or use "
+                  "fewer loaders or a smaller num_workers",
     errno.ENFILE: "the whole system is out of file descriptors (fs.file-max): close other "
                   "programs' files or raise fs.file-max",
     errno.EPERM: f"make {SHM_DIR} a writable tmpfs this user may create files in and map "

@@ -1,5 +1,6 @@
 """The parts of torch's DataLoader behaviour that involve torch objects or torch's wording:
-DataPipe sharding and shuffling, torch's seed draws, and torch's two warnings.
+DataPipe sharding and shuffling, torch's seed draws (and giving them back for an iterator that
+was never used), torch's two warnings, and the one private attribute torch's own tests use.
 
 torch is never imported here: each function looks at ``sys.modules`` and only acts on what
 the program already loaded (a DataPipe or a ``torch.Generator`` cannot exist without it).
@@ -8,11 +9,13 @@ the program already loaded (a DataPipe or a ``torch.Generator`` cannot exist wit
 from __future__ import annotations
 
 import ctypes
+import itertools
 import multiprocessing
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .worker_info import get_worker_info
@@ -154,3 +157,113 @@ def check_worker_number(num_workers: int, stacklevel: int) -> None:
         "Please be aware that excessive worker creation might get DataLoader running slow or "
         "even freeze, lower the worker number to avoid potential slowness/freeze if "
         "necessary.", UserWarning, stacklevel=stacklevel + 1)
+
+
+def take_first_now(batches: Iterator) -> Iterator:
+    """``batches`` with its first item taken now. torch's multi-process iterator takes its
+    first indices inside ``iter(loader)`` (so a shuffling sampler draws its seed there); ours
+    are taken by the dispatch thread, at a moment that would race with the program's own
+    draws from torch's global RNG. Taking the first here puts the draw where torch makes it."""
+    for first in batches:
+        return itertools.chain((first,), batches)
+    return iter(())
+
+
+class UnusedIteratorDraws:
+    """The random draws one ``iter(loader)`` makes (DataPipe seed, the workers' base seed,
+    the sampler's seed), given back if the iterator is dropped before it hands out a batch and
+    nothing drew from those generators since.
+
+    Why: PyTorch Lightning checks that a loader which is not a torch ``DataLoader`` is iterable
+    by calling ``iter(loader)`` once and dropping the result. Those draws would shift every
+    later one, so a run switched to ArenaLoader would see another order than the same run with
+    torch's DataLoader, which Lightning does not probe. Giving them back makes such a probe
+    leave no trace; a used iterator, or one after which anything else drew, keeps its draws.
+    """
+
+    def __init__(self, generators: list[Any]) -> None:
+        self._generators = generators
+        self._before = [g.get_state() for g in generators]
+        self._after: list[Any] = []
+
+    @classmethod
+    def take(cls, loader: Any) -> UnusedIteratorDraws | None:
+        """At the start of ``iter(loader)``: the state of every torch generator it may draw
+        from (torch's global one, the loader's ``generator``, its sampler's)."""
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None  # numpy-drawn orders are not torch's anyway
+        generators = [torch.default_generator]
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        for owner in (loader, loader.sampler, getattr(batch_sampler, "sampler", None)):
+            generator = getattr(owner, "generator", None)
+            if isinstance(generator, torch.Generator) and \
+                    all(generator is not known for known in generators):
+                generators.append(generator)
+        return cls(generators)
+
+    def watch(self, iterator: Any, delivered: Callable[[], int],
+              on_give_back: Callable[[], None] | None = None) -> None:
+        """At the end of ``iter(loader)``: when ``iterator`` dies, give the draws back if
+        ``delivered()`` (batches the loader handed out) has not moved and no generator moved.
+        ``on_give_back``: what else must be undone (a persistent iterator made with the
+        returned base seed)."""
+        self._after = [g.get_state() for g in self._generators]
+        if all(_equal_states(a, b) for a, b in zip(self._before, self._after)):
+            return  # this iter() drew nothing
+        finalizer = weakref.finalize(iterator, self._give_back, delivered, delivered(),
+                                     on_give_back)
+        finalizer.atexit = False
+
+    def _give_back(self, delivered: Callable[[], int], delivered_then: int,
+                   on_give_back: Callable[[], None] | None) -> None:
+        if delivered() != delivered_then:
+            return
+        if not all(_equal_states(g.get_state(), after)
+                   for g, after in zip(self._generators, self._after)):
+            return
+        for generator, state in zip(self._generators, self._before):
+            generator.set_state(state)
+        if on_give_back is not None:
+            on_give_back()
+
+
+def _equal_states(a: Any, b: Any) -> bool:
+    return bool(sys.modules["torch"].equal(a, b))
+
+
+class TorchIteratorAttribute:
+    """torch's ``DataLoader._iterator``, which torch's own tests (and some training code) use
+    to shut persistent workers down: the persistent workers' iterator, or ``None``. Setting it
+    to ``None`` drops that iterator (the next ``iter()`` starts new workers)."""
+
+    _persistent: Any
+
+    @property
+    def _iterator(self) -> Any:
+        persistent = self._persistent
+        return None if persistent is None else _TorchIteratorView(persistent)
+
+    @_iterator.setter
+    def _iterator(self, value: Any) -> None:
+        if value is not None:
+            raise ValueError(f"_iterator can only be set to None (drop the persistent workers' "
+                             f"iterator), got {value!r}")
+        persistent, self._persistent = self._persistent, None
+        if persistent is not None:
+            persistent.close()
+
+
+class _TorchIteratorView:
+    """An iterator with the method torch's tests call on ``DataLoader._iterator``."""
+
+    __slots__ = ("_iterator",)
+
+    def __init__(self, iterator: Any) -> None:
+        self._iterator = iterator
+
+    def _shutdown_workers(self) -> None:
+        self._iterator.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._iterator, name)

@@ -2,8 +2,13 @@
 
 Two families are kept apart on purpose (docs/design.md, "Errors"):
 "you closed it" (:class:`LoaderClosedError`) and "it broke" (:class:`WorkerCrashedError`,
-:class:`LoaderTimeoutError`, a re-raised worker exception). Capacity and layout errors are
-``ValueError``/``OSError`` subclasses so that code catching torch's error types keeps working.
+:class:`LoaderTimeoutError`, a re-raised worker exception). Each class also derives from the
+builtin type torch raises in the same situation, so that code catching torch's error types keeps
+working: shared-memory and descriptor exhaustion are ``OSError`` and ``RuntimeError`` (torch
+raises ``RuntimeError``), a sample default collation cannot batch is a ``TypeError``.
+
+Every class is constructible from its message alone (``type(e)(message)``, what torch's
+``ExceptionWrapper`` does to re-raise a worker's error), its fields then ``None``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ __all__ = [
     "LoaderClosedError",
     "LoaderForkedError",
     "LoaderTimeoutError",
+    "SampleTypeError",
     "ShmCapacityError",
     "SlotsExhaustedError",
     "WorkerCrashedError",
@@ -61,17 +67,20 @@ def forked_iterator_error(owner_pid: int) -> LoaderForkedError:
         "you already hold stay valid)")
 
 
-class DescriptorLimitError(ArenaLoaderError, OSError):
-    """The process may not open enough file descriptors for the workers asked for."""
+class DescriptorLimitError(ArenaLoaderError, OSError, RuntimeError):
+    """The process may not open enough file descriptors for the workers asked for (torch
+    raises ``RuntimeError`` when it runs out of descriptors)."""
 
 
 class WorkerCrashedError(ArenaLoaderError, RuntimeError):
     """A worker process died while the loader was running (killed, segfault, ``os._exit``).
 
-    ``pid``, ``worker_id`` and ``exitcode`` (negative: the signal number) are attributes.
+    ``pid``, ``worker_id`` and ``exitcode`` (negative: the signal number) are attributes;
+    ``None`` when unknown (an error rebuilt from its message alone).
     """
 
-    def __init__(self, message: str, *, worker_id: int, pid: int | None, exitcode: int | None):
+    def __init__(self, message: str = "", *, worker_id: int | None = None,
+                 pid: int | None = None, exitcode: int | None = None):
         super().__init__(message)
         self.worker_id = worker_id
         self.pid = pid
@@ -90,5 +99,11 @@ class LayoutError(ArenaLoaderError, ValueError):
     """A sample or collated batch does not fit the batch layout inferred from the first one."""
 
 
-class ShmCapacityError(ArenaLoaderError, OSError):
-    """``/dev/shm`` has too little space for the slab."""
+class SampleTypeError(LayoutError, TypeError):
+    """Default collation met a leaf it cannot batch (``None``, a ``Fraction``, a PIL image,
+    ...), where torch's ``default_collate`` raises ``TypeError`` too."""
+
+
+class ShmCapacityError(ArenaLoaderError, OSError, RuntimeError):
+    """Shared memory could not be had: ``/dev/shm`` is full, or the process ran out of file
+    descriptors for it (torch raises ``RuntimeError`` in both cases)."""

@@ -22,12 +22,15 @@ from ._pipeline.session import MultiProcessIterator
 from ._torch_compat import (
     LengthCheckedIterator,
     ShardedDataPipe,
+    TorchIteratorAttribute,
+    UnusedIteratorDraws,
     check_worker_number,
     distributed_settings,
     draw_torch_seed,
     initialized_distributed,
     is_iter_datapipe,
     loaded_torch,
+    take_first_now,
 )
 from .errors import LoaderClosedError, LoaderForkedError
 from .samplers import (
@@ -45,7 +48,7 @@ _FIXED_ATTRIBUTES = frozenset(
 T_co = TypeVar("T_co", covariant=True)
 
 
-class ArenaLoader(Generic[T_co]):
+class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
     """Iterate over ``dataset`` in batches that workers write straight into shared memory.
 
     The options are ``torch.utils.data.DataLoader``'s, with the same defaults and meanings;
@@ -220,6 +223,7 @@ class ArenaLoader(Generic[T_co]):
         if os.getpid() != self._pid:
             self._adopt_after_fork()
         options = self.options
+        draws = UnusedIteratorDraws.take(self)  # given back if the iterator is never used
         if self.pin_memory and self.pin_memory_device:
             warnings.warn("pin_memory_device is deprecated, the current accelerator will be "
                           f"used as the device,ignore pin_memory_device='"
@@ -236,13 +240,16 @@ class ArenaLoader(Generic[T_co]):
             # for the main process's copy; its workers keep the first. Drawn to stay in step.
             self._draw_datapipe_seed()
         batches = self._epoch_batches()
+        if options.num_workers > 0:
+            batches = take_first_now(batches)  # the sampler draws now, as in torch
         if self._device is not None and options.persistent_workers:
             self._device.detach()  # no device thread may read the persistent iterator now
         if options.num_workers == 0:
             iterator: Any = InProcessIterator(self, self._filler, self._source, batches)
         elif reuse:
             self._persistent.reset(batches)
-            return self._checked_length(self._on_device(self._persistent, owns_host=False))
+            return self._watched(draws, self._checked_length(
+                self._on_device(self._persistent, owns_host=False)), None)
         else:
             self.check_worker_number_rationality()
             if self._persistent is not None:
@@ -258,8 +265,26 @@ class ArenaLoader(Generic[T_co]):
         if self._closed:  # close() from another thread while this iterator was being made
             iterator.close()
             raise LoaderClosedError("this ArenaLoader was closed; create a new one")
-        return self._checked_length(
-            self._on_device(iterator, owns_host=not options.persistent_workers))
+        return self._watched(draws, self._checked_length(
+            self._on_device(iterator, owns_host=not options.persistent_workers)),
+            iterator if options.persistent_workers else None)
+
+    def _watched(self, draws: UnusedIteratorDraws | None, epoch: Any,
+                 new_persistent: MultiProcessIterator | None) -> Any:
+        """``epoch``, whose random draws are given back if it is dropped unused (a probe
+        such as Lightning's ``iter(loader)``), with the persistent iterator this ``iter()``
+        made (its workers were seeded from those draws)."""
+        if draws is not None:
+            loader = weakref.ref(self)
+
+            def drop_persistent() -> None:
+                owner = loader()
+                if owner is not None and owner._persistent is new_persistent:
+                    owner._iterator = None
+
+            draws.watch(epoch, self._source.delivered_count,
+                        drop_persistent if new_persistent is not None else None)
+        return epoch
 
     def _checked_length(self, iterator: Any) -> Any:
         """torch's warning for an iterable-style dataset yielding more than len() said."""

@@ -241,7 +241,9 @@ def test_first_batch_objects_that_do_not_pickle_fail_only_that_batch():
     is that batch's error; its slot comes back and the epoch goes on."""
     class Dataset(ImageDataset):
         def __getitem__(self, i):
-            return {"x": super().__getitem__(i), "tag": (lambda: i) if i == 0 else str(i)}
+            # Sample 1's, not 0's: the first sample's str makes the leaf a list of objects (as
+            # in torch's default_collate), which then fails to pickle.
+            return {"x": super().__getitem__(i), "tag": (lambda: i) if i == 1 else str(i)}
 
     with ArenaLoader(Dataset(6), batch_size=2, num_workers=1, slots=3) as loader:
         iterator = iter(loader)

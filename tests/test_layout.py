@@ -152,11 +152,13 @@ def test_integers_outside_int64_are_a_layout_error():
         prepare_samples([{"id": 1}, {"id": 2**64}], [0, 1])
 
 
-def test_strings_and_none_leaves_travel_as_lists():
-    samples = [{"s": "a", "b": b"x", "o": None, "v": np.ones(1)},
-               {"s": "bc", "b": b"y", "o": None, "v": np.zeros(1)}]
+def test_string_and_bytes_leaves_travel_as_lists():
+    """str, np.str_ and bytes leaves of dict samples come back as lists of the values."""
+    samples = [{"s": "a", "b": b"x", "n": np.str_("p"), "v": np.ones(1)},
+               {"s": "bc", "b": b"y", "n": np.str_("q"), "v": np.zeros(1)}]
     out, _ = round_trip(prepare_samples(samples, [0, 1]))
-    assert out["s"] == ["a", "bc"] and out["b"] == [b"x", b"y"] and out["o"] == [None, None]
+    assert out["s"] == ["a", "bc"] and out["b"] == [b"x", b"y"] and out["n"] == ["p", "q"]
+    assert type(out["n"][0]) is np.str_
 
 
 def test_a_structure_that_does_not_pickle_is_a_clear_error():

@@ -1,0 +1,506 @@
+"""torch parity, round 3: what torch's own tests and real batches caught. Each case runs the
+same data through torch's DataLoader and ArenaLoader (num_workers 0 and 2) and compares:
+numpy string samples, tensor kinds the slab cannot hold, samples default collation rejects,
+strings inside tuple samples, errors rebuilt from their message, too many open files,
+DataPipe shuffling with torch's private ``_iterator``, and the order under PyTorch Lightning."""
+
+from __future__ import annotations
+
+import fractions
+import gc
+import pickle
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+
+import arena_loader.errors
+from arena_loader import ArenaLoader, SampleTypeError, WorkerCrashedError
+
+from .test_real_batches import assert_same as assert_same_values
+from .test_torch_parity import torch, tud
+
+WORKERS = [0, 2]
+
+
+class ListDataset:
+    """``dataset[i]`` is ``make(i)``; module level so spawn workers can import it."""
+
+    def __init__(self, n: int, make) -> None:
+        self.n, self.make = n, make
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int):
+        return self.make(index)
+
+
+def text_sample(i: int) -> dict:
+    return {"text": np.str_(f"review number {i}"), "raw": np.bytes_(b"b%d" % i),
+            "label": np.int64(i % 2)}
+
+
+def tuple_sample(i: int) -> tuple:
+    return (b"payload-%d" % i, f"name {i}", i)
+
+
+def kinds(value):
+    """A batch's structure: container types and leaf types, tensors by their dtype."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype)
+    if isinstance(value, dict):
+        return type(value), {key: kinds(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value), [kinds(item) for item in value]
+    return type(value)
+
+
+def assert_same(ours, theirs) -> None:
+    """The same structure, container and leaf types, and values."""
+    assert kinds(ours) == kinds(theirs)
+    assert_same_values(ours, theirs)
+
+
+def both(dataset, num_workers: int, **kwargs) -> tuple[list, list]:
+    """Every batch of one epoch from torch's DataLoader and from ArenaLoader(output="torch")."""
+    theirs = list(tud.DataLoader(dataset, num_workers=num_workers, **kwargs))
+    with ArenaLoader(dataset, num_workers=num_workers, output="torch", **kwargs) as loader:
+        ours = list(loader)
+    return ours, theirs
+
+
+def torch_error(dataset, **kwargs) -> BaseException:
+    """The error torch's DataLoader raises at its first batch; its workers are shut down at
+    once (a raised error's traceback would keep them until they notice, seconds later)."""
+    iterator = iter(tud.DataLoader(dataset, **kwargs))
+    try:
+        next(iterator)
+    except Exception as error:  # whatever torch raises is what the test compares with
+        caught = error
+    else:
+        raise AssertionError("torch's DataLoader raised no error")
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    caught.__traceback__ = None
+    return caught
+
+
+# ---------------------------------------------------------------------------------------------
+# Leaves torch's default_collate hands out as they are.
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_numpy_string_samples_batch_as_lists_of_str_like_torch(num_workers):
+    """np.str_ and np.bytes_ values come back as torch gives them (lists of the values, which
+    are str and bytes), not as a numpy string array, whatever ``output`` says."""
+    dataset = ListDataset(6, text_sample)
+    ours, theirs = both(dataset, num_workers, batch_size=4)
+    assert_same(ours, theirs)
+    assert ours[0]["text"][1].split() == ["review", "number", "1"]
+    for output in (None, "numpy"):
+        with ArenaLoader(dataset, batch_size=4, num_workers=num_workers, output=output) as loader:
+            batch = next(iter(loader))
+        assert batch["text"] == theirs[0]["text"] and type(batch["text"][0]) is np.str_
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_strings_and_bytes_in_tuple_samples_keep_torchs_structure(num_workers):
+    """bytes and str inside a tuple sample come back as the tuple torch's default_collate
+    makes (the numbers beside them as a tensor in torch's list)."""
+    ours, theirs = both(ListDataset(5, tuple_sample), num_workers, batch_size=2)
+    assert_same(ours, theirs)
+    assert ours[0][0] == (b"payload-0", b"payload-1") and ours[0][1] == ("name 0", "name 1")
+    with ArenaLoader(ListDataset(5, tuple_sample), batch_size=2, num_workers=num_workers,
+                     output="numpy") as loader:
+        first = next(iter(loader))
+    assert first[0] == (b"payload-0", b"payload-1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor kinds the slab cannot hold (nested, sparse, quantized) travel as objects.
+
+def nested_tensor(i: int):
+    return torch.nested.nested_tensor([torch.arange(i + 1.0), torch.full((2,), float(i))])
+
+
+def sparse_tensor(i: int):
+    return (torch.eye(3) * i).to_sparse()
+
+
+def quantized_tensor(i: int):
+    return torch.quantize_per_tensor(torch.arange(4.0) * i, 0.5, 0, torch.qint8)
+
+
+def clone_collate(batch):
+    return [sample.clone() for sample in batch]
+
+
+def dense(value):
+    """A comparable plain tensor for a nested, sparse or quantized one."""
+    if value.is_nested:
+        return torch.cat([t.reshape(-1) for t in value.unbind()])
+    if value.is_quantized:
+        return value.int_repr()
+    return value.to_dense()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", WORKERS)
+@pytest.mark.parametrize("make", [nested_tensor, sparse_tensor, quantized_tensor],
+                         ids=["nested", "sparse", "quantized"])
+def test_tensor_kinds_the_slab_cannot_hold_travel_pickled_like_torch(make, num_workers):
+    """A collate_fn's list (torch's test_nested_tensor_multiprocessing) and batch_size=None
+    samples of nested, sparse or quantized tensors arrive whole, of the same kind, with the
+    values torch's DataLoader gives."""
+    dataset = ListDataset(4, make)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: nested tensors are a prototype
+        for kwargs in (dict(batch_size=1, collate_fn=clone_collate), dict(batch_size=None)):
+            ours, theirs = both(dataset, num_workers, **kwargs)
+            assert len(ours) == len(theirs) == 4
+            for mine, torchs in zip(ours, theirs):
+                mine, torchs = (mine[0], torchs[0]) if isinstance(torchs, list) else (mine, torchs)
+                assert (mine.is_nested, mine.layout, mine.is_quantized) == (
+                    torchs.is_nested, torchs.layout, torchs.is_quantized)
+                assert torch.equal(dense(mine), dense(torchs))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", WORKERS)
+@pytest.mark.parametrize("make", [nested_tensor, sparse_tensor], ids=["nested", "sparse"])
+def test_default_collation_of_nested_or_sparse_tensors_raises_torchs_error(make, num_workers):
+    """Default collation of nested or sparse tensors raises torch's RuntimeError with torch's
+    text, naming the sample."""
+    dataset = ListDataset(4, make)
+    pattern = r"not currently supported by the default collate_fn"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        theirs = torch_error(dataset, batch_size=2, num_workers=num_workers)
+        assert isinstance(theirs, RuntimeError) and pattern in str(theirs)
+        with ArenaLoader(dataset, batch_size=2, num_workers=num_workers) as loader, \
+                pytest.raises(RuntimeError, match=r"(?s)" + pattern + r".*sample 0 is a"):
+            next(iter(loader))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_default_collation_stacks_quantized_tensors_like_torch(num_workers):
+    """Quantized samples are stacked into one quantized tensor, as torch's default_collate
+    does in the main process (torch's own workers fail on them: only num_workers=0 is
+    compared)."""
+    dataset = ListDataset(4, quantized_tensor)
+    theirs = list(tud.DataLoader(dataset, batch_size=2))
+    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers) as loader:
+        ours = list(loader)
+    for mine, torchs in zip(ours, theirs, strict=True):
+        assert mine.is_quantized and mine.shape == torchs.shape == (2, 4)
+        assert torch.equal(mine.int_repr(), torchs.int_repr())
+
+
+# ---------------------------------------------------------------------------------------------
+# Samples torch's default_collate rejects are rejected with TypeError.
+
+def image(i: int):
+    from PIL import Image
+
+    return Image.new("RGB", (4, 3), color=(i, i, i))
+
+
+REJECTED = [
+    (lambda i: {"pixels": np.full(2, i), "mask": None}, r"sample\['mask'\]",
+     r"value in every sample"),
+    (lambda i: fractions.Fraction(i, 3), r"sample 0 is a fractions\.Fraction",
+     r"convert it to float"),
+    (lambda i: {"image": image(i), "label": i}, r"sample\['image'\]", r"ToTensor\(\)"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", WORKERS)
+@pytest.mark.parametrize("make, field, fix", REJECTED, ids=["none", "fraction", "pil"])
+def test_samples_default_collate_rejects_raise_type_error_naming_field_and_fix(
+        make, field, fix, num_workers):
+    """A field None in every sample, a Fraction, or a PIL image without ToTensor: TypeError at
+    the batch as in torch (torch's text in ours), naming the field and the fix."""
+    dataset = ListDataset(4, make)
+    theirs = torch_error(dataset, batch_size=2, num_workers=num_workers)
+    assert isinstance(theirs, TypeError) and "default_collate: batch must contain" in str(theirs)
+    with ArenaLoader(dataset, batch_size=2, num_workers=num_workers) as loader, \
+            pytest.raises(SampleTypeError) as raised:
+        next(iter(loader))
+    message = str(raised.value)
+    assert isinstance(raised.value, TypeError)
+    assert "default_collate: batch must contain tensors" in message
+    assert raised.match(field) and raised.match(fix)
+
+
+@pytest.mark.timeout(60)
+def test_a_none_sample_raises_type_error_like_torch():
+    """A dataset returning None for a batch's first sample: TypeError, as torch's
+    default_collate raises."""
+    dataset = ListDataset(4, lambda i: None if i == 0 else np.zeros(2))
+    with pytest.raises(TypeError, match=r"found <class 'NoneType'>"):
+        next(iter(tud.DataLoader(dataset, batch_size=2)))
+    with ArenaLoader(dataset, batch_size=2) as loader, \
+            pytest.raises(TypeError, match=r"found <class 'NoneType'>.*dataset\[0\] returned None"):
+        next(iter(loader))
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors rebuilt from their message alone (torch's ExceptionWrapper), pickled with fields.
+
+def public_error_classes() -> list[type]:
+    return [getattr(arena_loader.errors, name) for name in arena_loader.errors.__all__]
+
+
+def test_every_error_class_is_rebuilt_from_its_message_by_torchs_exception_wrapper():
+    """torch's ExceptionWrapper re-raises an error as ``type(e)(message)``: every public error
+    class survives that, with its type and message, fields None."""
+    from torch._utils import ExceptionWrapper
+
+    for cls in public_error_classes():
+        try:
+            raise cls("boom in the worker")
+        except cls:
+            wrapper = ExceptionWrapper(where="in test")
+        with pytest.raises(cls, match=r"(?s)Caught .* in test.*boom in the worker"):
+            wrapper.reraise()
+    crashed = WorkerCrashedError("worker died")
+    assert (crashed.worker_id, crashed.pid, crashed.exitcode) == (None, None, None)
+
+
+def test_errors_built_from_a_message_pickle_with_their_fields():
+    """An error built from its message, then given fields, pickles with them."""
+    for cls in public_error_classes():
+        error = cls("just a message")
+        error.worker_id, error.pid = 3, 1234
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is cls and str(copy) == "just a message"
+        assert (copy.worker_id, copy.pid) == (3, 1234)
+    crashed = pickle.loads(pickle.dumps(WorkerCrashedError("x", worker_id=1, pid=9, exitcode=-9)))
+    assert (crashed.worker_id, crashed.pid, crashed.exitcode) == (1, 9, -9)
+
+
+# ---------------------------------------------------------------------------------------------
+# Too many open files: torch's RuntimeError, with ulimit -n and our sharing-strategy advice.
+
+FD_SCRIPT = """
+import resource, sys
+import torch
+from torch.utils.data import IterableDataset
+if sys.argv[1] == "torch":
+    from torch.utils.data import DataLoader
+else:
+    from arena_loader import ArenaLoader as DataLoader
+
+class RandomDataset(IterableDataset):  # torch's test_fd_limit_exceeded
+    def __init__(self, n):
+        self.n = n
+    def __iter__(self):
+        return self
+    def __next__(self):
+        if self.n <= 0:
+            raise StopIteration
+        self.n -= 1
+        return torch.randn(2, 2)
+
+keep = []
+resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))
+try:
+    for batch in DataLoader(RandomDataset(200), num_workers=int(sys.argv[2]),
+                            multiprocessing_context="fork" if sys.argv[2] != "0" else None):
+        keep.append(batch)
+except RuntimeError as error:
+    print("RuntimeError", type(error).__name__, str(error).replace("\\n", " "))
+else:
+    print("no error", len(keep))
+"""
+
+
+def run_fd_script(tmp_path, which: str, num_workers: int) -> str:
+    script = tmp_path / "fd_limit.py"
+    script.write_text(textwrap.dedent(FD_SCRIPT))
+    done = subprocess.run([sys.executable, str(script), which, str(num_workers)],
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_too_many_open_files_is_a_runtime_error_naming_ulimit_and_the_fix(tmp_path, num_workers):
+    """Holding 200 batches under a 100-descriptor limit: a RuntimeError naming `ulimit -n`
+    and set_sharing_strategy with our equivalent (copies, or more `slots`), as torch's does
+    with workers (torch without workers holds plain memory: docs/migrating.md)."""
+    ours = run_fd_script(tmp_path, "arena", num_workers)
+    assert ours.startswith("RuntimeError ShmCapacityError"), ours
+    assert "ulimit -n" in ours and "set_sharing_strategy" in ours and "`slots`" in ours
+    theirs = run_fd_script(tmp_path, "torch", num_workers)
+    if num_workers:
+        assert theirs.startswith("RuntimeError") and "ulimit -n" in theirs, theirs
+    else:
+        assert theirs == "no error 200"
+
+
+# ---------------------------------------------------------------------------------------------
+# DataPipe shuffling (torch's IntegrationTestDataLoaderDataPipe.test_shuffler_iterdatapipe).
+
+def shuffled_pipe():
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    return IterableWrapper(list(range(30))).shuffle(buffer_size=5).sharding_filter()
+
+
+def shuffler_epochs(loader) -> list[list[int]]:
+    """torch's test: an unseeded epoch, two epochs seeded 123, one seeded 321; then the
+    persistent workers shut down through ``loader._iterator``."""
+    epochs = [[int(batch[0]) for batch in loader]]
+    for seed in (123, 123, 321):
+        torch.manual_seed(seed)
+        epochs.append([int(batch[0]) for batch in loader])
+    if loader._iterator is not None:
+        loader._iterator._shutdown_workers()
+        loader._iterator = None
+    return epochs
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)])
+def test_datapipe_shuffler_is_seeded_per_epoch_like_torch(num_workers, persistent):
+    """A shuffled, sharded DataPipe: every epoch holds each item once, seeded epochs equal
+    torch's (same seed, same order; another seed, another order), and ``_iterator`` shuts
+    persistent workers down as torch's test does."""
+    results = []
+    for cls in (tud.DataLoader, ArenaLoader):
+        torch.manual_seed(0)
+        loader = cls(shuffled_pipe(), num_workers=num_workers, shuffle=True,
+                     persistent_workers=persistent)
+        try:
+            results.append(shuffler_epochs(loader))
+            assert loader._iterator is None
+        finally:
+            if cls is ArenaLoader:
+                loader.close()
+    theirs, ours = results
+    assert all(sorted(epoch) == list(range(30)) for epoch in ours)
+    assert ours[1] == ours[2] != ours[3]
+    assert ours[1:] == theirs[1:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Order under PyTorch Lightning: its iter(loader) probe leaves no trace.
+
+class Indices:
+    """Sample ``i`` is ``[float(i)]``."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int):
+        return torch.tensor([float(index)])
+
+
+def seeded_epochs(make, probe: bool, epochs: int = 2) -> list[list[int]]:
+    torch.manual_seed(0)
+    loader = make()
+    if probe:
+        iter(loader)  # what Lightning does to a loader that is not a torch DataLoader
+    order = [[int(x) for batch in loader for x in batch.reshape(-1)] for _ in range(epochs)]
+    if hasattr(loader, "close"):
+        loader.close()
+    return order
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)])
+def test_an_iterator_dropped_unused_gives_back_its_random_draws(num_workers, persistent):
+    """iter(loader) dropped before any batch (Lightning's probe) leaves torch's random state
+    as it was: the epochs that follow are torch's DataLoader's epochs without the probe."""
+    def make(cls):
+        return lambda: cls(Indices(), batch_size=4, shuffle=True, num_workers=num_workers,
+                           persistent_workers=persistent)
+
+    theirs = seeded_epochs(make(tud.DataLoader), probe=False)
+    assert seeded_epochs(make(ArenaLoader), probe=True) == theirs
+    assert theirs[0] != theirs[1]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_an_iterator_that_gave_a_batch_keeps_its_random_draws(num_workers):
+    """next(iter(loader)) consumes the draws as in torch: the next epoch is torch's next
+    (with workers every draw happens at iter(), so only the batch handed out tells)."""
+    def epochs(cls):
+        torch.manual_seed(0)
+        loader = cls(Indices(), batch_size=4, shuffle=True, num_workers=num_workers)
+        first = next(iter(loader))
+        gc.collect()
+        order = [first.reshape(-1).tolist(), [int(x) for b in loader for x in b.reshape(-1)]]
+        if hasattr(loader, "close"):
+            loader.close()
+        return order
+
+    assert epochs(ArenaLoader) == epochs(tud.DataLoader)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_lightning_trains_on_the_order_torchs_dataloader_gives(num_workers):
+    """Trainer.fit sees the batches in the order it sees with torch's DataLoader."""
+    lightning = pytest.importorskip("lightning")
+
+    class Model(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(1, 1)
+            self.seen = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append(batch.reshape(-1).tolist())
+            return self.linear(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    orders = []
+    for cls in (tud.DataLoader, ArenaLoader):
+        torch.manual_seed(0)
+        model = Model()
+        trainer = lightning.Trainer(max_epochs=2, accelerator="cpu", logger=False,
+                                    enable_checkpointing=False, enable_progress_bar=False,
+                                    enable_model_summary=False)
+        loader = cls(Indices(), batch_size=4, shuffle=True, num_workers=num_workers,
+                     persistent_workers=num_workers > 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model, loader)
+        if cls is ArenaLoader:
+            loader.close()
+        orders.append(model.seen)
+    assert orders[0] == orders[1] and len(orders[0]) == 12
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_the_sampler_draws_inside_iter_like_torch(num_workers):
+    """A draw from torch's RNG between iter(loader) and the first batch comes after the
+    sampler's (with workers) or before it (without), as with torch's DataLoader, every run."""
+    def run(cls):
+        torch.manual_seed(0)
+        loader = cls(Indices(), batch_size=4, shuffle=True, num_workers=num_workers)
+        iterator = iter(loader)
+        drawn = torch.rand(3).tolist()
+        order = [int(x) for batch in iterator for x in batch.reshape(-1)]
+        if hasattr(loader, "close"):
+            loader.close()
+        return drawn, order
+
+    theirs = run(tud.DataLoader)
+    for _ in range(3):
+        assert run(ArenaLoader) == theirs
