@@ -217,16 +217,15 @@ class SlotPool:
         Returns how many slots were recovered."""
         with self._lock:
             self._collect_released()
-            recovered = 0
-            for slot, state in enumerate(self._states):
-                if state in (SlotState.ASSIGNED, SlotState.FILLED) and slot not in owned:
-                    self._states[slot] = SlotState.FREE
-                    recovered += 1
             listed = set(self._free)
-            unlisted = [slot for slot, state in enumerate(self._states)
-                        if state is SlotState.FREE and slot not in listed]
-            self._free.extend(unlisted)
-            return recovered + len(unlisted)
+            recovered = [slot for slot, state in enumerate(self._states)
+                         if slot not in listed and (state is SlotState.FREE or (
+                             state in (SlotState.ASSIGNED, SlotState.FILLED)
+                             and slot not in owned))]
+            for slot in recovered:
+                self._states[slot] = SlotState.FREE
+            self._free.extend(recovered)
+            return len(recovered)
 
     def _move(self, slot: int, expected: SlotState, new: SlotState) -> None:
         if self._states[slot] is not expected:

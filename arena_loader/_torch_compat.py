@@ -9,7 +9,6 @@ the program already loaded (a DataPipe or a ``torch.Generator`` cannot exist wit
 from __future__ import annotations
 
 import ctypes
-import itertools
 import multiprocessing
 import os
 import sys
@@ -157,16 +156,6 @@ def check_worker_number(num_workers: int, stacklevel: int) -> None:
         "Please be aware that excessive worker creation might get DataLoader running slow or "
         "even freeze, lower the worker number to avoid potential slowness/freeze if "
         "necessary.", UserWarning, stacklevel=stacklevel + 1)
-
-
-def take_first_now(batches: Iterator) -> Iterator:
-    """``batches`` with its first item taken now. torch's multi-process iterator takes its
-    first indices inside ``iter(loader)`` (so a shuffling sampler draws its seed there); ours
-    are taken by the dispatch thread, at a moment that would race with the program's own
-    draws from torch's global RNG. Taking the first here puts the draw where torch makes it."""
-    for first in batches:
-        return itertools.chain((first,), batches)
-    return iter(())
 
 
 class UnusedIteratorDraws:

@@ -30,7 +30,6 @@ from ._torch_compat import (
     initialized_distributed,
     is_iter_datapipe,
     loaded_torch,
-    take_first_now,
 )
 from .errors import LoaderClosedError, LoaderForkedError
 from .samplers import (
@@ -240,8 +239,6 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
             # for the main process's copy; its workers keep the first. Drawn to stay in step.
             self._draw_datapipe_seed()
         batches = self._epoch_batches()
-        if options.num_workers > 0:
-            batches = take_first_now(batches)  # the sampler draws now, as in torch
         if self._device is not None and options.persistent_workers:
             self._device.detach()  # no device thread may read the persistent iterator now
         if options.num_workers == 0:

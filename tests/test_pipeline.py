@@ -1,0 +1,135 @@
+"""The per-batch path's parts on their own: the order ring, completion records, the reorder
+buffer and slot reconciliation (no worker processes)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from arena_loader._layout import PlanEncoder, prepare_samples
+from arena_loader._pipeline.completions import (
+    LOADED,
+    SEGMENT,
+    CompletionReader,
+    Status,
+    encode,
+)
+from arena_loader._pipeline.order import EntryKind, OrderReader, OrderRing
+from arena_loader._pipeline.reorder import Reorderer
+from arena_loader._pool import SlotPool, SlotState
+
+
+@pytest.fixture
+def ring_pair():
+    """An order ring for 2 workers, and worker 1's reader over this process's mapping."""
+    ring = OrderRing(workers=2, depth=3, rows=4)
+    pipes = [os.pipe() for _ in range(2)]
+    ring.connect([w for _, w in pipes])
+    reader = OrderReader(1, 2, ring.depth, ring.entry_nbytes, pipes[1][0], ring.mapping)
+    yield ring, reader
+    reader.close()
+    ring.close()
+    for r, w in pipes:
+        os.close(r)
+        os.close(w)
+
+
+def test_order_entries_arrive_in_order_with_their_indices_and_kinds(ring_pair):
+    """Int indices, keys that are not ints, an index list too large for an entry, and
+    control entries all reach the worker in order, with exactly what was published."""
+    ring, reader = ring_pair
+    keys = ["a", ("b", 2)]
+    many = list(range(1000))  # 8000 bytes: more than an entry of 4 rows holds
+    sent = [(EntryKind.INDICES, 1, 5, 0, [7, 3, 9, 1]), (EntryKind.INDICES, 3, 6, 0, keys)]
+    for kind, idx, slot, epoch, indices in sent:
+        assert ring.publish(1, kind, idx, slot, epoch, indices)
+    got = [reader.next_entry(0.1) for _ in sent]
+    assert [(e.kind, e.idx, e.slot, e.epoch, e.indices) for e in got] == [
+        (EntryKind.INDICES, 1, 5, 0, [7, 3, 9, 1]), (EntryKind.PICKLED, 3, 6, 0, keys)]
+    assert ring.publish(1, EntryKind.INDICES, 5, 7, 1, many)
+    assert ring.publish(1, EntryKind.ATTACH, idx=4096)
+    assert ring.publish(1, EntryKind.STOP)
+    big, attach, stop = (reader.next_entry(0.1) for _ in range(3))
+    assert (big.kind, big.idx, big.epoch, big.indices) == (EntryKind.PIPED, 5, 1, many)
+    assert (attach.kind, attach.idx) == (EntryKind.ATTACH, 4096)
+    assert stop.kind is EntryKind.STOP
+    assert reader.next_entry(0.05) is None  # nothing more: a timeout, not an entry
+
+
+def test_order_ring_never_overwrites_an_entry_the_worker_has_not_taken(ring_pair):
+    """A worker's ring holds `depth` entries: the next publish is refused until the worker
+    takes one, and a refused entry does not count as published."""
+    ring, reader = ring_pair
+    for idx in range(ring.depth):
+        assert ring.publish(1, EntryKind.INDICES, idx, idx, 0, [idx])
+    seq = ring.next_seq(1)
+    assert not ring.publish(1, EntryKind.INDICES, 99, 0, 0, [99])
+    assert not ring.is_published(1, seq) and not ring.has_room(1)
+    assert reader.next_entry(0.1).indices == [0]
+    assert ring.has_room(1)
+    assert ring.publish(1, EntryKind.INDICES, 3, 0, 0, [3]) and ring.is_published(1, seq)
+    assert [reader.next_entry(0.1).indices for _ in range(3)] == [[1], [2], [3]]
+    assert ring.has_room(0) and ring.next_seq(0) == 0  # the other worker's ring is its own
+
+
+def test_completion_records_split_across_reads_are_parsed_whole_and_plans_shared():
+    """A record cut by the pipe is parsed only once whole; equal plan records give the
+    same Plan object; EOF reads as None after the last record."""
+    read_fd, write_fd = os.pipe()
+    reader = CompletionReader([read_fd])
+    plan = prepare_samples([np.zeros(4, np.float32)] * 2, [0, 1]).plan
+    body = PlanEncoder().encode(plan, 0, 0, 0, segment=False)
+    records = encode(Status.LOADED, 0, 3, body) + encode(Status.SEGMENT, 1, -1, body)
+    os.write(write_fd, records[:30])
+    assert reader.fill(0) is True and not reader.arrived
+    os.write(write_fd, records[30:])
+    assert reader.fill(0) is True
+    first, second = reader.arrived
+    assert (first.status, first.idx, first.slot) == (LOADED, 0, 3)
+    assert (second.status, second.idx, second.slot) == (SEGMENT, 1, -1)
+    assert first.plan is second.plan and first.plan.fields[0].shape == (2, 4)
+    assert reader.records == 2 and reader.nbytes == len(records)
+    assert reader.fill(0) is False  # nothing waiting
+    os.close(write_fd)
+    assert reader.fill(0) is None
+    os.close(read_fd)
+
+
+def test_reorderer_hands_out_in_idx_order_and_takes_back_an_interrupted_batch():
+    """in_order: batches leave by idx whatever order they arrive in; one put back is next
+    again. in_order=False: arrival order."""
+
+    class Done:
+        def __init__(self, idx):
+            self.idx = idx
+
+    order = Reorderer(in_order=True)
+    order.in_flight.update({i: (i % 2, i, [i]) for i in range(3)})
+    for idx in (2, 0, 1):
+        order.arrive(Done(idx))
+    assert not order.in_flight
+    taken = []
+    while (ready := order.take()) is not None:
+        order.taken(ready)
+        taken.append(ready)
+    assert [r.idx for r in taken] == [0, 1, 2]
+    order.unget(taken[2])
+    assert order.take() is taken[2]
+    unordered = Reorderer(in_order=False)
+    for idx in (2, 0, 1):
+        unordered.arrive(Done(idx))
+    assert [unordered.take().idx for _ in range(3)] == [2, 0, 1]
+
+
+def test_reconcile_frees_slots_no_batch_owns_and_relists_free_ones():
+    """A slot ASSIGNED or FILLED with no owner (its batch lost track of by an interrupt) is
+    freed; owned slots keep their state; a FREE slot missing from the free list is listed."""
+    pool = SlotPool(np.zeros(4 * 64, np.uint8), 64, 4)
+    kept, lost, filled = pool.acquire(), pool.acquire(), pool.acquire()
+    pool.mark_filled(filled)
+    assert pool.reconcile(owned={kept}) == 2
+    assert pool.state(kept) is SlotState.ASSIGNED
+    assert {pool.acquire() for _ in range(3)} == {lost, filled, 3}
+    assert pool.acquire() is None
