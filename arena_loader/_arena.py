@@ -145,8 +145,6 @@ class ArenaSource:
         self._segments_released: deque[None] = deque()
         self._warned = False
         self._pid = os.getpid()
-        self._last_plan: Plan | None = None
-        self._last_raw = False
 
     def claim(self, slot_nbytes: int | None = None, slab: Slab | None = None) -> Arena | None:
         """The loader's arena, or a private one if it is in use; None while no budget is
@@ -268,9 +266,7 @@ class ArenaSource:
                     "or bytes from the dataset, or objects that unpickle") from exc
             if self._lease_only:
                 return LeasedSlot(lease, plan, objects, pinned)
-            if plan is not self._last_plan:  # batches of one structure share their plan
-                self._last_plan, self._last_raw = plan, _has_raw(plan)
-            batch = plan.assemble(host, objects, _raw_field if self._last_raw else None)
+            batch = plan.assemble(host, objects, _raw_field if plan.raw else None)
             if self._to_torch is not None and (self._output == "torch" or plan.torch):
                 batch = self._to_torch(batch, plan.collated)
             return batch
@@ -287,10 +283,6 @@ class ArenaSource:
             if self._arena is not None and not self._claimed:
                 self._arena.close()
                 self._arena = None
-
-
-def _has_raw(plan: Plan) -> bool:
-    return any(f.kind == KIND_TORCH_RAW for f in plan.fields)
 
 
 def _raw_field(view: np.ndarray, field: FieldPlacement) -> Any:

@@ -113,8 +113,8 @@ class _SequenceNode:
 class Plan:
     """Where one batch's fields and object leaves are in its storage, and its structure."""
 
-    __slots__ = ("collated", "fields", "nbytes", "objects_len", "objects_offset", "spec",
-                 "torch")
+    __slots__ = ("collated", "fields", "nbytes", "objects_len", "objects_offset", "raw",
+                 "spec", "torch")
 
     def __init__(self, spec: Any, fields: tuple[FieldPlacement, ...], objects_offset: int,
                  objects_len: int, nbytes: int, torch: bool, collated: bool = True):
@@ -127,6 +127,8 @@ class Plan:
         # Stacked by default collation (tuples become lists in torch output, as torch's
         # default_collate makes them), not a collate_fn's batch (kept as it is).
         self.collated = collated
+        # A torch dtype numpy lacks is among the fields: views need converting.
+        self.raw = any(f.kind == KIND_TORCH_RAW for f in fields)
 
     def objects(self, storage: np.ndarray) -> list:
         """The object-leaf values, unpickled from ``storage`` (host memory)."""

@@ -9,6 +9,7 @@ Any other transition is a bug and raises (docs/design.md, "Slot lifecycle").
 from __future__ import annotations
 
 import enum
+import functools
 import gc
 import os
 import threading
@@ -34,11 +35,10 @@ class SlotLease:
     When the last view dies, this object dies and a ``weakref.finalize`` returns the slot.
     """
 
-    __slots__ = ("__weakref__", "_bytes", "_finalizer", "slot")
+    __slots__ = ("__weakref__", "_bytes", "slot")
 
     def __init__(self, slot: int, slot_bytes: np.ndarray):
         self.slot = slot
-        self._finalizer: weakref.finalize | None = None
         self._bytes = slot_bytes  # keeps the slab mapping alive while any view exists
 
     @property
@@ -104,6 +104,11 @@ class SlotPool:
         self.waker: Waker | None = None  # set by whoever waits for free slots
         # Set while a waiter found no free slot: only then does a release write to the waker.
         self._wanted = False
+        # The weak reference to each LEASED slot's lease, and the callback per slot.
+        self._lease_refs: dict[int, weakref.ref] = {}
+        # (Through a weak reference to the pool: a bound method here would be a cycle.)
+        self._on_lease_dead = [functools.partial(_lease_died, weakref.ref(self), slot)
+                               for slot in range(slots)]
 
     def acquire(self) -> int | None:
         """A free slot, now ASSIGNED; None when every slot is in use."""
@@ -142,11 +147,11 @@ class SlotPool:
             lease = SlotLease(slot, self._slab_array[start: start + self.slot_nbytes])
             # A process forked while the batch lives gets its own copy of the slot's bytes.
             keep_across_fork(lease, self._slab_address + start, self.slot_nbytes)
-            lease._finalizer = weakref.finalize(lease, self._release, slot)
-            lease._finalizer.atexit = False
+            # A plain weak reference kept here (weakref.finalize costs twice as much): its
+            # callback returns the slot when the lease dies.
+            self._lease_refs[slot] = weakref.ref(lease, self._on_lease_dead[slot])
         except BaseException:  # Ctrl-C before the lease was handed back: undo it whole
-            if lease is not None and lease._finalizer is not None:
-                lease._finalizer.detach()
+            self._lease_refs.pop(slot, None)
             with self._lock:  # by state, not a flag: Ctrl-C may land right after the move
                 if self._states[slot] is SlotState.LEASED:
                     self._states[slot] = SlotState.FILLED
@@ -155,7 +160,9 @@ class SlotPool:
 
     def unlease(self, lease: SlotLease) -> None:
         """Undo ``lease`` (the batch was never handed out): its slot is FILLED again."""
-        if lease._finalizer is not None and lease._finalizer.detach() is not None:
+        ref = self._lease_refs.get(lease.slot)
+        if ref is not None and ref() is lease:
+            del self._lease_refs[lease.slot]  # the reference dies: no callback
             with self._lock:
                 self._move(lease.slot, SlotState.LEASED, SlotState.FILLED)
 
@@ -191,6 +198,11 @@ class SlotPool:
         with self._lock:
             self._collect_released()
             return self._states[slot]
+
+    def _lease_died(self, slot: int, ref: weakref.ref) -> None:
+        if self._lease_refs.get(slot) is ref:
+            del self._lease_refs[slot]
+            self._release(slot)
 
     def _release(self, slot: int) -> None:
         self._released.append(slot)
@@ -234,6 +246,12 @@ class SlotPool:
                 f"before becoming {new.value} (arena_loader bug: please report it)"
             )
         self._states[slot] = new
+
+
+def _lease_died(pool_ref: weakref.ref, slot: int, ref: weakref.ref) -> None:
+    pool = pool_ref()
+    if pool is not None:
+        pool._lease_died(slot, ref)
 
 
 def collect_unlocked(cv: threading.Condition) -> None:

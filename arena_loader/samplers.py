@@ -104,6 +104,10 @@ class SequentialSampler:
     def __iter__(self) -> Iterator[int]:
         return iter(range(len(self.data_source)))
 
+    def _index_array(self) -> np.ndarray:
+        """The epoch's indices as one array (BatchSampler slices it: no list per index)."""
+        return np.arange(len(self.data_source))
+
     def __len__(self) -> int:
         return len(self.data_source)
 
@@ -143,6 +147,17 @@ class RandomSampler:
         torch = torch_for(self.generator)
         if torch is not None:
             return self._torch_indices(torch, n)
+        return iter(self._numpy_indices(n).tolist())
+
+    def _index_array(self) -> np.ndarray | None:
+        """The epoch's indices as one array, drawn now; None when they follow torch's
+        generator (drawn one by one, as torch does, by ``iter``)."""
+        n = len(self.data_source)
+        if n == 0 or torch_for(self.generator) is not None:
+            return None
+        return self._numpy_indices(n)
+
+    def _numpy_indices(self, n: int) -> np.ndarray:
         if self.replacement:
             drawn = self._rng.integers(0, n, size=self.num_samples)
         else:
@@ -151,7 +166,7 @@ class RandomSampler:
             if rest:  # no permutation drawn only to take none of it
                 parts.append(self._rng.permutation(n)[:rest])
             drawn = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        return iter(drawn.tolist())
+        return drawn
 
     def _torch_indices(self, torch: Any, n: int) -> Iterator[int]:
         """torch.utils.data.RandomSampler.__iter__'s draws, call for call (a generator, like
@@ -193,8 +208,17 @@ class BatchSampler:
         self.drop_last = drop_last
 
     def __iter__(self) -> Iterator[list[int]]:
-        # islice fills each list in C: for tiny samples a Python loop per index was half the
-        # main process's time per batch.
+        # Our own samplers give the epoch as one array: each batch is one slice's tolist().
+        # Any other sampler: islice fills each list in C.
+        index_array = getattr(self.sampler, "_index_array", None)
+        array = index_array() if index_array is not None and type(self.sampler) in (
+            RandomSampler, SequentialSampler) else None
+        if array is not None:
+            size = self.batch_size
+            stop = len(array) - len(array) % size if self.drop_last else len(array)
+            for start in range(0, stop, size):
+                yield array[start: start + size].tolist()
+            return
         indices = iter(self.sampler)
         while True:
             batch = list(itertools.islice(indices, self.batch_size))

@@ -133,3 +133,19 @@ def test_reconcile_frees_slots_no_batch_owns_and_relists_free_ones():
     assert pool.state(kept) is SlotState.ASSIGNED
     assert {pool.acquire() for _ in range(3)} == {lost, filled, 3}
     assert pool.acquire() is None
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_batch_sampler_slicing_our_samplers_gives_their_order(drop_last):
+    """BatchSampler slices our samplers' epoch array: the same batches, in the same order,
+    as chunking what the sampler itself yields (seeded RandomSampler, SequentialSampler)."""
+    from arena_loader.samplers import BatchSampler, RandomSampler, SequentialSampler
+
+    data = range(103)
+    for make in (lambda: RandomSampler(data, generator=7), lambda: SequentialSampler(data)):
+        flat = list(make())
+        expected = [flat[i: i + 10] for i in range(0, len(flat), 10)]
+        if drop_last:
+            expected = [b for b in expected if len(b) == 10]
+        batches = list(BatchSampler(make(), 10, drop_last))
+        assert batches == expected and all(type(i) is int for b in batches for i in b)
