@@ -18,7 +18,7 @@ from ._arena import ArenaSource
 from ._fetch import BatchFiller
 from ._inprocess import InProcessIterator
 from ._options import LoaderOptions, is_iterable_dataset
-from ._pipeline.session import MultiProcessIterator
+from ._pipeline.iterator import MultiProcessIterator
 from ._torch_compat import (
     LengthCheckedIterator,
     ShardedDataPipe,

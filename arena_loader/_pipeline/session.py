@@ -1,13 +1,15 @@
 """The worker pipeline behind ``iter(loader)`` when ``num_workers > 0``.
 
-A ``Session`` owns the workers, the order ring and the completion reader of one iterator,
-and runs on the consumer's thread: ``next()`` tops up the read-ahead window (the sampler is
-drawn there, as torch draws it), reads completion records from the worker that owes the next
-batch, and leases its slot. No thread relays batches (docs/design.md, "Data flow").
+A ``Session`` wires one iterator's parts together and runs on the consumer's thread: the
+``Crew`` (workers, order ring, completion pipes), the epoch's ``Feed`` (sampler -> ring), the
+``Reorderer`` (in flight -> arrived -> handed out) and the loader's arena. ``next()`` tops up
+the read-ahead window, reads completion records from the worker that owes the next batch, and
+leases its slot; no thread relays batches (docs/design.md, "Data flow").
 
-Locking: one re-entrant lock, held by ``next()`` and ``close()``, released only while
-``next()`` waits for a worker or runs the sampler, so ``close()`` from another thread (or a
-finalizer) never waits on user code; whoever retakes the lock checks the phase first.
+Locking: ``_lock`` is held for short steps by ``next()`` and ``close()``, never while
+waiting for workers or running the sampler, so ``close()`` from another thread (or a
+finalizer) never waits on user code; whoever retakes it checks the phase first. ``_consumer``
+is held for a whole ``next()``: one consumer at a time.
 """
 
 from __future__ import annotations
@@ -15,12 +17,8 @@ from __future__ import annotations
 import enum
 import gc
 import os
-import select
-import sys
 import threading
 import time
-import traceback
-import weakref
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -31,18 +29,17 @@ from .._fetch import BatchFiller
 from .._messages import NO_SLOT, fresh_copy, rebuild_worker_error
 from .._options import LoaderOptions
 from .._pool import SlotState, Waker
-from .._process import JOIN_TIMEOUT_S, WorkerGroup, is_main_thread
-from .._slab import Slab, receive_segment
-from .._threads import ThreadWorkerGroup
-from .._worker import WorkerSetup
+from .._process import JOIN_TIMEOUT_S
+from .._slab import Slab
 from ..errors import LoaderClosedError, LoaderTimeoutError, ShmCapacityError, forked_iterator_error
-from .completions import ENDED, FAILED, LOADED, SEGMENT, WORKER_FAILED, Completion, CompletionReader
-from .order import EntryKind, OrderRing
+from .completions import ENDED, FAILED, LOADED, SEGMENT, WORKER_FAILED, Completion
+from .crew import WAKER, Crew
+from .feed import Feed
+from .order import EntryKind
 from .reorder import Reorderer
 
 # The longest single wait; results, worker exits, freed slots and close() all end it at once.
 POLL_S = 0.5
-_NO_PENDING = object()  # not None: an iterable-style dataset's "indices" are None
 
 
 class Phase(enum.Enum):
@@ -73,10 +70,7 @@ class Session:
         self._base_seed = base_seed
         self._pid = os.getpid()
         self._generation = _forksafe.generation()
-        # Held for short steps by next() and close(), never while waiting or in user code.
         self._lock = threading.RLock()
-        # Held for a whole next() or epoch start: one consumer at a time. close() never
-        # takes it, so it never waits for a next() that waits.
         self._consumer = threading.RLock()
         self._closing = threading.RLock()  # one close() at a time (re-entrant: finalizers)
         self._waker = Waker()
@@ -87,18 +81,14 @@ class Session:
         # size when the first batch arrives (docs/design.md, "Slot budget").
         self._reserve: Slab | None = None
         self._slabless = False  # /dev/shm had no room for the slab: a segment per batch
-        # Loaded-but-not-taken batches are at most this: torch's prefetch_factor *
-        # num_workers, or fewer when `slots` is smaller.
+        # Sent-but-not-taken batches are at most this: torch's prefetch_factor * num_workers,
+        # or fewer when `slots` is smaller.
         self._window = max(1, min(options.max_in_flight, options.slots_or_default - 1))
-        self.workers: WorkerGroup | ThreadWorkerGroup | None = None
-        self._ring: OrderRing | None = None
-        self._reader: CompletionReader | None = None
-        self._last_reader: CompletionReader | None = None
+        self._crew: Crew | None = None
+        self._stats = {"results_received": 0, "result_bytes": 0}
         self._stuck_slots: set[int] = set()  # written by thread workers stuck in user code
-        self._poller: Any = None
-        self._fd_owner: dict[int, tuple[int, bool]] = {}  # fd -> (worker, is sentinel)
-        self._epoch = -1
         self._fatal: BaseException | None = None
+        self._epoch = -1
         self._reset_epoch_state(iter(()))
 
     # -- phases -----------------------------------------------------------------------
@@ -113,6 +103,26 @@ class Session:
     def broken(self) -> bool:
         """Closed, or a fatal error: the next epoch needs a new session."""
         return self.phase in (Phase.FAILED, Phase.FINISHED, Phase.CLOSED)
+
+    @property
+    def closed(self) -> bool:
+        return self.phase in (Phase.CLOSED, Phase.FINISHED)
+
+    @property
+    def workers(self) -> Any:
+        """The worker group (processes or threads), or None while none runs."""
+        return self._crew.group if self._crew is not None else None
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return list(self._crew.pids) if self._crew is not None else []
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Completion records received and their bytes (no array travels in them)."""
+        if self._crew is None:
+            return dict(self._stats)
+        return {key: self._stats[key] + value for key, value in self._crew.stats.items()}
 
     def _check_open(self) -> None:
         if self.phase is Phase.FINISHED:
@@ -137,24 +147,19 @@ class Session:
             with self._lock:
                 self._check_open()
                 self._reset_epoch_state(batches)
-                self._epoch += 1
                 self._begin()
             self._fill_window()
 
     def _reset_epoch_state(self, batches: Iterator) -> None:
-        self._batches = batches
-        self._pending: Any = _NO_PENDING  # indices drawn, waiting for a slot
-        self._started = False
-        self._send_idx = 0
+        self._epoch += 1
+        self._feed = Feed(batches, self._options.num_workers, self._filler.iterable,
+                          self._epoch)
         self._order = Reorderer(self._options.in_order)
-        self._exhausted = False
-        self._sampler_error: BaseException | None = None
+        self._started = False
         self._held_blocked = False  # the consumer holds held_batch_limit batches
         self._held_overflow = False  # a batch went to a segment: every slot is held
         self._stash: Any = None  # a batch built for a next() that Ctrl-C interrupted
-        self._taken: Completion | None = None  # taken, not yet handed over (see next_batch)
-        self._active = [True] * self._options.num_workers  # iterables: iterator not ended
-        self._next_worker = 0
+        self._taken: Completion | None = None  # taken, not yet handed over (next_batch)
 
     def _begin(self) -> None:
         """Claim the arena if the layout is known (else reserve a slab) and start workers if
@@ -169,47 +174,15 @@ class Session:
                 arena.pool.waker = self._waker
             else:
                 self._reserve = Slab.reserve()
-        if self.workers is None:
-            self._start_workers()
+        if self._crew is None:
+            arena = self.arena
+            self._crew = Crew(self._options, self._filler,
+                              arena.slab if arena is not None else self._reserve,
+                              arena.slot_nbytes if arena is not None else 0,
+                              self._source.slots, self._base_seed, self._window,
+                              self._waker.fileno())
         self._enter(Phase.RUNNING)
         self._started = True
-
-    def _start_workers(self) -> None:
-        options, arena = self._options, self.arena
-        slab = arena.slab if arena is not None else self._reserve
-        ring = self._ring = OrderRing(options.num_workers, self._window + 2,
-                                      self._filler.batch_size or 1)
-        setups = [
-            WorkerSetup(worker_id=i, num_workers=options.num_workers, filler=self._filler,
-                        slot_nbytes=arena.slot_nbytes if arena is not None else 0,
-                        slab=slab.handle(), slots=self._source.slots, fd_socket=None,
-                        base_seed=self._base_seed, worker_init_fn=options.worker_init_fn,
-                        arm_parent_death_signal=is_main_thread(),
-                        publish_to_torch="torch" in sys.modules,
-                        order=ring.handle() if options.worker_mode != "thread" else None,
-                        order_depth=ring.depth, order_entry_nbytes=ring.entry_nbytes)
-            for i in range(options.num_workers)
-        ]
-        if options.worker_mode == "thread":
-            workers: Any = ThreadWorkerGroup(setups, slab, ring.mapping)
-        else:
-            context = options.start_context()
-            if context.get_start_method() == "fork":
-                self._filler.warm_up()
-            workers = WorkerGroup(context, setups)
-        self.workers = workers
-        ring.connect([conn.fileno() for conn in workers.task_conns])
-        self._reader = CompletionReader([conn.fileno() for conn in workers.result_conns])
-        poller = select.poll()
-        self._fd_owner = {}
-        for worker, fd in enumerate(self._reader.fds):
-            poller.register(fd, select.POLLIN)
-            self._fd_owner[fd] = (worker, False)
-        for worker, fd in enumerate(workers.sentinels):
-            poller.register(fd, select.POLLIN)
-            self._fd_owner[fd] = (worker, True)
-        poller.register(self._waker.fileno(), select.POLLIN)
-        self._poller = poller
 
     def _drain(self) -> None:
         """Persistent workers: take back the last epoch's batches (in flight: wait for them;
@@ -238,9 +211,8 @@ class Session:
             if self.phase is Phase.FAILED:
                 raise fresh_copy(self._fatal)
             self._enter(Phase.RUNNING)
-            if self.workers is not None and self.workers.closed:
-                self.workers = None  # stopped after a crash or a stuck drain: start afresh
-                self._close_channels()
+            if self._crew is not None and self._crew.stopped:
+                self._drop_crew()  # stopped after a crash or a stuck drain: start afresh
 
     # -- publishing the batch order ------------------------------------------------------
 
@@ -252,70 +224,38 @@ class Session:
                 self._check_open()
                 if not self._publish():
                     return
-            self._draw()
+            self._feed.draw()
 
     def _publish(self) -> bool:
         """Send the drawn batches the window allows; True when the next needs a draw."""
-        order = self._order
-        while (not self._exhausted and self.phase is Phase.RUNNING
+        feed, order = self._feed, self._order
+        while (not feed.exhausted and self.phase is Phase.RUNNING
                and len(order.in_flight) + len(order.done) < self._window):
-            if self._pending is _NO_PENDING:
+            if feed.needs_draw:
                 return True
-            worker = self._pick_worker()
+            worker = feed.pick_worker()
             if worker is None:
-                self._exhausted = True
                 return False
             slot = self._choose_slot()
             if slot is None:
                 return False  # a freed slot wakes the waiting next()
-            if not self._send(worker, slot):
+            try:
+                sent = feed.send(self._crew, order, worker, slot)
+            except BaseException as exc:
+                self._reclaim_unsent(slot)
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                self._fail(exc)  # e.g. indices that do not pickle: no worker can load them
+                return False
+            if not sent:  # its pipe is closed: that worker is dead
+                self._reclaim_unsent(slot)
+                self._crash(worker)
                 return False
         return False
 
-    def _send(self, worker: int, slot: int) -> bool:
-        """Publish the pending batch to ``worker`` in ``slot``. Its in-flight entry is written
-        first and taken back unless the ring took the entry, so an interrupt anywhere leaves
-        the batch either sent and owed, or pending."""
-        idx, indices, ring = self._send_idx, self._pending, self._ring
-        seq = ring.next_seq(worker)
-        owed = None if self._filler.iterable else indices
-        try:
-            self._order.in_flight[idx], self._pending, self._send_idx = (
-                (worker, slot, owed), _NO_PENDING, idx + 1)
-            kind = EntryKind.STREAM if self._filler.iterable else EntryKind.INDICES
-            sent = ring.publish(worker, kind, idx, slot, self._epoch, indices)
-        except BaseException as exc:
-            if not ring.is_published(worker, seq):
-                self._unsend(idx, indices, slot)
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            self._fail(exc)  # e.g. indices that do not pickle: no worker can load them
-            return False
-        if not sent:  # its pipe is closed: that worker is dead
-            self._unsend(idx, indices, slot)
-            self._crash(worker)
-            return False
-        if self._filler.iterable:
-            self._next_worker = worker + 1
-        return True
-
-    def _unsend(self, idx: int, indices: Any, slot: int) -> None:
-        self._order.in_flight.pop(idx, None)
-        self._pending, self._send_idx = indices, idx
-        if slot != NO_SLOT:
+    def _reclaim_unsent(self, slot: int) -> None:
+        if slot != NO_SLOT and all(entry[1] != slot for entry in self._order.in_flight.values()):
             self.arena.pool.reclaim(slot)
-
-    def _draw(self) -> None:
-        """The sampler's next indices into ``_pending`` (lock not held). Its error is raised
-        at its batch's turn, after the batches before it."""
-        try:
-            self._pending = next(self._batches)
-        except StopIteration:
-            self._exhausted = True
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:
-            self._sampler_error, self._exhausted = _detached(exc), True
 
     def _choose_slot(self) -> int | None:
         """A free slot; NO_SLOT (a one-off segment) before the slab exists or while the
@@ -345,18 +285,6 @@ class Session:
             owned.add(self._taken.slot)
         return self.arena.pool.reconcile(owned)
 
-    def _pick_worker(self) -> int | None:
-        """The worker for the next batch (torch's round robin); iterable-style datasets skip
-        workers whose iterator ended; None when all have."""
-        workers = self._options.num_workers
-        if not self._filler.iterable:
-            return self._send_idx % workers
-        for step in range(workers):
-            worker = (self._next_worker + step) % workers
-            if self._active[worker]:
-                return worker
-        return None
-
     # -- receiving completions --------------------------------------------------------
 
     def _wait(self, timeout_s: float) -> None:
@@ -367,24 +295,24 @@ class Session:
             owed = self._order.owed_by(self._order.next_idx) if self._options.in_order else None
             if owed is not None and self._receive(owed):
                 return
-            poller = self._poller
-        events = poller.poll(max(0, int(timeout_s * 1000))) if poller is not None else []
+            crew = self._crew
+        ready = crew.poll(timeout_s) if crew is not None else []
         with self._lock:
             self._check_open()
-            for fd, _ in events:
-                owner = self._fd_owner.get(fd)
-                if owner is None:
+            for worker, sentinel in ready:
+                if worker == WAKER:
                     self._waker.drain()
-                elif self.phase not in (Phase.RUNNING, Phase.DRAINING):
+                elif self._crew is not crew or self.phase not in (Phase.RUNNING,
+                                                                  Phase.DRAINING):
                     return
-                elif owner[1]:
-                    self._crash(owner[0])
+                elif sentinel:
+                    self._crash(worker)
                 else:
-                    self._receive(owner[0])
+                    self._receive(worker)
 
     def _receive(self, worker: int) -> bool:
         """File what ``worker`` has sent; True if anything came."""
-        got = self._reader.fill(worker) if self._reader is not None else False
+        got = self._crew.fill(worker) if self._crew is not None else False
         self._file_arrived()
         if got is None:
             self._crash(worker)
@@ -393,11 +321,11 @@ class Session:
 
     def _file_arrived(self) -> None:
         """File the parsed records in order; each leaves the queue only once filed."""
-        reader = self._reader
-        while reader is not None and reader.arrived:
-            self._file(reader.arrived[0])
-            if reader.arrived:  # a failure filed on the way may have emptied it
-                reader.arrived.popleft()
+        crew = self._crew
+        while crew is not None and crew.arrived:
+            self._file(crew.arrived[0])
+            if crew.arrived:  # a failure filed on the way may have emptied it
+                crew.arrived.popleft()
 
     def _file(self, completion: Completion) -> None:
         """One record: check it answers a batch in flight, then file it for the consumer (or,
@@ -418,7 +346,7 @@ class Session:
             order.in_flight.pop(idx, None)
             return
         entry = order.in_flight.get(idx)
-        if entry is None and idx < self._send_idx:
+        if entry is None and idx < self._feed.send_idx:
             return  # filed and taken already: a record parsed twice
         if entry is None or entry[0] != worker or entry[1] != slot:
             raise RuntimeError(
@@ -426,8 +354,7 @@ class Session:
                 f"that is not a batch it was loading ({entry and entry[:2]}); the worker "
                 "process is corrupt")
         if status == SEGMENT and completion.storage is None:
-            completion.storage = receive_segment(self.workers.fd_sockets[worker], idx,
-                                                 completion.plan.nbytes)
+            completion.storage = self._crew.receive_segment(worker, idx, completion.plan.nbytes)
         draining = self.phase is Phase.DRAINING
         if slot != NO_SLOT:
             if status == LOADED and not draining:
@@ -442,7 +369,7 @@ class Session:
             order.in_flight.pop(idx, None)
             return
         if status == ENDED:
-            self._active[worker] = False
+            self._feed.active[worker] = False
         elif self.arena is None and completion.plan is not None and not self._slabless:
             self._attach(completion.plan.nbytes)
         completion.indices = entry[2]
@@ -462,15 +389,15 @@ class Session:
         self.arena, self._arena_claimed = arena, True
         arena.pool.waker = self._waker
         for worker in range(self._options.num_workers):
-            if not self._ring.publish(worker, EntryKind.ATTACH, idx=arena.slot_nbytes):
+            if not self._crew.publish(worker, EntryKind.ATTACH, idx=arena.slot_nbytes):
                 self._crash(worker)
                 return
 
     def _crash(self, worker: int) -> None:
         """``worker`` is gone: take in what it sent before, then fail the session with the
         error that explains it (its own report, if it sent one, wins)."""
-        while self.phase is Phase.RUNNING and self._reader is not None \
-                and self._reader.fill(worker):
+        while self.phase is Phase.RUNNING and self._crew is not None \
+                and self._crew.fill(worker):
             self._file_arrived()
         self._file_arrived()
         if self.phase is Phase.DRAINING:  # the old epoch's batches are not wanted anyway
@@ -479,7 +406,7 @@ class Session:
             return
         owed = [(idx, indices) for idx, (owner, _, indices) in self._order.in_flight.items()
                 if owner == worker]
-        self._fail(self.workers.crash_error(worker, owed))
+        self._fail(self._crew.crash_error(worker, owed))
 
     def _fail(self, error: BaseException) -> None:
         """A fatal error: stop the workers first, so that when next() raises it no worker of
@@ -489,17 +416,18 @@ class Session:
         self._fatal = error
         self._enter(Phase.FAILED)
         self._stop_workers(graceful=False)
-        self._close_channels()
+        if self._crew is not None:
+            self._crew.close_channels()
 
     def _stop_workers(self, graceful: bool) -> None:
-        """Stop the group; then every slot it was writing is safe to reuse."""
-        workers = self.workers
-        if workers is None:
+        """Stop the crew (idempotent); then every slot it was writing is safe to reuse."""
+        crew = self._crew
+        if crew is None:
             return
-        workers.shutdown(graceful)
+        crew.shutdown(graceful)
         # A thread worker left stuck in user code may still write the slot of the entry it is
         # on (its oldest): that slot stays ASSIGNED for good, so it is never handed out again.
-        stuck = set(getattr(workers, "stuck_ids", ()))
+        stuck = set(crew.stuck)
         in_flight = self._order.in_flight
         for idx in sorted(in_flight):
             worker, slot, _ = in_flight[idx]
@@ -509,6 +437,13 @@ class Session:
             elif slot != NO_SLOT and self.arena.pool.state(slot) is not SlotState.FREE:
                 self.arena.pool.reclaim(slot)
             del in_flight[idx]
+
+    def _drop_crew(self) -> None:
+        crew, self._crew = self._crew, None
+        if crew is not None:
+            crew.close_channels()
+            for key, value in crew.stats.items():
+                self._stats[key] += value
 
     # -- the consumer -----------------------------------------------------------------
 
@@ -559,8 +494,8 @@ class Session:
                 if self.phase is Phase.FAILED:
                     self._release_arena()  # a broken session keeps no slot of the loader's
                     raise fresh_copy(self._fatal)
-                if self._exhausted and not self._order.in_flight:
-                    error, self._sampler_error = self._sampler_error, None
+                if self._feed.exhausted and not self._order.in_flight:
+                    error = self._feed.take_error()
                     if error is not None:
                         raise error
                     raise StopIteration
@@ -628,8 +563,8 @@ class Session:
     def _starved(self) -> bool:
         """Nothing in flight or ready, a batch's indices waiting, and the consumer holds
         ``held_batch_limit`` batches."""
-        if (self._order.in_flight or self._order.done or self._pending is _NO_PENDING
-                or self.arena is None or not self._held_blocked):
+        if (self._order.in_flight or self._order.done or self._feed.needs_draw
+                or self._feed.exhausted or self.arena is None or not self._held_blocked):
             return False
         return self._source.over_limit(self.arena)
 
@@ -637,7 +572,7 @@ class Session:
         message = f"DataLoader timed out after {timeout} seconds"
         in_flight = self._order.in_flight
         waiting = [f"batch idx={idx} (indices {in_flight[idx][2]!r}) from worker "
-                   f"{in_flight[idx][0]} (pid {self.workers.pids[in_flight[idx][0]]})"
+                   f"{in_flight[idx][0]} (pid {self._crew.pids[in_flight[idx][0]]})"
                    for idx in self._order.owed() if idx in in_flight]
         if waiting:
             message += (f" waiting for {', '.join(waiting)}, which is still running; raise "
@@ -664,42 +599,20 @@ class Session:
             with self._lock:
                 if self.phase is not Phase.FINISHED:
                     self._enter(Phase.CLOSED)
-                workers = self.workers
-                if workers is not None and self._ring is not None and not workers.closed:
-                    for worker in range(self._options.num_workers):
-                        self._ring.publish(worker, EntryKind.STOP)
-            if workers is not None:
+                crew = self._crew
+                if crew is not None:
+                    crew.ask_to_stop()
+            if crew is not None:
                 # Not under the lock: a next() waiting in another thread raises meanwhile.
-                workers.shutdown(graceful=True)
+                crew.shutdown(graceful=True)
             with self._lock:
                 self._stop_workers(graceful=True)  # the group is down: reclaims its slots
-                self.workers = None
-                self._close_channels()
+                self._drop_crew()
                 self._release_arena()
                 if self._reserve is not None:
                     self._reserve.close()
                     self._reserve = None
                 self._waker.close()
-
-    @property
-    def closed(self) -> bool:
-        return self.phase in (Phase.CLOSED, Phase.FINISHED)
-
-    @property
-    def stats(self) -> dict[str, int]:
-        reader = self._reader or self._last_reader
-        return {"results_received": reader.records if reader else 0,
-                "result_bytes": reader.nbytes if reader else 0}
-
-    def _close_channels(self) -> None:
-        if self._reader is not None:
-            self._reader.arrived.clear()  # not filed: their slots are reclaimed with the rest
-        if self._ring is not None:
-            self._ring.close()
-            self._ring = None
-        if self._reader is not None:
-            self._last_reader = self._reader  # its counts stay readable (stats)
-        self._poller, self._fd_owner, self._reader = None, {}, None
 
     def _reclaim_done(self) -> None:
         for ready in self._order.clear_done():
@@ -715,68 +628,3 @@ class Session:
         self._arena_claimed = False
         self.arena.pool.waker = None
         self._source.unclaim(self.arena)
-
-
-def _detached(error: BaseException) -> BaseException:
-    """``error`` kept to raise later, without its traceback: the traceback's frames lead back
-    (``f_back``) to ``next()``'s and so to the iterator, which could then only be freed by the
-    cyclic garbage collector, and its workers would outlive a dropped iterator. The sampler's
-    traceback text stays with it as a note."""
-    text = "".join(traceback.format_exception(error))
-    error = error.with_traceback(None)
-    error.__context__ = None
-    if hasattr(error, "add_note"):
-        error.add_note(f"Raised by the sampler while the next batches were drawn ahead:\n{text}")
-    return error
-
-
-class MultiProcessIterator:
-    """What ``iter(loader)`` returns when ``num_workers > 0``."""
-
-    def __init__(self, owner: Any, options: LoaderOptions, filler: BatchFiller,
-                 source: ArenaSource, batches: Iterator, base_seed: int):
-        # The loader: `for b in ArenaLoader(...)` must keep it alive. Batches come converted
-        # (to tensors, or leases for a device stage) from ArenaSource.deliver.
-        self._owner = owner
-        self._persistent = options.persistent_workers
-        self._session = Session(options, filler, source, base_seed)
-        self._finalizer = weakref.finalize(self, self._session.close)
-        try:
-            self._session.start_epoch(batches)
-        except BaseException:
-            self.close()
-            raise
-
-    def __iter__(self) -> MultiProcessIterator:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            return self._session.next_batch()
-        except StopIteration:
-            if not self._persistent:
-                self._session.finish()
-            raise
-
-    def reset(self, batches: Iterator) -> None:
-        """Persistent workers: begin a new epoch on the same workers and slab."""
-        self._session.start_epoch(batches)
-
-    @property
-    def broken(self) -> bool:
-        return self._session.broken
-
-    @property
-    def worker_pids(self) -> list[int]:
-        """Pids of the workers; empty until they start."""
-        workers = self._session.workers
-        return list(workers.pids) if workers is not None else []
-
-    @property
-    def stats(self) -> dict[str, int]:
-        """Completion records received and their bytes (no array travels in them)."""
-        return self._session.stats
-
-    def close(self) -> None:
-        self._finalizer()
-        self._session.close()  # finishes a close that Ctrl-C interrupted; else a no-op

@@ -1,0 +1,166 @@
+"""The workers of one session and their channels: the order ring they read, the pipes their
+completion records come back on, their exit sentinels, and one poll set over all of them.
+
+Process and thread workers look the same from here (``WorkerGroupLike``); the session talks
+to a ``Crew`` only: publish an entry, read what a worker sent, wait for any of them, stop.
+"""
+
+from __future__ import annotations
+
+import select
+import sys
+from collections import deque
+from typing import Any, Protocol
+
+import numpy as np
+
+from .._fetch import BatchFiller
+from .._options import LoaderOptions
+from .._process import WorkerGroup, is_main_thread
+from .._slab import Slab, receive_segment
+from .._threads import ThreadWorkerGroup
+from .._worker import WorkerSetup
+from ..errors import WorkerCrashedError
+from .completions import Completion, CompletionReader
+from .order import EntryKind, OrderRing
+
+WAKER = -1  # what poll() reports for the waker's descriptor
+
+
+class WorkerGroupLike(Protocol):
+    """What ``_process.WorkerGroup`` and ``_threads.ThreadWorkerGroup`` both offer."""
+
+    pids: list[int]
+    sentinels: list[int]  # process exit sentinels (none for threads: their pipes close)
+    task_conns: list[Any]  # doorbell pipes, main process's (write) ends
+    result_conns: list[Any]  # completion pipes, main process's (read) ends
+    fd_sockets: list[Any]  # one-off segments' descriptors arrive here
+
+    @property
+    def closed(self) -> bool: ...
+
+    def crash_error(self, worker_id: int, owed: list[tuple[int, Any]]) -> WorkerCrashedError: ...
+
+    def shutdown(self, graceful: bool = True) -> None: ...
+
+
+class Crew:
+    def __init__(self, options: LoaderOptions, filler: BatchFiller, slab: Slab,
+                 slot_nbytes: int, slots: int, base_seed: int, window: int, waker_fd: int):
+        """Start ``options.num_workers`` workers holding ``slab`` (sized: ``slot_nbytes``;
+        reserved: 0, an ATTACH entry sizes it later) and a ring deep enough for ``window``."""
+        self.workers = options.num_workers
+        self.ring = OrderRing(self.workers, window + 2, filler.batch_size or 1)
+        thread = options.worker_mode == "thread"
+        setups = [
+            WorkerSetup(worker_id=i, num_workers=self.workers, filler=filler,
+                        slot_nbytes=slot_nbytes, slab=slab.handle(), slots=slots,
+                        fd_socket=None, base_seed=base_seed,
+                        worker_init_fn=options.worker_init_fn,
+                        arm_parent_death_signal=is_main_thread(),
+                        publish_to_torch="torch" in sys.modules,
+                        order=None if thread else self.ring.handle(),
+                        order_depth=self.ring.depth, order_entry_nbytes=self.ring.entry_nbytes)
+            for i in range(self.workers)
+        ]
+        try:
+            if thread:
+                group: WorkerGroupLike = ThreadWorkerGroup(setups, slab, self.ring.mapping)
+            else:
+                context = options.start_context()
+                if context.get_start_method() == "fork":
+                    filler.warm_up()
+                group = WorkerGroup(context, setups)
+        except BaseException:
+            self.ring.close()
+            raise
+        self.group = group
+        self.ring.connect([conn.fileno() for conn in group.task_conns])
+        self.reader = CompletionReader([conn.fileno() for conn in group.result_conns])
+        self._poller = select.poll()
+        self._owner: dict[int, tuple[int, bool]] = {}  # fd -> (worker, is its sentinel)
+        for worker, fd in enumerate(self.reader.fds):
+            self._watch(fd, worker, False)
+        for worker, fd in enumerate(group.sentinels):
+            self._watch(fd, worker, True)
+        self._watch(waker_fd, WAKER, False)
+        self._open = True
+
+    def _watch(self, fd: int, worker: int, sentinel: bool) -> None:
+        self._poller.register(fd, select.POLLIN)
+        self._owner[fd] = (worker, sentinel)
+
+    @property
+    def pids(self) -> list[int]:
+        return self.group.pids
+
+    @property
+    def stopped(self) -> bool:
+        return self.group.closed
+
+    @property
+    def stuck(self) -> list[int]:
+        """Thread workers left running in user code by a shutdown."""
+        return list(getattr(self.group, "stuck_ids", ()))
+
+    # -- the order ring -------------------------------------------------------------------
+
+    def publish(self, worker: int, kind: EntryKind, idx: int = 0, slot: int = 0,
+                epoch: int = 0, indices: Any = None) -> bool:
+        return self._open and self.ring.publish(worker, kind, idx, slot, epoch, indices)
+
+    def next_seq(self, worker: int) -> int:
+        return self.ring.next_seq(worker)
+
+    def is_published(self, worker: int, seq: int) -> bool:
+        return self.ring.is_published(worker, seq)
+
+    # -- what workers send -----------------------------------------------------------------
+
+    @property
+    def arrived(self) -> deque[Completion]:
+        """Records parsed and not yet filed (the session pops each once filed)."""
+        return self.reader.arrived
+
+    def fill(self, worker: int) -> bool | None:
+        """Parse what ``worker`` has sent into ``arrived`` (see CompletionReader.fill)."""
+        return self.reader.fill(worker) if self._open else False
+
+    def poll(self, timeout_s: float) -> list[tuple[int, bool]]:
+        """Wait up to ``timeout_s`` for a record, a worker's exit or the waker: the
+        (worker or WAKER, is a sentinel) of each that is ready. Called without the session's
+        lock; a closed crew's descriptors read as ready at once."""
+        events = self._poller.poll(max(0, int(timeout_s * 1000))) if self._open else ()
+        owner = self._owner
+        return [owner[fd] for fd, _ in events if fd in owner]
+
+    def receive_segment(self, worker: int, idx: int, nbytes: int) -> np.ndarray:
+        return receive_segment(self.group.fd_sockets[worker], idx, nbytes)
+
+    def crash_error(self, worker: int, owed: list[tuple[int, Any]]) -> WorkerCrashedError:
+        return self.group.crash_error(worker, owed)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"results_received": self.reader.records, "result_bytes": self.reader.nbytes}
+
+    # -- stopping --------------------------------------------------------------------------
+
+    def ask_to_stop(self) -> None:
+        """A STOP entry to every worker whose ring has room (the others are terminated)."""
+        if self._open and not self.group.closed:
+            for worker in range(self.workers):
+                self.ring.publish(worker, EntryKind.STOP)
+
+    def shutdown(self, graceful: bool) -> None:
+        """Join (``graceful``: they were asked to stop), terminate, kill; idempotent."""
+        self.group.shutdown(graceful)
+
+    def close_channels(self) -> None:
+        """Idempotent; after ``shutdown``. Records not yet filed are dropped (their slots are
+        reclaimed with the rest of the in-flight ones)."""
+        if not self._open:
+            return
+        self._open = False
+        self.reader.arrived.clear()
+        self.ring.close()

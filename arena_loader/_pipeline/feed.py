@@ -1,0 +1,100 @@
+"""One epoch's batch order on its way to the workers: the sampler's next indices (drawn without
+the session's lock, as torch draws them, inside ``next()``), which worker loads each batch
+(torch's round robin), and the send itself, written so that a ``KeyboardInterrupt`` between
+any two lines leaves the batch either sent and owed, or pending."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+from .crew import Crew
+from .order import EntryKind
+from .reorder import Reorderer
+
+NO_PENDING = object()  # not None: an iterable-style dataset's "indices" are None
+
+
+class Feed:
+    def __init__(self, batches: Iterator, num_workers: int, iterable: bool, epoch: int):
+        self._batches = batches
+        self._workers = num_workers
+        self._iterable = iterable
+        self.epoch = epoch
+        self.pending: Any = NO_PENDING  # indices drawn, waiting for a slot
+        self.send_idx = 0
+        self.exhausted = False
+        self.sampler_error: BaseException | None = None
+        self.active = [True] * num_workers  # iterable-style datasets: iterator not ended
+        self._next_worker = 0
+
+    @property
+    def needs_draw(self) -> bool:
+        return self.pending is NO_PENDING and not self.exhausted
+
+    def draw(self) -> None:
+        """The sampler's next indices into ``pending``. Its error is kept for its batch's turn,
+        after the batches before it (``take_error``)."""
+        try:
+            self.pending = next(self._batches)
+        except StopIteration:
+            self.exhausted = True
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            self.sampler_error, self.exhausted = _detached(exc), True
+
+    def take_error(self) -> BaseException | None:
+        error, self.sampler_error = self.sampler_error, None
+        return error
+
+    def pick_worker(self) -> int | None:
+        """The worker for the next batch; iterable-style datasets skip workers whose iterator
+        ended; None (and the epoch is exhausted) when all have."""
+        if not self._iterable:
+            return self.send_idx % self._workers
+        for step in range(self._workers):
+            worker = (self._next_worker + step) % self._workers
+            if self.active[worker]:
+                return worker
+        self.exhausted = True
+        return None
+
+    def send(self, crew: Crew, order: Reorderer, worker: int, slot: int) -> bool:
+        """Publish the pending batch to ``worker`` in ``slot``. Its in-flight entry is written
+        first and taken back unless the ring took the entry; False (taken back) when the
+        worker's pipe is closed. Raises what publishing raised, taken back likewise."""
+        idx, indices = self.send_idx, self.pending
+        seq = crew.next_seq(worker)
+        try:
+            order.in_flight[idx], self.pending, self.send_idx = (
+                (worker, slot, None if self._iterable else indices), NO_PENDING, idx + 1)
+            kind = EntryKind.STREAM if self._iterable else EntryKind.INDICES
+            sent = crew.publish(worker, kind, idx, slot, self.epoch, indices)
+        except BaseException:
+            if not crew.is_published(worker, seq):
+                self._unsend(order, idx, indices)
+            raise
+        if not sent:
+            self._unsend(order, idx, indices)
+        elif self._iterable:
+            self._next_worker = worker + 1
+        return sent
+
+    def _unsend(self, order: Reorderer, idx: int, indices: Any) -> None:
+        order.in_flight.pop(idx, None)
+        self.pending, self.send_idx = indices, idx
+
+
+def _detached(error: BaseException) -> BaseException:
+    """``error`` kept to raise later, without its traceback: the traceback's frames lead back
+    (``f_back``) to ``next()``'s and so to the iterator, which could then only be freed by the
+    cyclic garbage collector, and its workers would outlive a dropped iterator. The sampler's
+    traceback text stays with it as a note."""
+    text = "".join(traceback.format_exception(error))
+    error = error.with_traceback(None)
+    error.__context__ = None
+    if hasattr(error, "add_note"):
+        error.add_note(f"Raised by the sampler while the next batches were drawn ahead:\n{text}")
+    return error

@@ -1,0 +1,63 @@
+"""What ``iter(loader)`` returns when ``num_workers > 0``: the object user code holds, apart
+from the ``Session`` it drives, so that a dropped iterator is collected (and its session
+closed by a finalizer) even while the session is referenced elsewhere."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from .._arena import ArenaSource
+from .._fetch import BatchFiller
+from .._options import LoaderOptions
+from .session import Session
+
+
+class MultiProcessIterator:
+    def __init__(self, owner: Any, options: LoaderOptions, filler: BatchFiller,
+                 source: ArenaSource, batches: Iterator, base_seed: int):
+        # The loader: `for b in ArenaLoader(...)` must keep it alive. Batches come converted
+        # (to tensors, or leases for a device stage) from ArenaSource.deliver.
+        self._owner = owner
+        self._persistent = options.persistent_workers
+        self._session = Session(options, filler, source, base_seed)
+        self._finalizer = weakref.finalize(self, self._session.close)
+        try:
+            self._session.start_epoch(batches)
+        except BaseException:
+            self.close()
+            raise
+
+    def __iter__(self) -> MultiProcessIterator:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return self._session.next_batch()
+        except StopIteration:
+            if not self._persistent:
+                self._session.finish()
+            raise
+
+    def reset(self, batches: Iterator) -> None:
+        """Persistent workers: begin a new epoch on the same workers and slab."""
+        self._session.start_epoch(batches)
+
+    @property
+    def broken(self) -> bool:
+        return self._session.broken
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Pids of the workers; empty until they start."""
+        return self._session.worker_pids
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Completion records received and their bytes (no array travels in them)."""
+        return self._session.stats
+
+    def close(self) -> None:
+        self._finalizer()
+        self._session.close()  # finishes a close that Ctrl-C interrupted; else a no-op
