@@ -161,9 +161,13 @@ class ArenaSource:
                 if slot_nbytes is None and self.slot_nbytes is None:
                     return None
                 budget = self.slot_nbytes or slot_nbytes
-                self._arena = Arena(budget, self.slots, slab, self._pinner)
-                self.slot_nbytes = budget  # kept only once a slab of it exists
-                self._claimed = True
+                # One statement (the budget is kept only once a slab of it exists): an
+                # interrupt leaves no arena half recorded.
+                self._arena, self.slot_nbytes, self._claimed = (
+                    Arena(budget, self.slots, slab, self._pinner), budget, True)
+                return self._arena
+            if slab is not None and self._arena.slab is slab:
+                self._claimed = True  # a claim of this slab that an interrupt cut short
                 return self._arena
             if not self._claimed and slab is None:
                 self._claimed = True
@@ -244,18 +248,19 @@ class ArenaSource:
                 plan: Plan, idx: int, indices: Any) -> Any:
         """Hand batch ``idx`` to the consumer: from a FILLED ``slot`` of ``arena`` (leased
         now) or from a segment's ``storage``."""
-        if slot is not None:
-            lease: Any = arena.pool.lease(slot)
-            pinned = arena.pinned
-        else:
-            lease = SegmentLease(storage)
-            # A child forked while the batch is held keeps a private copy of it.
-            _forksafe.keep_across_fork(lease, storage.ctypes.data, plan.nbytes)
-            self._segments_given += 1
-            weakref.finalize(lease, self._segments_released.append, None).atexit = False
-            pinned = False
-        self._delivered += 1
+        lease: Any = None
         try:
+            if slot is not None:
+                lease = arena.pool.lease(slot)  # Ctrl-C inside: undone there
+                pinned = arena.pinned
+            else:
+                lease = SegmentLease(storage)
+                # A child forked while the batch is held keeps a private copy of it.
+                _forksafe.keep_across_fork(lease, storage.ctypes.data, plan.nbytes)
+                self._segments_given += 1
+                weakref.finalize(lease, self._segments_released.append, None).atexit = False
+                pinned = False
+            self._delivered += 1
             host = np.asarray(lease)
             try:
                 objects = plan.objects(host)
@@ -271,7 +276,7 @@ class ArenaSource:
                 batch = self._to_torch(batch, plan.collated)
             return batch
         except KeyboardInterrupt:
-            if slot is not None:  # not handed out: the slot goes back to FILLED, kept
+            if slot is not None and lease is not None:  # not handed out: FILLED again, kept
                 arena.pool.unlease(lease)
             raise
 

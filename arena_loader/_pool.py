@@ -72,20 +72,24 @@ class Waker:
                     os.write(self._write_fd, b"\0")
                 except BlockingIOError:
                     pass  # already full of wake-ups: the reader will wake anyway
+                except OSError:
+                    pass  # its reader is closed (a close that Ctrl-C cut short): nobody waits
 
     def drain(self) -> None:
         try:
             while os.read(self._read_fd, 4096):
                 pass
-        except BlockingIOError:
+        except OSError:  # empty (BlockingIOError), or closed meanwhile
             pass
 
     def close(self) -> None:
-        with self._lock:
-            for fd in (self._read_fd, self._write_fd):
-                if fd >= 0:
-                    os.close(fd)
-            self._read_fd = self._write_fd = -1
+        with self._lock:  # each descriptor forgotten in the statement that takes it
+            write_fd, self._write_fd = self._write_fd, -1
+            if write_fd >= 0:
+                os.close(write_fd)
+            read_fd, self._read_fd = self._read_fd, -1
+            if read_fd >= 0:
+                os.close(read_fd)
 
 
 class SlotPool:
@@ -150,13 +154,13 @@ class SlotPool:
             # A plain weak reference kept here (weakref.finalize costs twice as much): its
             # callback returns the slot when the lease dies.
             self._lease_refs[slot] = weakref.ref(lease, self._on_lease_dead[slot])
+            return lease
         except BaseException:  # Ctrl-C before the lease was handed back: undo it whole
             self._lease_refs.pop(slot, None)
             with self._lock:  # by state, not a flag: Ctrl-C may land right after the move
                 if self._states[slot] is SlotState.LEASED:
                     self._states[slot] = SlotState.FILLED
             raise
-        return lease
 
     def unlease(self, lease: SlotLease) -> None:
         """Undo ``lease`` (the batch was never handed out): its slot is FILLED again."""

@@ -19,7 +19,9 @@ import os
 import secrets
 import socket
 import struct
+from collections import deque
 from multiprocessing import reduction
+from typing import Any
 
 import numpy as np
 import posix_ipc
@@ -112,13 +114,13 @@ def open_shared(tag: str = "") -> int:
                           "remount,nr_inodes=...)")
     name = f"/{NAME_PREFIX}{os.getpid()}_{tag}{secrets.token_hex(6)}"
     try:
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+        # Created and unlinked in one statement: nothing else opens the slab by name, and no
+        # interrupt lands between the two, so no crash can leak it.
+        (shm := posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)).unlink()
     except (OSError, posix_ipc.Error) as exc:
         err = _errno_of(exc) if isinstance(exc, OSError) else errno.EACCES
         raise ShmCapacityError(err, f"creating a shared-memory object in {SHM_DIR} failed "
                                     f"({exc}); fix: {_FIXES.get(err, _SPACE_FIX)}") from exc
-    # Nothing else opens the slab by name: unlinking now means no crash can leak it.
-    shm.unlink()
     os.set_inheritable(shm.fd, False)  # a program exec'd by user code must not hold it
     return shm.fd
 
@@ -206,17 +208,21 @@ class Slab:
         self.array: np.ndarray | None = None
 
     def allocate(self, nbytes: int, *, slots: int | None = None) -> None:
-        """Give the slab its size and map it; a full ``/dev/shm`` is a ShmCapacityError."""
+        """Give the slab its size and map it; a full ``/dev/shm`` is a ShmCapacityError.
+        Allocating it again at the same size does nothing (a claim that an interrupt cut
+        short is made again)."""
+        if not self.closed and self.nbytes == nbytes:
+            return
         if self.closed or self.nbytes:
             raise ValueError("the slab is closed or already allocated")
         try:
             size_shared(self._fd, nbytes, slots)
-            self._mmap = map_shared(self._fd, nbytes, slots)
-        except BaseException:
+            mapping = map_shared(self._fd, nbytes, slots)
+        except Exception:  # no room: the slab is no use (an interrupt leaves it reserved)
             self.close()
             raise
-        self.nbytes = nbytes
-        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        # One statement: interrupted before it, the mapping is dropped and a retry remaps.
+        self._mmap, self.nbytes, self.array = mapping, nbytes, np.frombuffer(mapping, np.uint8)
 
     @property
     def closed(self) -> bool:
@@ -290,21 +296,44 @@ def send_segment(sock: socket.socket, idx: int, segment: Segment) -> None:
     socket.send_fds(sock, [_FD_TAG.pack(idx)], [segment.fd])
 
 
-def receive_segment(sock: socket.socket, idx: int, nbytes: int) -> np.ndarray:
-    """Map the segment a worker sent for batch ``idx``: its bytes, as an array whose base owns
-    the mapping (unmapped when the last view of the batch dies). Descriptors left over from
-    a batch the worker failed to report are closed on the way."""
-    while True:
-        data, fds, _, _ = socket.recv_fds(sock, _FD_TAG.size, 1)
-        if not fds:
-            raise EOFError("the worker's descriptor socket closed")
-        fd = fds[0]
-        try:
-            if len(data) == _FD_TAG.size and _FD_TAG.unpack(data)[0] == idx:
-                return np.frombuffer(map_shared(fd, max(nbytes, 1), what=SEGMENT),
-                                     dtype=np.uint8)
-        finally:
-            os.close(fd)
+class SegmentReceiver:
+    """The main process's end of one worker's descriptor socket. Each received descriptor is
+    kept (``received``, appended in the statement that receives it) until its batch has taken
+    its mapping (``forget``), so an interrupt anywhere in between loses no segment, and asking
+    again for a batch never waits for a descriptor already taken off the socket."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self.received: deque[tuple[bytes, list[int], int, Any]] = deque()
+
+    def receive(self, idx: int, nbytes: int) -> np.ndarray:
+        """Map the segment the worker sent for batch ``idx``: its bytes, as an array whose base
+        owns the mapping (unmapped when the last view of the batch dies). Descriptors of
+        batches the worker failed to report are closed on the way."""
+        while True:
+            for data, fds, _, _ in self.received:
+                if fds and len(data) == _FD_TAG.size and _FD_TAG.unpack(data)[0] == idx:
+                    return np.frombuffer(map_shared(fds[0], max(nbytes, 1), what=SEGMENT),
+                                         dtype=np.uint8)
+            self.received.append(socket.recv_fds(self._sock, _FD_TAG.size, 1))
+            if not self.received[-1][1]:
+                self.received.pop()
+                raise EOFError("the worker's descriptor socket closed")
+
+    def forget(self, idx: int) -> None:
+        """Close batch ``idx``'s descriptor (its mapping holds the memory) and every one
+        before it that no batch asked for."""
+        while self.received:
+            data, fds, _, _ = self.received[0]
+            tag = _FD_TAG.unpack(data)[0] if len(data) == _FD_TAG.size else None
+            if tag is not None and tag > idx:
+                return
+            for fd in fds:
+                os.close(fd)
+            self.received.popleft()
+
+    def close(self) -> None:
+        self.forget(2**62)
 
 
 def map_new_segment(nbytes: int) -> np.ndarray:

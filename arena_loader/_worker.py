@@ -169,6 +169,8 @@ class _WorkerState:
         self._position = 0  # items taken from the iterator: names samples in errors
 
     def attach(self, slot_nbytes: int) -> None:
+        if self.slab is not None and self.slot_nbytes == slot_nbytes:
+            return  # told twice (the main process was interrupted after telling): mapped
         setup = self.setup
         slab_mmap = setup.slab.map(setup.slots * slot_nbytes)
         os.close(setup.slab.fd)

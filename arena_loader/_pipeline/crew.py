@@ -17,7 +17,7 @@ import numpy as np
 from .._fetch import BatchFiller
 from .._options import LoaderOptions
 from .._process import WorkerGroup, is_main_thread
-from .._slab import Slab, receive_segment
+from .._slab import SegmentReceiver, Slab
 from .._threads import ThreadWorkerGroup
 from .._worker import WorkerSetup
 from ..errors import WorkerCrashedError
@@ -77,6 +77,7 @@ class Crew:
         self.group = group
         self.ring.connect([conn.fileno() for conn in group.task_conns])
         self.reader = CompletionReader([conn.fileno() for conn in group.result_conns])
+        self._segments = [SegmentReceiver(sock) for sock in group.fd_sockets]
         self._poller = select.poll()
         self._owner: dict[int, tuple[int, bool]] = {}  # fd -> (worker, is its sentinel)
         for worker, fd in enumerate(self.reader.fds):
@@ -135,7 +136,12 @@ class Crew:
         return [owner[fd] for fd, _ in events if fd in owner]
 
     def receive_segment(self, worker: int, idx: int, nbytes: int) -> np.ndarray:
-        return receive_segment(self.group.fd_sockets[worker], idx, nbytes)
+        """Map the one-off segment ``worker`` sent for batch ``idx`` (``forget_segment`` once
+        the batch holds the mapping)."""
+        return self._segments[worker].receive(idx, nbytes)
+
+    def forget_segment(self, worker: int, idx: int) -> None:
+        self._segments[worker].forget(idx)
 
     def crash_error(self, worker: int, owed: list[tuple[int, Any]]) -> WorkerCrashedError:
         return self.group.crash_error(worker, owed)
@@ -164,3 +170,5 @@ class Crew:
         self._open = False
         self.reader.arrived.clear()
         self.ring.close()
+        for segments in self._segments:
+            segments.close()

@@ -23,23 +23,34 @@ class Reorderer:
         return None if entry is None else entry[0]
 
     def arrive(self, ready: Any) -> None:
-        """Batch ``ready.idx`` is loaded (it was in flight)."""
-        self.done[ready.idx] = ready
+        """Batch ``ready.idx`` is loaded (it was in flight). One statement moves it, so it is
+        never both in flight and arrived; ``settle`` finishes an interrupted arrival."""
+        self.done[ready.idx] = (self.in_flight.pop(ready.idx, None), ready)[1]
         if not self.in_order:
             self._arrival.append(ready.idx)
-        self.in_flight.pop(ready.idx, None)
+
+    def settle(self, idx: int) -> None:
+        """An arrived batch filed again: make sure it is out of flight and, in completion
+        order, in line to be taken."""
+        self.in_flight.pop(idx, None)
+        if not self.in_order and idx in self.done and idx not in self._arrival:
+            self._arrival.append(idx)
 
     def take(self) -> Any | None:
         """The next batch to hand out, removed (one statement: the caller keeps it in the
         same one); None if it has not arrived. Then ``taken(ready)``."""
         if self.in_order:
             return self.done.pop(self.next_idx, None)
-        return self.done.pop(self._arrival.popleft()) if self._arrival else None
+        return self.done.pop(self._arrival.popleft(), None) if self._arrival else None
 
     def taken(self, ready: Any) -> None:
         """The caller holds ``ready``: the batch after it is next (``unget`` undoes this)."""
         if self.in_order:
             self.next_idx = ready.idx + 1
+
+    def waiting(self) -> bool:
+        """Completion order: some idx is in line (its batch may be gone: take skips it)."""
+        return bool(self._arrival)
 
     def unget(self, ready: Any) -> None:
         """Put back a batch taken but not handed out: it is next again."""

@@ -85,6 +85,7 @@ class Session:
         # or fewer when `slots` is smaller.
         self._window = max(1, min(options.max_in_flight, options.slots_or_default - 1))
         self._crew: Crew | None = None
+        self._attached: list[bool] = []  # which workers were told the slab's size
         self._stats = {"results_received": 0, "result_bytes": 0}
         self._stuck_slots: set[int] = set()  # written by thread workers stuck in user code
         self._fatal: BaseException | None = None
@@ -166,16 +167,20 @@ class Session:
         there are none."""
         if self.arena is None and self._reserve is None:
             try:
-                arena = self._source.claim()  # None until the first batch sets the budget
+                # None until the first batch sets the budget. One statement: a claim is
+                # never left unrecorded (it would keep the loader's arena from later ones).
+                self.arena, self._arena_claimed = (arena := self._source.claim()), (
+                    arena is not None)
             except ShmCapacityError:
                 arena, self._slabless = None, True
             if arena is not None:
-                self.arena, self._arena_claimed = arena, True
                 arena.pool.waker = self._waker
             else:
                 self._reserve = Slab.reserve()
         if self._crew is None:
             arena = self.arena
+            # Workers started with a sized slab map it at once; else an ATTACH entry says when.
+            self._attached = [arena is not None] * self._options.num_workers
             self._crew = Crew(self._options, self._filler,
                               arena.slab if arena is not None else self._reserve,
                               arena.slot_nbytes if arena is not None else 0,
@@ -343,7 +348,7 @@ class Session:
             return
         order = self._order
         if idx in order.done:  # filed already (interrupted right after)
-            order.in_flight.pop(idx, None)
+            order.settle(idx)
             return
         entry = order.in_flight.get(idx)
         if entry is None and idx < self._feed.send_idx:
@@ -355,6 +360,8 @@ class Session:
                 "process is corrupt")
         if status == SEGMENT and completion.storage is None:
             completion.storage = self._crew.receive_segment(worker, idx, completion.plan.nbytes)
+        if status == SEGMENT:
+            self._crew.forget_segment(worker, idx)  # the mapping holds it now
         draining = self.phase is Phase.DRAINING
         if slot != NO_SLOT:
             if status == LOADED and not draining:
@@ -370,28 +377,33 @@ class Session:
             return
         if status == ENDED:
             self._feed.active[worker] = False
-        elif self.arena is None and completion.plan is not None and not self._slabless:
-            self._attach(completion.plan.nbytes)
+        elif completion.plan is not None and not all(self._attached) and not self._slabless:
+            self._attach(completion.plan.nbytes)  # the first batch, or an interrupted attach
         completion.indices = entry[2]
         order.arrive(completion)
 
     def _attach(self, first_nbytes: int) -> None:
         """The session's first batch sets the slot budget: size the reserved slab for it and
         tell every worker to map it. A full /dev/shm raises ShmCapacityError (-> next())."""
-        reserve, self._reserve = self._reserve, None
-        try:
-            arena = self._source.claim(slot_budget(first_nbytes), slab=reserve)
-        except ShmCapacityError:
-            # No room for `slots` batches at once: go on with a segment per batch, which is
-            # all torch needs; a batch that does not fit either is that batch's error.
-            self._slabless = True
-            return
-        self.arena, self._arena_claimed = arena, True
-        arena.pool.waker = self._waker
-        for worker in range(self._options.num_workers):
-            if not self._crew.publish(worker, EntryKind.ATTACH, idx=arena.slot_nbytes):
-                self._crash(worker)
+        if self.arena is None:
+            try:
+                # One statement: the reserve the workers hold becomes the arena's slab, and
+                # an interrupt cannot leave the session with neither (or a claim unrecorded).
+                self.arena, self._arena_claimed, self._reserve = self._source.claim(
+                    slot_budget(first_nbytes), slab=self._reserve), True, None
+            except ShmCapacityError:
+                # No room for `slots` batches at once: go on with a segment per batch, which
+                # is all torch needs; a batch that does not fit either is that batch's error.
+                self._slabless = True
                 return
+        self.arena.pool.waker = self._waker
+        for worker, attached in enumerate(self._attached):
+            if not attached:
+                sent = self._crew.publish(worker, EntryKind.ATTACH, idx=self.arena.slot_nbytes)
+                self._attached[worker] = True  # (dead: the crash below is its news)
+                if not sent:
+                    self._crash(worker)
+                    return
 
     def _crash(self, worker: int) -> None:
         """``worker`` is gone: take in what it sent before, then fail the session with the
@@ -520,11 +532,18 @@ class Session:
         while True:
             self._taken = ready = self._order.take()
             if ready is None:
-                return False
+                return not self._order.in_order and self._take_again()
             self._order.taken(ready)
             if ready.status != ENDED:
                 return True
             self._taken = None
+
+    def _take_again(self) -> bool:
+        """Completion order: an idx in line whose batch had gone (taken before an interrupt
+        put it in line again) is skipped; take the next."""
+        if self._order.waiting():
+            return self._take()
+        return False
 
     def _hand_over(self) -> Any:
         """The taken batch as the consumer's (or its error raised). Ctrl-C in here: a built
