@@ -104,6 +104,24 @@ def test_every_compared_loader_delivers_the_reference_batches(kind, tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", LOADERS, ids=[kind.name for kind in LOADERS])
+def test_every_compared_loader_closed_mid_epoch_leaves_no_process(kind):
+    """The bench stops a measurement mid-epoch and closes the loader: no loader may leave a
+    worker behind (torchdata's process workers used to hang at exit flushing their queue)."""
+    if kind.missing():
+        pytest.skip(kind.missing())
+    loader = kind.build(PooledArrays(64, (3, 4, 4), np.uint8), Setup(batch_size=4, workers=2))
+    try:
+        for _ in loader:  # a whole epoch, then part of the next
+            pass
+        for count, _ in enumerate(loader):
+            if count == 3:
+                break
+    finally:
+        loader.close()
+
+
+@pytest.mark.timeout(60)
 def test_measure_reports_every_metric_with_the_bytes_delivered():
     """measure() runs the warm-up epoch, then at least the budget's batches, and fills in
     every metric; bytes and batches agree with the dataset."""

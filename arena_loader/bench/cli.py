@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import report
-from .harness import Budget, CaseResult, environment, measure
+from .harness import Budget, CaseResult, environment, measure, stray_processes
 from .loaders import (
     ARENA,
     ARENA_THREADS,
@@ -258,6 +258,10 @@ def _run_workload(workload: Workload, dataset: Any, cases: list[tuple[LoaderKind
             case_start = time.perf_counter()
             figures = measure(lambda kind=kind, setup=setup: kind.build(dataset, setup), budget)
             result.rounds.append(figures)
+            strays = stray_processes()
+            if strays:
+                progress(f"warning: {kind.name} left processes {strays} alive after close(); "
+                         "killed them")
             progress(f"round {r + 1}/{args.rounds} {workload.name:<6} {kind.name:<28} "
                      f"w={threads or result.workers:<2} "
                      f"{figures['steady_batches_per_s']:>9,.1f} batches/s "

@@ -153,6 +153,38 @@ class MemorySampler:
         self.peak_memory = max(self.peak_memory, private + shm_bytes)
 
 
+# Helpers the standard library starts once per interpreter and keeps; not a loader's.
+STDLIB_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def stray_processes(wait_s: float = 5.0) -> list[int]:
+    """Kill the child processes a closed loader left alive after ``wait_s``; return their
+    pids. A stray would be counted in every later case's memory and CPU, and outlive the
+    bench."""
+    me = psutil.Process()
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = []
+        for child in me.children(recursive=True):
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                if not any(h in " ".join(child.cmdline()) for h in STDLIB_HELPERS):
+                    alive.append(child)
+            except psutil.Error:
+                continue
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    for child in alive:
+        try:
+            child.kill()
+            child.wait(timeout=5)
+        except psutil.Error:
+            pass
+    return [child.pid for child in alive]
+
+
 def cpu_seconds() -> float:
     """CPU time (user + system) of this process and its live descendants."""
     me = psutil.Process()

@@ -399,8 +399,17 @@ class NodesLoader:
         # threads and workers (what their __del__ does, run now).
         for iterator in (getattr(self._prefetcher, "_it", None),
                          getattr(getattr(self._node, "_it", None), "_it", None)):
-            if iterator is not None:
-                iterator._shutdown()
+            if iterator is None:
+                continue
+            iterator._shutdown()
+            # A process worker closed mid-epoch can hang at exit flushing its result queue
+            # (the queue's feeder thread waits on a pipe nobody reads): end it.
+            for worker in getattr(iterator, "_workers", ()):
+                if isinstance(worker, mp.process.BaseProcess) and worker.is_alive():
+                    worker.join(timeout=1.0)
+                    if worker.is_alive():
+                        worker.kill()
+                        worker.join()
 
 
 # --- torch ----------------------------------------------------------------------------------
