@@ -320,7 +320,9 @@ def _write(folder: Path, out: dict[str, Any]) -> None:
                      report.markdown_table(report.table_rows(rows, "image", {}))]
     text += ["", "Targets (ArenaLoader / other, within-round ratios, median [min-max]; "
              "reported, not asserted):", *report.target_lines(out["targets"])]
-    markdown += ["", "| target | measured, median [min-max] | verdict |", "|---|---:|---|",
+    markdown += ["", "**Targets** (ArenaLoader / other, within-round ratios; reported, not "
+                 "asserted)", "", "| target | measured, median [min-max] | verdict |",
+                 "|---|---:|---|",
                  *(f"| {t['target']} | {report.times(t['ratio'])} | {report.verdict(t)} |"
                    for t in out["targets"])]
     print("\n".join(text))

@@ -228,7 +228,7 @@ def write_chart(path: Path, report: dict[str, Any]) -> None:
                            label=f"{name} {marks[name]:.3g}x")
         ax.axvline(1.0, color="tab:orange", linewidth=0.8)
         if marks:
-            ax.legend(fontsize=6, loc="lower right")
+            ax.legend(fontsize=6, loc="best")
         ax.set_xscale("log")
         shown = [c[2] for c in cases] + [c[3] for c in cases] + [*marks.values(), 1.0]
         ax.set_xlim(min(shown) / 1.5, max(shown) * 1.5)
