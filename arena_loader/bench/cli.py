@@ -1,7 +1,7 @@
 """``arena-loader bench`` / ``python -m arena_loader.bench``: every loader on every workload,
 same data, batch size, worker count and prefetch depth; table, JSON and PNG chart.
 
-    arena-loader bench --quick                   # the main job: about 2 minutes on 2 cores
+    arena-loader bench --quick                   # the main job: about 2.5 minutes on 2 cores
     arena-loader bench --out bench-out           # the full suite (about 15-20 minutes)
     arena-loader bench --quick --workloads image,tiny --loaders ArenaLoader,"queue pickling"
 
@@ -78,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arena-loader bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="the main job (about 2 minutes on 2 cores): 1/4 of the samples, 3 "
+                   help="the main job (about 2.5 minutes on 2 cores): 1/4 of the samples, 3 "
                    f"rounds of >= {QUICK['min_seconds']:g} s and >= {QUICK['min_batches']} "
                    "batches; ArenaLoader and torch on every workload, SPDL, Grain and "
                    "torchdata on image and jpeg, the floor on image, tiny and jpeg, thread "
@@ -89,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
                    help="num_workers for the comparison (default 2)")
     p.add_argument("--scaling", type=_ints, default=None,
                    help="worker counts for the scaling run on the image workload, e.g. 1,2,3,4 "
-                   f"(default {FULL['scaling']}, quick {QUICK['scaling']}); '' to skip")
+                   f"(default {FULL['scaling']}, quick none); '' to skip")
     p.add_argument("--rounds", type=int, default=None,
                    help=f"rounds over every case (default {FULL['rounds']}, quick "
                    f"{QUICK['rounds']})")
