@@ -10,8 +10,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="arena-loader", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("bench", add_help=False,
-                        help="compare ArenaLoader with torch, queue pickling, SPDL and the copy "
-                        "limit (arena-loader bench --help)")
+                        help="compare ArenaLoader with torch, SPDL, Grain, torchdata, the copy "
+                        "limit and the floor (arena-loader bench --help)")
     _, rest = parser.parse_known_args(argv)  # one command so far: bench
     try:
         from .bench.cli import main as bench

@@ -8,7 +8,7 @@ buffers, 128 batches per process, in 1 and then N concurrent processes, into ano
 and into an arena_loader slab (POSIX shared memory). Prints GB/s per process and in total.
 
 Latest results (2-core Intel Xeon VM, 2026-11-22; this VM is noisy, so compare figures only
-within one run; run 3 was taken right after the demo runs in docs/benchmarks.md):
+within one run):
 
     target  processes  run 1 each (total)    run 2 each (total)    run 3 each (total)
     anon    1          7.99        (7.99)    7.40        (7.40)    8.25        (8.25)

@@ -1,7 +1,9 @@
 """The benchmark harness behind ``arena-loader bench``: workloads, the loaders compared,
-measurement (warm-up, repeats, medians, CPU, peak memory, environment) and reporting.
+measurement (rounds, warm-up, medians of within-round ratios, CPU, peak memory, environment)
+and reporting.
 
-Needs the ``bench`` extra (torch, psutil, matplotlib); ``spdl`` is used when installed.
+Needs the ``bench`` extra (torch, psutil, matplotlib, pillow, and the peers compared: spdl,
+grain, torchdata; a peer that is missing is reported "not installed" and skipped).
 """
 
 from .cli import main

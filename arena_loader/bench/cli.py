@@ -1,18 +1,21 @@
 """``arena-loader bench`` / ``python -m arena_loader.bench``: every loader on every workload,
 same data, batch size, worker count and prefetch depth; table, JSON and PNG chart.
 
-    arena-loader bench --quick                   # the main job: under 2 minutes on 2 cores
-    arena-loader bench --out bench-out           # the full suite (several minutes)
+    arena-loader bench --quick                   # the main job: about 2.5 minutes on 2 cores
+    arena-loader bench --out bench-out           # the full suite (about 15-20 minutes)
     arena-loader bench --quick --workloads image,tiny --loaders ArenaLoader,"queue pickling"
 
-Each case builds its loader (persistent workers), runs one warm-up epoch timed from
-construction (start-up included) and ``--repeats`` steady-state epochs; figures are medians
-with min/max over those epochs. Ratios compare loaders measured in the same run only.
+Every case of a workload runs once per round, the order rotated each round. In a round a
+case builds its loader (persistent workers), runs one warm-up epoch timed from construction
+(start-up included), then batches for at least --min-seconds and --min-batches, and closes
+it (mid-epoch if need be). Ratios are ArenaLoader / other taken within each round, reported
+as the median over rounds with min-max: a busy machine slows both sides of a round alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import tempfile
 import time
@@ -21,12 +24,19 @@ from pathlib import Path
 from typing import Any
 
 from . import report
-from .harness import CaseResult, environment, measure
+from .harness import Budget, CaseResult, environment, measure, stray_processes
 from .loaders import (
     ARENA,
+    ARENA_THREADS,
+    COPY,
+    FLOOR,
+    GRAIN,
     LOADERS,
+    NODES,
+    NODES_THREADS,
     QUEUE,
     SPDL,
+    STATEFUL,
     TORCH,
     TORCH_NUMPY,
     LoaderKind,
@@ -36,8 +46,19 @@ from .loaders import (
 from .workloads import Sizes, Workload, standard_workloads
 
 SCALING_LOADERS = (ARENA, TORCH, QUEUE, SPDL)
-FULL = {"repeats": 5, "scale": 1.0, "scaling": "1,2,3,4"}
-QUICK = {"repeats": 3, "scale": 0.25, "scaling": "1,2"}
+FULL = {"rounds": 3, "scale": 1.0, "scaling": "1,2,3,4", "min_seconds": 1.5, "min_batches": 50}
+QUICK = {"rounds": 3, "scale": 0.25, "scaling": "", "min_seconds": 1.0, "min_batches": 20}
+# --quick: the 2-minute budget holds ~32 cases of 3 rounds of >= 1 s. ArenaLoader and torch's
+# DataLoader run on every workload; the peers on the fixed-shape image and the JPEG-decode
+# workloads; the floor where it says most (image, tiny, jpeg); thread workers on remote.
+# The full run has every loader on every workload.
+QUICK_LOADERS: dict[str, tuple[str, ...]] = {
+    "image": (ARENA, TORCH, SPDL, GRAIN, STATEFUL, NODES, COPY, FLOOR),
+    "tiny": (ARENA, TORCH, FLOOR),
+    "jpeg": (ARENA, TORCH, SPDL, GRAIN, STATEFUL, NODES, FLOOR),
+    "remote": (ARENA, TORCH, ARENA_THREADS, NODES_THREADS),
+}
+QUICK_DEFAULT = (ARENA, TORCH)
 
 
 def _ints(text: str) -> list[int]:
@@ -57,17 +78,27 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arena-loader bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="the main job: 1/4 of the samples, 3 steady epochs, scaling over 1,2 "
-                   "workers (under 2 minutes on 2 cores)")
+                   help="the main job (about 2.5 minutes on 2 cores): 1/4 of the samples, 3 "
+                   f"rounds of >= {QUICK['min_seconds']:g} s and >= {QUICK['min_batches']} "
+                   "batches; ArenaLoader and torch on every workload, SPDL, Grain and "
+                   "torchdata on image and jpeg, the floor on image, tiny and jpeg, thread "
+                   "workers on remote; no scaling run")
     p.add_argument("--out", type=Path, default=Path("bench-out"),
                    help="folder for bench.json, bench.png and bench.md (default bench-out)")
     p.add_argument("--workers", type=int, default=2,
                    help="num_workers for the comparison (default 2)")
     p.add_argument("--scaling", type=_ints, default=None,
                    help="worker counts for the scaling run on the image workload, e.g. 1,2,3,4 "
-                   f"(default {FULL['scaling']}, quick {QUICK['scaling']}); '' to skip")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="steady-state epochs after the warm-up epoch (default 5, quick 3)")
+                   f"(default {FULL['scaling']}, quick none); '' to skip")
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"rounds over every case (default {FULL['rounds']}, quick "
+                   f"{QUICK['rounds']})")
+    p.add_argument("--min-seconds", type=float, default=None,
+                   help="each measurement runs for at least this long (default "
+                   f"{FULL['min_seconds']:g}, quick {QUICK['min_seconds']:g})")
+    p.add_argument("--min-batches", type=int, default=None,
+                   help="... and at least this many batches (default "
+                   f"{FULL['min_batches']}, quick {QUICK['min_batches']})")
     p.add_argument("--prefetch-factor", type=int, default=2,
                    help="batches in flight per worker, for every loader (default 2)")
     p.add_argument("--scale", type=float, default=None,
@@ -76,8 +107,11 @@ def parser() -> argparse.ArgumentParser:
                    help="uint8 image shape of the image, dict and memmap workloads")
     p.add_argument("--large-batch-mb", type=float, default=32.0,
                    help="batch size in MB of the large float32 workload (default 32)")
+    p.add_argument("--jpeg-side", type=int, default=224,
+                   help="side of the jpeg workload's decoded, resized images (default 224)")
     p.add_argument("--workloads", default=None,
-                   help="comma-separated subset of: image, large, tiny, dict, memmap")
+                   help="comma-separated subset of: image, large, tiny, dict, memmap, text, "
+                   "detect, jpeg, remote")
     p.add_argument("--loaders", default=None,
                    help="comma-separated subset of: " + ", ".join(k.name for k in LOADERS))
     p.add_argument("--tmp-dir", default=None, help="where the memmap workload writes its file")
@@ -94,51 +128,61 @@ def _subset(text: str | None, names: list[str], flag: str) -> list[str]:
     return chosen
 
 
+def unavailable(kind: LoaderKind, workload: Workload, quick: bool) -> str | None:
+    """Why ``kind`` does not run on ``workload`` (None when it does)."""
+    missing = kind.missing()
+    if missing:
+        return missing
+    if workload.collate_fn is not None and not kind.takes_collate_fn:
+        return "takes no collate_fn (this workload's batches are made by one)"
+    if workload.collate_fn is not None and kind.name == TORCH_NUMPY:
+        return "same as torch default collate here (the workload's collate_fn is used)"
+    if kind.fixed_shape_only and not workload.fixed_shape:
+        return "one fixed-shape array per sample only (the floor leaves the rest out)"
+    if quick and not _in_quick(kind, workload):
+        return "full run only (not in --quick)"
+    return None
+
+
+def _in_quick(kind: LoaderKind, workload: Workload) -> bool:
+    return kind.name in QUICK_LOADERS.get(workload.name, QUICK_DEFAULT)
+
+
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_case(kind: LoaderKind, workload: Workload, dataset: Any, workers: int,
-             args: argparse.Namespace) -> CaseResult:
-    workers = workers if kind.uses_workers else 1
-    result = CaseResult(workload.name, kind.name, workers)
-    missing = kind.missing()
-    if workload.collate_fn is not None and not kind.takes_collate_fn:
-        missing = "takes no collate_fn (this workload's batches are made by one)"
-    elif workload.collate_fn is not None and kind.name == TORCH_NUMPY:
-        missing = "same as torch default collate here (the workload's collate_fn is used)"
-    if missing:
-        result.available, result.reason = False, missing
-        return result
-    setup = Setup(workload.batch_size, workers, args.prefetch_factor, workload.collate_fn)
-    result.metrics = measure(lambda: kind.build(dataset, setup), args.repeats)
-    return result
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     with warnings.catch_warnings():  # the caller's filters are restored on return
-        # The scaling run oversubscribes the cores on purpose; torch warns about it per epoch.
+        # The scaling run and the remote workload's threads oversubscribe the cores on
+        # purpose; torch (and ArenaLoader, for thread workers too) warn about it per epoch.
         warnings.filterwarnings("ignore", message="This DataLoader will create",
                                 category=UserWarning)
         # torch.as_tensor on the read-only memmap rows (torch's default collate) warns once
         # per worker; the batches it builds are copies, so the warning does not apply.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
                                 category=UserWarning)
+        # torchdata's StatefulDataLoader calls a deprecated torch function per iterator.
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated",
+                                category=UserWarning)
         return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
     preset = QUICK if args.quick else FULL
-    args.repeats = preset["repeats"] if args.repeats is None else args.repeats
-    args.scale = preset["scale"] if args.scale is None else args.scale
+    for name in ("rounds", "scale", "min_seconds", "min_batches"):
+        if getattr(args, name) is None:
+            setattr(args, name, preset[name])
     scaling = _ints(preset["scaling"]) if args.scaling is None else args.scaling
-    if args.repeats < 1:
-        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     if args.workers < 1:
         raise SystemExit(f"--workers must be at least 1, got {args.workers}")
+    budget = Budget(args.min_seconds, args.min_batches)
     sizes = Sizes(scale=args.scale, image_shape=tuple(int(s) for s in args.image_shape.split(",")),
-                  large_batch_mb=args.large_batch_mb)
+                  large_batch_mb=args.large_batch_mb, jpeg_side=args.jpeg_side)
     workloads = standard_workloads(sizes)
     names = _subset(args.workloads, [w.name for w in workloads], "--workloads")
     workloads = [w for w in workloads if w.name in names]
@@ -147,7 +191,6 @@ def _run(args: argparse.Namespace) -> int:
     scaling_kinds = [k for k in kinds if k.name in SCALING_LOADERS]
     scaling = [w for w in scaling if w != args.workers] if any(
         w.name == "image" for w in workloads) else []
-    total = len(workloads) * len(kinds) + len(scaling) * len(scaling_kinds)
 
     if any(kind.missing is torch_missing and not torch_missing() for kind in kinds):
         # Import torch before the first case, so every case (and every forked worker)
@@ -156,32 +199,33 @@ def _run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(1)
     env = environment()
-    progress(f"arena-loader bench: {total} cases, {args.workers} workers, prefetch_factor "
-             f"{args.prefetch_factor}, 1 warm-up + {args.repeats} epochs each; "
+    plans = []
+    for workload in workloads:
+        cases = [(kind, args.workers) for kind in kinds if not kind.threads or workload.threads]
+        if workload.name == "image":
+            cases += [(kind, w) for w in scaling for kind in scaling_kinds]
+        plans.append((workload, cases))
+    runnable = sum(1 for w, cases in plans for k, _ in cases
+                   if unavailable(k, w, args.quick) is None)
+    progress(f"arena-loader bench: {runnable} cases x {args.rounds} rounds, {args.workers} "
+             f"workers, prefetch_factor {args.prefetch_factor}, each round: warm-up epoch + "
+             f">= {budget.min_seconds:g} s and >= {budget.min_batches} batches; "
              f"{env['cpu_model']}, {env['cores']} cores, load {env['load_average_at_start']}")
     results: list[dict] = []
     scaling_results: list[dict] = []
-    done = 0
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="arena_bench_", dir=args.tmp_dir) as tmp:
-        for workload in workloads:
+        for workload, cases in plans:
             dataset = workload.dataset(tmp)
-            runs = [(kind, args.workers, results) for kind in kinds]
-            if workload.name == "image":
-                runs += [(kind, w, scaling_results) for w in scaling for kind in scaling_kinds]
             try:
-                for kind, workers, into in runs:
-                    done += 1
-                    case_start = time.perf_counter()
-                    result = run_case(kind, workload, dataset, workers, args)
-                    into.append(result.as_dict())
-                    progress(f"[{done:>2}/{total}] {workload.name:<6} {kind.name:<22} "
-                             f"w={result.workers}  " + _summary(result)
-                             + f"  ({time.perf_counter() - case_start:.1f} s)")
+                done = _run_workload(workload, dataset, cases, args, budget)
             finally:
                 remove = getattr(dataset, "remove", None)
                 if remove is not None:
                     remove()
+            for (_, workers), result in zip(cases, done):
+                scaled = workload.name == "image" and workers != args.workers
+                (scaling_results if scaled else results).append(result.as_dict())
     # The scaling table also shows the comparison's own worker count.
     scaling_results += [r for r in results if r["workload"] == "image"
                         and r["loader"] in SCALING_LOADERS and scaling]
@@ -193,12 +237,37 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _summary(result: CaseResult) -> str:
-    if not result.available:
-        return result.reason
-    m = result.metrics
-    return (f"{m['steady_gbps']['median']:.2f} GB/s, "
-            f"{m['steady_batches_per_s']['median']:,.0f} batches/s")
+def _run_workload(workload: Workload, dataset: Any, cases: list[tuple[LoaderKind, int]],
+                  args: argparse.Namespace, budget: Budget) -> list[CaseResult]:
+    """Every case of one workload, once per round, the order rotated each round."""
+    results, runnable = [], []
+    for kind, workers in cases:
+        result = CaseResult(workload.name, kind.name, workers if kind.uses_workers else 1)
+        reason = unavailable(kind, workload, args.quick)
+        if reason:
+            result.available, result.reason = False, reason
+        else:
+            runnable.append((kind, result))
+        results.append(result)
+    for r in range(args.rounds):
+        shift = r % len(runnable) if runnable else 0
+        for kind, result in runnable[shift:] + runnable[:shift]:
+            threads = workload.threads if kind.threads else None
+            setup = Setup(workload.batch_size, result.workers, args.prefetch_factor,
+                          workload.collate_fn, threads)
+            case_start = time.perf_counter()
+            figures = measure(lambda kind=kind, setup=setup: kind.build(dataset, setup), budget)
+            result.rounds.append(figures)
+            strays = stray_processes()
+            if strays:
+                progress(f"warning: {kind.name} left processes {strays} alive after close(); "
+                         "killed them")
+            progress(f"round {r + 1}/{args.rounds} {workload.name:<6} {kind.name:<28} "
+                     f"w={threads or result.workers:<2} "
+                     f"{figures['steady_batches_per_s']:>9,.1f} batches/s "
+                     f"{figures['steady_gbps']:6.2f} GB/s "
+                     f"({time.perf_counter() - case_start:.1f} s)")
+    return results
 
 
 def _report(args: argparse.Namespace, env: dict, workloads: list[Workload],
@@ -206,11 +275,14 @@ def _report(args: argparse.Namespace, env: dict, workloads: list[Workload],
             elapsed_s: float) -> dict[str, Any]:
     return {
         "environment": env,
-        "settings": {"quick": args.quick, "workers": args.workers,
-                     "prefetch_factor": args.prefetch_factor, "repeats": args.repeats,
+        "settings": {"command": "arena-loader bench " + shlex.join(args.argv),
+                     "quick": args.quick, "workers": args.workers,
+                     "prefetch_factor": args.prefetch_factor, "rounds": args.rounds,
+                     "min_seconds": args.min_seconds, "min_batches": args.min_batches,
                      "scale": args.scale, "image_shape": args.image_shape,
-                     "large_batch_mb": args.large_batch_mb, "shuffle": False,
-                     "persistent_workers": True, "elapsed_s": round(elapsed_s, 1)},
+                     "large_batch_mb": args.large_batch_mb, "jpeg_side": args.jpeg_side,
+                     "shuffle": False, "persistent_workers": True,
+                     "elapsed_s": round(elapsed_s, 1)},
         "workloads": {w.name: f"{w.samples} samples, {w.description}" for w in workloads},
         "loaders": [k.name for k in kinds],
         "results": results,
@@ -223,36 +295,40 @@ def _report(args: argparse.Namespace, env: dict, workloads: list[Workload],
 def _write(folder: Path, out: dict[str, Any]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     text, markdown = [], []
-    env = out["environment"]
+    env, settings = out["environment"], out["settings"]
     head = (f"{env['cpu_model']}, {env['cores']} cores, {env['memory_gib']} GiB, /dev/shm "
             f"{env['dev_shm_gib']} GiB, Python {env['python']}, load at start "
-            f"{env['load_average_at_start']}; {out['settings']['workers']} workers, "
-            f"prefetch_factor {out['settings']['prefetch_factor']}, "
-            f"{out['settings']['repeats']} steady epochs")
+            f"{env['load_average_at_start']}; {settings['workers']} workers, "
+            f"prefetch_factor {settings['prefetch_factor']}, {settings['rounds']} rounds of a "
+            f"warm-up epoch + >= {settings['min_seconds']:g} s and >= "
+            f"{settings['min_batches']} batches; command: {settings['command']}")
     text.append(head)
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items())
     text.append(versions)
+    legend = ("speed Arena / this: ArenaLoader's batches/s over this loader's, median [min-max] "
+              "of the within-round ratios; mem Arena / this: the same for peak memory")
+    text.append(legend)
     for workload, description in out["workloads"].items():
         rows = report.table_rows(out["results"], workload, out["ratios"].get(workload, {}))
         text += ["", f"{workload}: {description}", report.text_table(rows)]
         markdown += ["", f"**{workload}**: {description}", "", report.markdown_table(rows)]
     if out["scaling"]:
-        rows = [r for r in out["scaling"]]
+        rows = list(out["scaling"])
         text += ["", "image: scaling over num_workers",
                  report.text_table(report.table_rows(rows, "image", {}))]
         markdown += ["", "**image, scaling over num_workers**", "",
                      report.markdown_table(report.table_rows(rows, "image", {}))]
-    text += ["", "Targets (ArenaLoader / baseline, same run; reported, not asserted; CPU/GB "
-             "ratio: baseline's CPU seconds per GB over ArenaLoader's):",
-             *report.target_lines(out["targets"])]
-    markdown += ["", "| target | ArenaLoader / baseline | verdict | CPU/GB, baseline / Arena |",
-                 "|---|---:|---|---:|",
-                 *(f"| {t['target']} | {report.times(t['ratio'])} | {report.verdict(t)} | "
-                   f"{report.times(t['cpu_ratio'])} |" for t in out["targets"])]
+    text += ["", "Targets (ArenaLoader / other, within-round ratios, median [min-max]; "
+             "reported, not asserted):", *report.target_lines(out["targets"])]
+    markdown += ["", "**Targets** (ArenaLoader / other, within-round ratios; reported, not "
+                 "asserted)", "", "| target | measured, median [min-max] | verdict |",
+                 "|---|---:|---|",
+                 *(f"| {t['target']} | {report.times(t['ratio'])} | {report.verdict(t)} |"
+                   for t in out["targets"])]
     print("\n".join(text))
     report.write_json(folder / "bench.json", out)
-    (folder / "bench.md").write_text(head + "\n\n" + versions + "\n" + "\n".join(markdown)
-                                     + "\n")
+    (folder / "bench.md").write_text(head + "\n\n" + versions + "\n\n" + legend + "\n"
+                                     + "\n".join(markdown) + "\n")
     report.write_chart(folder / "bench.png", out)
     print(f"\nwrote {folder / 'bench.json'}, {folder / 'bench.md'}, {folder / 'bench.png'} "
-          f"({out['settings']['elapsed_s']} s)")
+          f"({settings['elapsed_s']} s)")

@@ -1,8 +1,11 @@
-"""Measure one loader on one workload: warm-up epoch, repeated steady-state epochs, medians
-with min/max, CPU per GB, and peak memory sampled by a background thread."""
+"""Measure one loader on one workload for one round: a warm-up epoch, then whole epochs for
+at least a time and a batch count (a ``Budget``), CPU per GB, and peak memory sampled by a
+background thread. The CLI runs every case of a workload once per round, in a rotated
+order, and reports medians over rounds (``CaseResult``)."""
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import os
 import platform
@@ -21,11 +24,11 @@ SHM_DIR = "/dev/shm"
 SAMPLE_INTERVAL_S = 0.01
 CHILDREN_EVERY = 10  # samples: psutil lists children by scanning /proc
 PSS_EVERY = 5  # samples
-LIBRARIES = ("arena-loader", "numpy", "torch", "spdl", "posix_ipc", "numba", "psutil",
-             "matplotlib")
+LIBRARIES = ("arena-loader", "numpy", "torch", "spdl", "grain", "torchdata", "pillow",
+             "posix_ipc", "numba", "psutil", "matplotlib")
 
 # Every metric a measured case reports (the JSON test checks each one is present).
-METRICS = ("steady_gbps", "steady_batches_per_s", "epoch_s", "first_epoch_s", "first_batch_s",
+METRICS = ("steady_gbps", "steady_batches_per_s", "first_epoch_s", "first_batch_s",
            "cpu_s_per_gb", "peak_rss_main_mb", "peak_rss_workers_mb", "peak_shm_mb",
            "peak_memory_mb")
 
@@ -150,6 +153,38 @@ class MemorySampler:
         self.peak_memory = max(self.peak_memory, private + shm_bytes)
 
 
+# Helpers the standard library starts once per interpreter and keeps; not a loader's.
+STDLIB_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def stray_processes(wait_s: float = 5.0) -> list[int]:
+    """Kill the child processes a closed loader left alive after ``wait_s``; return their
+    pids. A stray would be counted in every later case's memory and CPU, and outlive the
+    bench."""
+    me = psutil.Process()
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = []
+        for child in me.children(recursive=True):
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                if not any(h in " ".join(child.cmdline()) for h in STDLIB_HELPERS):
+                    alive.append(child)
+            except psutil.Error:
+                continue
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    for child in alive:
+        try:
+            child.kill()
+            child.wait(timeout=5)
+        except psutil.Error:
+            pass
+    return [child.pid for child in alive]
+
+
 def cpu_seconds() -> float:
     """CPU time (user + system) of this process and its live descendants."""
     me = psutil.Process()
@@ -174,31 +209,49 @@ def consume(batch: Any) -> int:
     return int(array.nbytes)
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median, min and max of one figure over rounds, and the per-round values."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "rounds": list(values)}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long one measurement runs: batches until both minimums are reached."""
+
+    min_seconds: float = 1.0
+    min_batches: int = 50
 
 
 @dataclass
 class CaseResult:
-    """The figures of one (workload, loader, workers) case."""
+    """The figures of one (workload, loader, workers) case: one dict per round."""
 
     workload: str
     loader: str
     workers: int
     available: bool = True
     reason: str = ""
-    metrics: dict[str, Any] = field(default_factory=dict)
+    rounds: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"workload": self.workload, "loader": self.loader, "workers": self.workers,
-                "available": self.available, "reason": self.reason,
-                **self.metrics}
+        """Every metric as its median, min, max and per-round values."""
+        out: dict[str, Any] = {"workload": self.workload, "loader": self.loader,
+                               "workers": self.workers, "available": self.available,
+                               "reason": self.reason}
+        if self.available and self.rounds:
+            first = self.rounds[0]
+            out["batches_per_epoch"] = first["batches_per_epoch"]
+            out["bytes_per_epoch"] = first["bytes_per_epoch"]
+            for metric in (*METRICS, "epochs", "seconds"):
+                out[metric] = spread([r[metric] for r in self.rounds])
+        return out
 
 
-def measure(build: Callable[[], Any], repeats: int) -> dict[str, Any]:
-    """Build a loader, run one warm-up epoch (timed from construction: start-up included),
-    then ``repeats`` timed epochs; return every figure in ``METRICS``."""
-    epochs_s: list[float] = []
+def measure(build: Callable[[], Any], budget: Budget) -> dict[str, Any]:
+    """One round of one case: build a loader, run one warm-up epoch (timed from
+    construction: start-up included), then batches until ``budget`` is met (stopping
+    mid-epoch; ``epochs`` counts the epochs begun); return every figure in ``METRICS``."""
     with MemorySampler() as memory:
         start = time.perf_counter()
         loader = build()
@@ -214,26 +267,39 @@ def measure(build: Callable[[], Any], repeats: int) -> dict[str, Any]:
             first_epoch_s = time.perf_counter() - start
             memory.sample_now()
             cpu_start = cpu_seconds()
-            for _ in range(repeats):
-                epoch_start = time.perf_counter()
+            steady_start = time.perf_counter()
+            epochs = delivered = steady_bytes = 0
+            done = False
+            while not done:
                 for batch in loader:
-                    consume(batch)
+                    steady_bytes += consume(batch)
+                    delivered += 1
                     del batch
-                epochs_s.append(time.perf_counter() - epoch_start)
+                    seconds = time.perf_counter() - steady_start
+                    if seconds >= budget.min_seconds and delivered >= budget.min_batches:
+                        done = True  # mid-epoch is fine: the loader is closed next
+                        break
+                epochs += 1
+                if not delivered:
+                    raise RuntimeError("the loader's epoch after the warm-up had no batch")
             cpu_s = cpu_seconds() - cpu_start
             memory.sample_now()
         finally:
             loader.close()
-    steady_bytes = nbytes * repeats
+            del loader
+            # Garbage of this case (torchdata's iterators sit in reference cycles) must not
+            # reach the next case's forked workers, where its finalizers fail.
+            gc.collect()
     return {
         "batches_per_epoch": batches,
         "bytes_per_epoch": nbytes,
-        "steady_gbps": spread([nbytes / s / 1e9 for s in epochs_s]),
-        "steady_batches_per_s": spread([batches / s for s in epochs_s]),
-        "epoch_s": epochs_s,
+        "epochs": epochs,
+        "seconds": seconds,
+        "steady_gbps": steady_bytes / seconds / 1e9,
+        "steady_batches_per_s": delivered / seconds,
         "first_epoch_s": first_epoch_s,
         "first_batch_s": first_batch_s,
-        "cpu_s_per_gb": cpu_s / (steady_bytes / 1e9),
+        "cpu_s_per_gb": cpu_s / (steady_bytes / 1e9) if steady_bytes else float("nan"),
         "peak_rss_main_mb": memory.peak_main / 1e6,
         "peak_rss_workers_mb": memory.peak_workers / 1e6,
         "peak_shm_mb": memory.peak_shm / 1e6,

@@ -3,9 +3,11 @@ object that can be iterated once per epoch and has ``close()``.
 
 Baselines written here: ``QueuePicklingLoader`` (the textbook multiprocessing design: batches
 collated with ``np.stack`` in a worker and pickled through a queue), ``SpdlArenaLoader``
-(SPDL's ``SharedMemorySegmentPool`` arena, one ``iterate_in_subprocess`` per worker) and
-``CopyLimit`` (one thread collating the same batches into a preallocated ring). torch and
-spdl are imported only when their loader is built.
+(SPDL's ``SharedMemorySegmentPool`` arena, one ``iterate_in_subprocess`` per worker),
+``GrainLoader`` (``grain.python.DataLoader`` with ``worker_count``), ``NodesLoader``
+(``torchdata.nodes``: ``ParallelMapper`` over batches of indices), ``CopyLimit`` (one thread
+collating the same batches into a preallocated ring) and the floor (``floor.FloorLoader``).
+torch, spdl, grain and torchdata are imported only when their loader is built.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from typing import Any
 import numpy as np
 
 from ..loader import ArenaLoader
+from .floor import FloorLoader
 
 TASK_TIMEOUT_S = 60.0
+BENCH_EXTRA = "pip install -e '.[bench]'"  # what brings every peer (SPDL, Grain, torchdata)
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class Setup:
     workers: int
     prefetch_factor: int = 2
     collate_fn: Callable[[list], Any] | None = None  # the workload's own, if it has one
+    threads: int | None = None  # thread workers of the rows that wait in threads
 
     @property
     def slots(self) -> int:
@@ -187,7 +192,7 @@ class QueuePicklingLoader:
 def spdl_missing() -> str | None:
     """Why the SPDL baseline cannot run here, or None when it can."""
     if importlib.util.find_spec("spdl") is None:
-        return "not installed (pip install spdl)"
+        return f"not installed ({BENCH_EXTRA})"
     try:
         from spdl.pipeline import SharedMemorySegmentPool, iterate_in_subprocess  # noqa: F401
     except ImportError as error:
@@ -277,15 +282,150 @@ def _nbytes(batch: Any) -> int:
     return int(batch.nbytes)
 
 
+# --- Grain ----------------------------------------------------------------------------------
+
+
+def grain_missing() -> str | None:
+    if importlib.util.find_spec("grain") is None:
+        return f"not installed ({BENCH_EXTRA})"
+    return None
+
+
+class GrainLoader:
+    """``grain.python.DataLoader`` with ``worker_count`` workers (spawned processes),
+    ``worker_buffer_size = prefetch_factor`` and ``grain.python.Batch`` (``np.stack``; Grain
+    puts each batch's arrays in new shared-memory segments). ``ReadOptions(num_threads=0)``,
+    Grain's advice for data in memory: its default (16 reader threads and a 500-record
+    buffer per worker) would read ~1,000 samples ahead of the others' prefetch depth.
+    Grain's workers each take every ``workers``-th record and batch their own share, so a
+    batch holds records ``w, w + workers, ...`` and an epoch of the persistent stream below is
+    the next ``len(dataset) / batch_size`` batches of it: the same bytes per epoch as the
+    others' consecutive batches, not the same samples. Grain starts its workers per
+    iterator, so for persistent workers as the others have, one iterator over an endless
+    sequential sampler serves every epoch when the dataset is whole batches (the bench's
+    are); otherwise each epoch is a new iterator (workers started again)."""
+
+    def __init__(self, dataset: Any, setup: Setup):
+        import grain.python as grain
+
+        self._grain, self.dataset, self.setup = grain, dataset, setup
+        self.batches = len(batch_ranges(len(dataset), setup.batch_size))
+        self.persistent = len(dataset) % setup.batch_size == 0
+        self._stream: Any = self._iterator(None) if self.persistent else None
+
+    def _iterator(self, epochs: int | None) -> Any:
+        grain = self._grain
+        sampler = grain.IndexSampler(num_records=len(self.dataset), num_epochs=epochs,
+                                     shard_options=grain.NoSharding(), shuffle=False, seed=0)
+        loader = grain.DataLoader(
+            data_source=self.dataset, sampler=sampler,
+            operations=[grain.Batch(self.setup.batch_size, drop_remainder=False)],
+            worker_count=self.setup.workers, worker_buffer_size=self.setup.prefetch_factor,
+            read_options=grain.ReadOptions(num_threads=0))
+        return iter(loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._stream is not None:
+            for _ in range(self.batches):
+                yield next(self._stream)
+            return
+        iterator = self._iterator(1)
+        try:
+            yield from iterator
+        finally:
+            _close_grain(iterator)
+
+    def close(self) -> None:
+        if self._stream is not None:
+            _close_grain(self._stream)
+            self._stream = None
+
+
+def _close_grain(iterator: Any) -> None:
+    # grain 0.2.18's DataLoaderIterator has no close(); the dataset iterator it wraps does
+    # (it stops and joins the worker processes and frees their shared memory).
+    iterator._iterator.close()
+
+
+# --- torchdata -------------------------------------------------------------------------------
+
+def torchdata_missing() -> str | None:
+    if importlib.util.find_spec("torch") is None:
+        return "not installed (pip install torch==2.13.0)"
+    if importlib.util.find_spec("torchdata") is None:
+        return f"not installed ({BENCH_EXTRA})"
+    return None
+
+
+class _FetchCollate:
+    """A batch of indices -> the collated batch (a picklable map_fn for process workers)."""
+
+    def __init__(self, dataset: Any, collate_fn: Callable[[list], Any]):
+        self.dataset, self.collate_fn = dataset, collate_fn
+
+    def __call__(self, indices: list[int]) -> Any:
+        return self.collate_fn([self.dataset[i] for i in indices])
+
+
+class NodesLoader:
+    """``torchdata.nodes``: ``SamplerWrapper(BatchSampler)`` -> ``ParallelMapper`` (fetch and
+    ``np.stack`` a batch per call, ``method`` processes or threads, ``in_order``) ->
+    ``Prefetcher`` -> ``Loader``; batches are pickled from process workers. The nodes
+    restart their workers at every epoch (``reset``): that is their design, and counted."""
+
+    def __init__(self, dataset: Any, setup: Setup, method: str = "process"):
+        import torch.utils.data as data
+        import torchdata.nodes as nodes
+
+        workers = setup.threads if method == "thread" and setup.threads else setup.workers
+        collate = setup.collate_fn or numpy_collate
+        sampler = data.BatchSampler(data.SequentialSampler(range(len(dataset))),
+                                    batch_size=setup.batch_size, drop_last=False)
+        node = nodes.ParallelMapper(nodes.SamplerWrapper(sampler),
+                                    map_fn=_FetchCollate(dataset, collate),
+                                    num_workers=workers, method=method,
+                                    multiprocessing_context="fork" if method == "process"
+                                    else None, in_order=True)
+        self._node = node
+        self._prefetcher = nodes.Prefetcher(node, prefetch_factor=setup.prefetch_factor
+                                            * setup.workers)
+        self._loader = nodes.Loader(self._prefetcher)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._loader)
+
+    def close(self) -> None:
+        # torchdata 0.11 has no public close: stop the prefetch thread, then the mapper's
+        # threads and workers (what their __del__ does, run now).
+        for iterator in (getattr(self._prefetcher, "_it", None),
+                         getattr(getattr(self._node, "_it", None), "_it", None)):
+            if iterator is None:
+                continue
+            iterator._shutdown()
+            # A process worker closed mid-epoch can hang at exit flushing its result queue
+            # (the queue's feeder thread waits on a pipe nobody reads): end it.
+            for worker in getattr(iterator, "_workers", ()):
+                if isinstance(worker, mp.process.BaseProcess) and worker.is_alive():
+                    worker.join(timeout=1.0)
+                    if worker.is_alive():
+                        worker.kill()
+                        worker.join()
+
+
 # --- torch ----------------------------------------------------------------------------------
 
 def torch_missing() -> str | None:
     return None if importlib.util.find_spec("torch") else "not installed (pip install torch)"
 
 
-def _torch_loader(dataset: Any, setup: Setup, collate_fn: Callable | None = None) -> Any:
+def _torch_loader(dataset: Any, setup: Setup, collate_fn: Callable | None = None,
+                  stateful: bool = False) -> Any:
     import torch
-    from torch.utils.data import DataLoader
+
+    if stateful:  # torchdata's drop-in subclass (checkpointable iteration)
+        from torchdata.stateful_dataloader import StatefulDataLoader as DataLoader
+    else:
+        from torch.utils.data import DataLoader
 
     torch.set_num_threads(1)
     collate_fn = setup.collate_fn or collate_fn
@@ -326,6 +466,18 @@ def _arena_torch(dataset: Any, setup: Setup) -> ArenaLoader:
     return _arena(dataset, setup, output="torch")
 
 
+def _arena_threads(dataset: Any, setup: Setup) -> ArenaLoader:
+    threads = setup.threads or setup.workers
+    extra = {} if setup.collate_fn is None else {"collate_fn": setup.collate_fn}
+    return ArenaLoader(dataset, batch_size=setup.batch_size, num_workers=threads,
+                       prefetch_factor=setup.prefetch_factor, persistent_workers=True,
+                       worker_mode="thread", **extra)
+
+
+def _floor(dataset: Any, setup: Setup) -> FloorLoader:
+    return FloorLoader(dataset, setup.batch_size, setup.workers, depth=setup.prefetch_factor)
+
+
 @dataclass(frozen=True)
 class LoaderKind:
     """One loader the benchmark compares: its report name, how to build it, and why it
@@ -336,6 +488,8 @@ class LoaderKind:
     missing: Callable[[], str | None] = lambda: None
     uses_workers: bool = True
     takes_collate_fn: bool = True  # runs workloads that bring their own collate_fn
+    fixed_shape_only: bool = False  # samples must be one array of one shape (the floor)
+    threads: bool = False  # thread workers: run only on workloads that wait (Workload.threads)
 
 
 ARENA = "ArenaLoader"
@@ -344,7 +498,13 @@ TORCH = "torch default collate"
 TORCH_NUMPY = "torch numpy collate"
 QUEUE = "queue pickling"
 SPDL = "SPDL arena"
+GRAIN = "Grain"
+STATEFUL = "torchdata StatefulDataLoader"
+NODES = "torchdata nodes"
+ARENA_THREADS = "ArenaLoader threads"
+NODES_THREADS = "torchdata nodes threads"
 COPY = "copy limit"
+FLOOR = "floor"
 
 LOADERS: list[LoaderKind] = [
     LoaderKind(ARENA, _arena),
@@ -354,6 +514,13 @@ LOADERS: list[LoaderKind] = [
                torch_missing),
     LoaderKind(QUEUE, QueuePicklingLoader, takes_collate_fn=False),
     LoaderKind(SPDL, SpdlArenaLoader, spdl_missing, takes_collate_fn=False),
+    LoaderKind(GRAIN, GrainLoader, grain_missing, takes_collate_fn=False),
+    LoaderKind(STATEFUL, functools.partial(_torch_loader, stateful=True), torchdata_missing),
+    LoaderKind(NODES, NodesLoader, torchdata_missing),
+    LoaderKind(ARENA_THREADS, _arena_threads, threads=True),
+    LoaderKind(NODES_THREADS, functools.partial(NodesLoader, method="thread"),
+               torchdata_missing, threads=True),
     LoaderKind(COPY, lambda dataset, setup: CopyLimit(dataset, setup.batch_size),
                uses_workers=False, takes_collate_fn=False),
+    LoaderKind(FLOOR, _floor, takes_collate_fn=False, fixed_shape_only=True),
 ]

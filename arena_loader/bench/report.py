@@ -1,27 +1,42 @@
-"""Ratios, targets and the three outputs of a run: terminal table, JSON, PNG chart."""
+"""Ratios, targets and the three outputs of a run: terminal table, JSON, PNG chart.
+
+Every ratio reads one way: ArenaLoader's figure over the other loader's, taken within each
+round (both measured minutes apart at most, under the same load) and reported as the median
+over rounds with its min-max. Speed: ArenaLoader batches/s / other's (above 1: ArenaLoader
+is faster). Memory and time: ArenaLoader / torch's (below 1: ArenaLoader uses less). Limits
+are written the same way: ``>= 10x`` for speed, ``<= 1.2x`` for memory.
+"""
 
 from __future__ import annotations
 
 import json
+import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
-from .loaders import ARENA, COPY, QUEUE, SPDL, TORCH
+from .loaders import ARENA, COPY, FLOOR, QUEUE, SPDL, TORCH
 
-# (workload, baseline, metric, minimum ArenaLoader / baseline ratio, the issue's wording)
+# (workload, other loader, metric, ">=" or "<=", limit on ArenaLoader / other)
 TARGETS = [
-    ("image", TORCH, "steady_gbps", 10.0, "image-like steady state >= 10x torch default collate"),
-    ("image", QUEUE, "steady_gbps", 30.0, "image-like steady state >= 30x queue pickling"),
-    ("image", SPDL, "steady_gbps", 1.5, "image-like steady state >= 1.5x SPDL arena"),
-    ("image", COPY, "steady_gbps", 0.7, "image-like steady state >= 0.7x the copy limit"),
-    ("tiny", TORCH, "steady_batches_per_s", 3.0, "tiny rows batches/s >= 3x torch"),
-    ("image", TORCH, "first_epoch_speed", 1.0, "first epoch incl. start-up faster than torch"),
-    ("image", TORCH, "memory_headroom", 1.0, "peak memory (private RSS + shm) <= torch's"),
-    ("text", TORCH, "steady_batches_per_s", 3.0, "text pad-to-longest batches/s >= 3x torch"),
-    ("detect", TORCH, "steady_batches_per_s", 3.0, "detection tuple(zip) batches/s >= 3x torch"),
-    ("text", TORCH, "memory_headroom", 1 / 1.2, "text peak memory <= 1.2x torch's"),
-    ("detect", TORCH, "memory_headroom", 1 / 1.2, "detection peak memory <= 1.2x torch's"),
+    ("image", TORCH, "steady_batches_per_s", ">=", 10.0),
+    ("image", QUEUE, "steady_batches_per_s", ">=", 30.0),
+    ("image", SPDL, "steady_batches_per_s", ">=", 1.5),
+    ("image", COPY, "steady_batches_per_s", ">=", 0.7),
+    ("tiny", TORCH, "steady_batches_per_s", ">=", 3.0),
+    ("text", TORCH, "steady_batches_per_s", ">=", 3.0),
+    ("detect", TORCH, "steady_batches_per_s", ">=", 3.0),
+    ("image", TORCH, "first_epoch_s", "<=", 1.0),
+    ("image", TORCH, "peak_memory_mb", "<=", 1.0),
+    ("text", TORCH, "peak_memory_mb", "<=", 1.2),
+    ("detect", TORCH, "peak_memory_mb", "<=", 1.2),
 ]
+METRIC_WORDS = {"steady_batches_per_s": "batches/s", "first_epoch_s": "first epoch time",
+                "peak_memory_mb": "peak memory"}
+
+
+def target_text(workload: str, other: str, metric: str, op: str, limit: float) -> str:
+    return f"{workload} {METRIC_WORDS[metric]}: ArenaLoader / {other} {op} {limit:g}x"
 
 
 def _find(results: list[dict], workload: str, loader: str) -> dict | None:
@@ -31,42 +46,44 @@ def _find(results: list[dict], workload: str, loader: str) -> dict | None:
     return None
 
 
-def ratio(arena: dict, other: dict, metric: str) -> float:
-    """ArenaLoader relative to ``other``: above 1 is better for ArenaLoader."""
-    if metric == "first_epoch_speed":
-        return other["first_epoch_s"] / arena["first_epoch_s"]
-    if metric == "memory_headroom":
-        return other["peak_memory_mb"] / arena["peak_memory_mb"]
-    return arena[metric]["median"] / other[metric]["median"]
+def ratio(arena: dict, other: dict, metric: str) -> dict[str, Any] | None:
+    """ArenaLoader's ``metric`` over ``other``'s, round by round: median, min, max."""
+    ours, theirs = arena[metric]["rounds"], other[metric]["rounds"]
+    values = [a / b for a, b in zip(ours, theirs) if b and b == b and a == a]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "rounds": values}
 
 
-def ratios(results: list[dict]) -> dict[str, dict[str, float]]:
-    """Per workload: ArenaLoader's steady-state batches/s over each other loader's (the
-    results hold one case per workload and loader, all at the same worker count)."""
-    out: dict[str, dict[str, float]] = {}
+def ratios(results: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per workload and other loader: ArenaLoader / other for batches/s (speed), CPU s/GB,
+    peak memory and first-epoch time, each the median of the within-round ratios."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
     for row in results:
         arena = _find(results, row["workload"], ARENA)
-        if row["loader"] != ARENA and row["available"] and arena is not None:
-            out.setdefault(row["workload"], {})[row["loader"]] = ratio(
-                arena, row, "steady_batches_per_s")
+        if row["loader"] == ARENA or not row["available"] or arena is None:
+            continue
+        out.setdefault(row["workload"], {})[row["loader"]] = {
+            metric: ratio(arena, row, metric)
+            for metric in ("steady_batches_per_s", "cpu_s_per_gb", "peak_memory_mb",
+                           "first_epoch_s")}
     return out
 
 
 def targets(results: list[dict]) -> list[dict[str, Any]]:
-    """The issue's targets, each with the ratio measured in this run (None if a loader did
-    not run) and whether it was met. Reported, never asserted."""
+    """The targets, each with this run's ratio (None if a loader did not run) and whether it
+    was met. Reported, never asserted."""
     rows = []
-    for workload, baseline, metric, minimum, text in TARGETS:
-        arena, other = _find(results, workload, ARENA), _find(results, workload, baseline)
-        value = ratio(arena, other, metric) if arena and other else None
-        # CPU seconds per GB, baseline over ArenaLoader: the work each design does per byte,
-        # which other programs competing for the cores disturb far less than wall time.
-        cpu = (other["cpu_s_per_gb"] / arena["cpu_s_per_gb"]
-               if arena and other and metric.startswith("steady") and arena["cpu_s_per_gb"]
-               else None)
-        rows.append({"target": text, "workload": workload, "baseline": baseline,
-                     "minimum": minimum, "ratio": value, "cpu_ratio": cpu,
-                     "met": None if value is None else value >= minimum})
+    for workload, other, metric, op, limit in TARGETS:
+        arena, theirs = _find(results, workload, ARENA), _find(results, workload, other)
+        value = ratio(arena, theirs, metric) if arena and theirs else None
+        met = None
+        if value is not None:
+            met = value["median"] >= limit if op == ">=" else value["median"] <= limit
+        rows.append({"target": target_text(workload, other, metric, op, limit),
+                     "workload": workload, "other": other, "metric": metric, "op": op,
+                     "limit": limit, "ratio": value, "met": met})
     return rows
 
 
@@ -76,36 +93,53 @@ def fmt(value: float | None, digits: int = 2) -> str:
     return f"{value:,.{digits}f}"
 
 
-COLUMNS = ("loader", "w", "GB/s median [min-max]", "batches/s", "epoch 1 s", "1st batch s",
-           "CPU s/GB", "RSS main MB", "RSS workers MB", "shm MB", "peak mem MB", "Arena x")
+def times(value: dict | float | None) -> str:
+    """``1.23x [1.10-1.31]`` for a ratio with its spread over rounds."""
+    if value is None:
+        return "-"
+    if isinstance(value, dict):
+        return f"{value['median']:.3g}x [{value['min']:.3g}-{value['max']:.3g}]"
+    return f"{value:.3g}x"
+
+
+COLUMNS = ("loader", "w", "batches/s median [min-max]", "GB/s", "epoch 1 s", "1st batch s",
+           "CPU s/GB", "peak mem MB", "shm MB", "speed Arena / this", "mem Arena / this")
 
 
 def table_rows(results: list[dict], workload: str,
-               arena_ratios: dict[str, float]) -> list[tuple[str, ...]]:
+               arena_ratios: dict[str, dict[str, Any]]) -> list[tuple[str, ...]]:
     rows = []
     for row in results:
         if row["workload"] != workload:
             continue
         if not row["available"]:
-            rows.append((row["loader"], str(row["workers"]), row["reason"]) + ("",) * 9)
+            rows.append((row["loader"], str(row["workers"]), row["reason"])
+                        + ("",) * (len(COLUMNS) - 3))
             continue
-        gbps = row["steady_gbps"]
+        rate = row["steady_batches_per_s"]
+        mine = arena_ratios.get(row["loader"], {})
         rows.append((
             row["loader"], str(row["workers"]),
-            f"{gbps['median']:.2f} [{gbps['min']:.2f}-{gbps['max']:.2f}]",
-            fmt(row["steady_batches_per_s"]["median"], 0), fmt(row["first_epoch_s"]),
-            fmt(row["first_batch_s"], 3), fmt(row["cpu_s_per_gb"]),
-            fmt(row["peak_rss_main_mb"], 0), fmt(row["peak_rss_workers_mb"], 0),
-            fmt(row["peak_shm_mb"], 0), fmt(row["peak_memory_mb"], 0),
-            fmt(arena_ratios.get(row["loader"]), 2) if row["loader"] != ARENA else "1",
+            f"{fmt(rate['median'], 0)} [{fmt(rate['min'], 0)}-{fmt(rate['max'], 0)}]",
+            fmt(row["steady_gbps"]["median"]), fmt(row["first_epoch_s"]["median"]),
+            fmt(row["first_batch_s"]["median"], 3), fmt(row["cpu_s_per_gb"]["median"]),
+            fmt(row["peak_memory_mb"]["median"], 0), fmt(row["peak_shm_mb"]["median"], 0),
+            "1" if row["loader"] == ARENA else times(mine.get("steady_batches_per_s")),
+            "1" if row["loader"] == ARENA else times(mine.get("peak_memory_mb")),
         ))
     return rows
 
 
 def text_table(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(str(r[i])) for r in [COLUMNS, *rows]) for i in range(len(COLUMNS))]
-    line = lambda r: "  ".join(  # noqa: E731
-        str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    measured = [COLUMNS, *(r for r in rows if any(r[3:]))]
+    widths = [max(len(str(r[i])) for r in (measured if i > 1 else [COLUMNS, *rows]))
+              for i in range(len(COLUMNS))]
+
+    def line(r: tuple[str, ...]) -> str:
+        if len(r) > 2 and not any(r[3:]):  # an unavailable loader: its reason, unpadded
+            return f"{r[0].ljust(widths[0])}  {r[1].rjust(widths[1])}  {r[2]}"
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(r, widths)))
     return "\n".join([line(COLUMNS), "-" * (sum(widths) + 2 * (len(widths) - 1)),
                       *map(line, rows)])
 
@@ -116,19 +150,15 @@ def markdown_table(rows: list[tuple[str, ...]]) -> str:
     return "\n".join([head, rule, *("| " + " | ".join(r) + " |" for r in rows)])
 
 
-def times(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g}x"
-
-
 def verdict(row: dict) -> str:
     return "n/a" if row["met"] is None else ("met" if row["met"] else "MISSED")
 
 
 def target_lines(rows: list[dict]) -> list[str]:
-    out = [f"  {'target':<58} {'ratio':>8}  {'verdict':<7} {'CPU/GB ratio':>12}"]
+    width = max(len(row["target"]) for row in rows)
+    out = [f"  {'target':<{width}}  {'measured [min-max over rounds]':>30}  verdict"]
     for row in rows:
-        out.append(f"  {row['target']:<58} {times(row['ratio']):>8}  {verdict(row):<7} "
-                   f"{times(row['cpu_ratio']):>12}")
+        out.append(f"  {row['target']:<{width}}  {times(row['ratio']):>30}  {verdict(row)}")
     return out
 
 
@@ -147,9 +177,24 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def torch_ratios(results: list[dict], workload: str) -> list[tuple[str, float, float, float]]:
+    """(loader, median, min, max) of each loader's batches/s over torch's, within rounds."""
+    torch_row = _find(results, workload, TORCH)
+    if torch_row is None:
+        return []
+    out = []
+    for row in results:
+        if row["workload"] == workload and row["available"]:
+            value = ratio(row, torch_row, "steady_batches_per_s")
+            if value is not None:
+                out.append((row["loader"], value["median"], value["min"], value["max"]))
+    return out
+
+
 def write_chart(path: Path, report: dict[str, Any]) -> None:
-    """Steady-state throughput per loader for each workload (log scale), and worker
-    scaling on the image workload."""
+    """One panel per workload: each loader's batches/s as a ratio to torch's DataLoader
+    (log scale, median and min-max over rounds), the copy limit and the floor marked by
+    vertical lines; and worker scaling on the image workload when it was run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,30 +202,43 @@ def write_chart(path: Path, report: dict[str, Any]) -> None:
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     plain = FuncFormatter(lambda value, _: f"{value:g}")
-
     results = report["results"]
-    workloads = list(dict.fromkeys(r["workload"] for r in results))
+    workloads = [w for w in dict.fromkeys(r["workload"] for r in results)
+                 if torch_ratios(results, w)]
     panels = len(workloads) + (1 if report["scaling"] else 0)
     cols = 3
-    rows = -(-panels // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False)
+    rows = max(1, -(-panels // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, 3.9 * rows), squeeze=False)
     for ax, workload in zip(axes.flat, workloads):
-        cases = [r for r in results if r["workload"] == workload and r["available"]]
-        metric = "steady_batches_per_s" if workload == "tiny" else "steady_gbps"
-        values = [r[metric]["median"] for r in cases]
-        errors = [[v - r[metric]["min"] for v, r in zip(values, cases)],
-                  [r[metric]["max"] - v for v, r in zip(values, cases)]]
-        colors = ["tab:green" if r["loader"].startswith("ArenaLoader") else
-                  "tab:gray" if r["loader"] == COPY else "tab:blue" for r in cases]
-        ax.barh([r["loader"] for r in cases], values, xerr=errors, color=colors)
+        cases = [c for c in torch_ratios(results, workload) if c[0] not in (COPY, FLOOR)]
+        marks = {c[0]: c[1] for c in torch_ratios(results, workload) if c[0] in (COPY, FLOOR)}
+        names = [c[0] for c in cases]
+        values = [c[1] for c in cases]
+        errors = [[c[1] - c[2] for c in cases], [c[3] - c[1] for c in cases]]
+        colors = ["tab:green" if name.startswith("ArenaLoader") else
+                  "tab:orange" if name.startswith("torch") else "tab:blue" for name in names]
+        # Points, not bars: a bar on a log axis starts nowhere in particular.
+        for y, (value, low, high, color) in enumerate(zip(values, *errors, colors)):
+            ax.errorbar([value], [y], xerr=[[low], [high]], fmt="o", color=color, capsize=3)
+        ax.set_yticks(range(len(names)), names)
+        ax.set_ylim(len(names) - 0.5, -0.5)
+        for name, style in ((COPY, "--"), (FLOOR, ":")):
+            if name in marks:
+                ax.axvline(marks[name], color="black", linestyle=style, linewidth=1,
+                           label=f"{name} {marks[name]:.3g}x")
+        ax.axvline(1.0, color="tab:orange", linewidth=0.8)
+        if marks:
+            ax.legend(fontsize=6, loc="best")
         ax.set_xscale("log")
+        shown = [c[2] for c in cases] + [c[3] for c in cases] + [*marks.values(), 1.0]
+        ax.set_xlim(min(shown) / 1.5, max(shown) * 1.5)
         ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(plain)
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.invert_yaxis()
-        ax.set_title(f"{workload}: {report['workloads'][workload]}", fontsize=8)
-        ax.set_xlabel("batches/s (median, min-max)" if metric == "steady_batches_per_s"
-                      else "GB/s (median, min-max)", fontsize=8)
+        ax.set_title(textwrap.fill(f"{workload}: {report['workloads'][workload]}", 70),
+                     fontsize=7)
+        ax.set_xlabel("batches/s / torch default collate's (median, min-max over rounds)",
+                      fontsize=7)
         ax.tick_params(labelsize=7)
     used = len(workloads)
     if report["scaling"]:
@@ -209,7 +267,9 @@ def write_chart(path: Path, report: dict[str, Any]) -> None:
         ax.axis("off")
     env = report["environment"]
     fig.suptitle(f"arena_loader bench, {env['date_utc']}, {env['cpu_model']}, "
-                 f"{env['cores']} cores", fontsize=9)
+                 f"{env['cores']} cores; {report['settings']['command']}\nbatches/s as a "
+                 "ratio to torch's DataLoader (orange line); dashed: copy limit, dotted: floor",
+                 fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,14 +1,19 @@
 """The benchmark workloads: map-style datasets every loader reads in the same order.
 
-Samples come from a small pool of pre-generated arrays (or, for ``memmap``, from a file on
-disk), so producing a sample costs nothing and the figures measure the loaders themselves.
-Every dataset is a module-level class so spawn and forkserver workers can import it.
+Most samples come from a small pool of pre-generated arrays (or, for ``memmap``, from a file
+on disk), so producing a sample costs nothing and the figures measure the loaders themselves.
+Two workloads have the per-sample cost real datasets have: ``jpeg`` decodes a JPEG and
+crops/resizes it to 3x224x224 (CPU work in the worker), ``remote`` waits a few ms per sample
+with the GIL released (a read from object storage). Every dataset is a module-level class so
+spawn and forkserver workers (Grain's) can import it.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +142,65 @@ class Detection:
                                   "image_id": index}
 
 
+class JpegImages:
+    """Image decoding: a pool of 32 JPEGs of varied sizes (128..352 x 128..352, made once
+    with PIL at construction), each sample decoded, centre-cropped to a square and resized
+    to uint8 3x224x224: the per-sample CPU work of an ImageNet-style pipeline."""
+
+    def __init__(self, n: int, side: int = 224, pool: int = 32, seed: int = 6):
+        from PIL import Image
+
+        self.n, self.side = n, side
+        rng = np.random.default_rng(seed)
+        self.jpegs: list[bytes] = []
+        for h, w in rng.integers(128, 353, size=(pool, 2)):
+            # A smooth gradient with noise: compresses like a photo, not like white noise.
+            y, x = np.mgrid[0:h, 0:w]
+            base = np.stack([x * 255 // w, y * 255 // h, (x + y) * 255 // (w + h)], axis=-1)
+            noisy = base + rng.integers(-24, 25, size=base.shape)
+            image = Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8), "RGB")
+            out = io.BytesIO()
+            image.save(out, format="JPEG", quality=85)
+            self.jpegs.append(out.getvalue())
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return decode_crop_resize(self.jpegs[index % len(self.jpegs)], self.side)
+
+
+def decode_crop_resize(jpeg: bytes, side: int) -> np.ndarray:
+    """JPEG bytes -> uint8 (3, side, side): decode, centre square crop, bilinear resize."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(jpeg)) as image:
+        image = image.convert("RGB")
+        w, h = image.size
+        edge = min(w, h)
+        left, top = (w - edge) // 2, (h - edge) // 2
+        image = image.resize((side, side), Image.BILINEAR,
+                             box=(left, top, left + edge, top + edge))
+        return np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1))
+
+
+class RemoteSamples:
+    """Remote storage: every sample waits ``wait_ms`` with the GIL released (``time.sleep``,
+    as a read from object storage does) and returns a uint8 image from a pool. The wait,
+    not the CPU, is the cost: the workload threads inside workers are for."""
+
+    def __init__(self, n: int, shape: tuple[int, ...], wait_ms: float = 2.0):
+        self.n, self.wait_s = n, wait_ms / 1e3
+        self.pool = _pool(shape, np.uint8, 7)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        time.sleep(self.wait_s)
+        return self.pool[index % POOL]
+
+
 def detection_collate(samples: list) -> tuple:
     """torchvision's detection recipe: a tuple of images and a tuple of targets."""
     return tuple(zip(*samples))
@@ -152,6 +216,10 @@ class Workload:
     samples: int
     make: Callable[[str, int], Any]  # (temp directory, samples) -> dataset
     collate_fn: Callable[[list], Any] | None = None  # loaders without one cannot run it
+    # Every sample one array of one shape and dtype: what the floor loader handles.
+    fixed_shape: bool = True
+    # Thread workers for the rows that wait in threads (remote storage); None: no such rows.
+    threads: int | None = None
 
     def dataset(self, directory: str) -> Any:
         return self.make(directory, self.samples)
@@ -164,6 +232,10 @@ class Sizes:
     scale: float = 1.0
     image_shape: tuple[int, ...] = (3, 224, 224)
     large_batch_mb: float = 32.0
+    jpeg_side: int = 224
+    remote_wait_ms: float = 2.0
+    remote_shape: tuple[int, ...] = (3, 64, 64)
+    remote_threads: int = 16
 
 
 def standard_workloads(sizes: Sizes) -> list[Workload]:
@@ -172,11 +244,13 @@ def standard_workloads(sizes: Sizes) -> list[Workload]:
     image_nbytes = int(np.prod(image))
 
     def count(full: int, batch: int) -> int:
-        return max(2 * batch, int(full * sizes.scale))
+        # Whole batches only: Grain's persistent stream has no epoch boundary of its own.
+        return max(2, int(full * sizes.scale) // batch) * batch
 
     # Large batches: 32 samples of float32 rows, each large_batch_mb / 32 in size.
     large_row = max(1, int(sizes.large_batch_mb * 1e6 / 32 / 4))
     shape_label = "x".join(map(str, image))
+    remote_label = "x".join(map(str, sizes.remote_shape))
     return [
         Workload("image", f"uint8 {shape_label}, batch 64 "
                  f"({64 * image_nbytes / 1e6:.1f} MB)", 64, count(4096, 64),
@@ -188,13 +262,22 @@ def standard_workloads(sizes: Sizes) -> list[Workload]:
                  lambda _dir, n: PooledArrays(n, (16,), np.float32)),
         Workload("dict", f"{{image uint8 {shape_label}, label int, features float32[128]}}, "
                  "batch 64", 64, count(4096, 64),
-                 lambda _dir, n: DictSamples(n, image)),
+                 lambda _dir, n: DictSamples(n, image), fixed_shape=False),
         Workload("memmap", f"numpy.memmap file of uint8 {shape_label}, batch 64", 64,
                  count(2048, 64),
                  lambda directory, n: MemmapImages.create(directory, n, image)),
         Workload("text", "int64 tokens, 16-512 per sample, padded to the batch's longest, "
-                 "batch 64", 64, count(8192, 64), lambda _dir, n: Tokens(n), pad_collate),
+                 "batch 64", 64, count(8192, 64), lambda _dir, n: Tokens(n), pad_collate,
+                 fixed_shape=False),
         Workload("detect", "uint8 images 3x192..320x192..320 + 0..15 boxes, "
                  "collate tuple(zip(*batch)), batch 16", 16, count(1024, 16),
-                 lambda _dir, n: Detection(n), detection_collate),
+                 lambda _dir, n: Detection(n), detection_collate, fixed_shape=False),
+        Workload("jpeg", f"JPEG 128..352 x 128..352 decoded, cropped, resized to uint8 "
+                 f"3x{sizes.jpeg_side}x{sizes.jpeg_side}, batch 32", 32, count(1024, 32),
+                 lambda _dir, n: JpegImages(n, sizes.jpeg_side)),
+        Workload("remote", f"{sizes.remote_wait_ms:g} ms wait per sample (GIL released) + "
+                 f"uint8 {remote_label}, batch 16", 16, count(1024, 16),
+                 lambda _dir, n: RemoteSamples(n, sizes.remote_shape, sizes.remote_wait_ms),
+                 threads=sizes.remote_threads),
     ]
+
