@@ -322,7 +322,8 @@ class SegmentReceiver:
 
     def forget(self, idx: int) -> None:
         """Close batch ``idx``'s descriptor (its mapping holds the memory) and every one
-        before it that no batch asked for."""
+        before it that no batch asked for (a worker sends its batches' segments in idx
+        order within an epoch; the session clears what is left between epochs)."""
         while self.received:
             data, fds, _, _ = self.received[0]
             tag = _FD_TAG.unpack(data)[0] if len(data) == _FD_TAG.size else None

@@ -143,6 +143,12 @@ class Crew:
     def forget_segment(self, worker: int, idx: int) -> None:
         self._segments[worker].forget(idx)
 
+    def forget_segments(self) -> None:
+        """A new epoch: descriptors still held are of the last one's batches, never filed
+        (their idx would be taken for this epoch's batches of the same idx): close them."""
+        for segments in self._segments:
+            segments.close()
+
     def crash_error(self, worker: int, owed: list[tuple[int, Any]]) -> WorkerCrashedError:
         return self.group.crash_error(worker, owed)
 

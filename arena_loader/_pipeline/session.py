@@ -218,6 +218,8 @@ class Session:
             self._enter(Phase.RUNNING)
             if self._crew is not None and self._crew.stopped:
                 self._drop_crew()  # stopped after a crash or a stuck drain: start afresh
+            elif self._crew is not None:
+                self._crew.forget_segments()
 
     # -- publishing the batch order ------------------------------------------------------
 
