@@ -166,9 +166,14 @@ class SlotPool:
         """Undo ``lease`` (the batch was never handed out): its slot is FILLED again."""
         ref = self._lease_refs.get(lease.slot)
         if ref is not None and ref() is lease:
-            del self._lease_refs[lease.slot]  # the reference dies: no callback
+            self.take_back(lease.slot)
+
+    def take_back(self, slot: int) -> None:
+        """Undo the lease of ``slot`` whose batch was never handed out (the lease object may
+        still exist, held by an interrupted frame: its death no longer frees the slot)."""
+        if self._lease_refs.pop(slot, None) is not None:  # the reference dies: no callback
             with self._lock:
-                self._move(lease.slot, SlotState.LEASED, SlotState.FILLED)
+                self._move(slot, SlotState.LEASED, SlotState.FILLED)
 
     def close(self) -> None:
         """Drop the slab reference: leases already given keep their own."""

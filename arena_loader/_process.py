@@ -81,33 +81,48 @@ class WorkerGroup:
             for setup in setups:
                 task_reader, task_writer, result_reader, result_writer = worker_pipes(context)
                 fd_main, fd_worker = fd_socket_pair()
-                self.fd_sockets.append(fd_main)
                 setup = dataclasses.replace(setup, fd_socket=fd_worker)
                 process = context.Process(
                     target=worker_main, args=(setup, task_reader, result_writer),
                     name=f"arena_loader-worker-{setup.worker_id}", daemon=True,
                 )
-                # Under fork, the only shared-memory descriptors it keeps.
-                with handing_over([setup.slab.fd, setup.order.fd]):
+                # Recorded before it starts: an interrupt right after start() must still find
+                # it to stop (an unrecorded worker would wait forever on a pipe whose write end
+                # the next workers inherited).
+                self.processes.append(process)
+                self.task_conns.append(task_writer)
+                self.result_conns.append(result_reader)
+                self.fd_sockets.append(fd_main)
+                with handing_over([setup.slab.fd, setup.order.fd]):  # all it keeps of ours
                     process.start()
                 # Close the child's ends here, before the next fork copies them: a dead
                 # worker's result pipe then reads EOF at once.
                 task_reader.close()
                 result_writer.close()
                 fd_worker.close()
-                self.processes.append(process)
-                self.task_conns.append(task_writer)
-                self.result_conns.append(result_reader)
+            self.pids = [p.pid for p in self.processes]
+            self.sentinels = [p.sentinel for p in self.processes]
         except OSError as exc:
             self.shutdown()
             if exc.errno in (errno.EMFILE, errno.ENFILE):
                 raise descriptor_limit_error(len(setups), str(exc)) from exc
             raise
         except BaseException:
-            self.shutdown()
+            self.shutdown(graceful=False)
             raise
-        self.pids = [p.pid for p in self.processes]
-        self.sentinels = [p.sentinel for p in self.processes]
+
+    @property
+    def _started(self) -> list[Any]:
+        """Processes started and not yet closed (a shutdown cut short may have closed some)."""
+        started = []
+        for process in self.processes:
+            try:
+                if process.pid is not None:
+                    process.is_alive()  # ValueError once closed
+                    started.append(process)
+            except ValueError:
+                pass
+        return started
 
     @property
     def closed(self) -> bool:
@@ -150,7 +165,7 @@ class WorkerGroup:
                 self._closed = True
 
     def _kill_now(self) -> None:
-        for process in self.processes:
+        for process in self._started:
             try:
                 if process.is_alive():
                     process.kill()
@@ -162,7 +177,7 @@ class WorkerGroup:
     def _close_channels(self) -> None:
         for conn in (*self.task_conns, *self.result_conns, *self.fd_sockets):
             conn.close()
-        for process in self.processes:
+        for process in self._started:
             try:
                 if process.exitcode is not None:
                     process.close()
@@ -176,7 +191,7 @@ class WorkerGroup:
 
     def _shutdown(self, graceful: bool) -> None:
         for escalate in (None, "terminate", "kill") if graceful else ("terminate", "kill"):
-            alive = [p for p in self.processes if p.is_alive()]
+            alive = [p for p in self._started if p.is_alive()]
             if not alive:
                 break
             if escalate is not None:

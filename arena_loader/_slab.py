@@ -19,6 +19,7 @@ import os
 import secrets
 import socket
 import struct
+import weakref
 from collections import deque
 from multiprocessing import reduction
 from typing import Any
@@ -114,15 +115,15 @@ def open_shared(tag: str = "") -> int:
                           "remount,nr_inodes=...)")
     name = f"/{NAME_PREFIX}{os.getpid()}_{tag}{secrets.token_hex(6)}"
     try:
-        # Created and unlinked in one statement: nothing else opens the slab by name, and no
-        # interrupt lands between the two, so no crash can leak it.
-        (shm := posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)).unlink()
+        # Created, unlinked and returned in one statement: nothing else opens it by name, and
+        # no interrupt lands between the steps, so nothing leaks (shm_open sets close-on-exec:
+        # a program exec'd by user code does not hold it).
+        return (shm := posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)).unlink() \
+            or shm.fd
     except (OSError, posix_ipc.Error) as exc:
         err = _errno_of(exc) if isinstance(exc, OSError) else errno.EACCES
         raise ShmCapacityError(err, f"creating a shared-memory object in {SHM_DIR} failed "
                                     f"({exc}); fix: {_FIXES.get(err, _SPACE_FIX)}") from exc
-    os.set_inheritable(shm.fd, False)  # a program exec'd by user code must not hold it
-    return shm.fd
 
 
 def size_shared(fd: int, nbytes: int, slots: int | None = None,
@@ -200,7 +201,11 @@ class Slab:
         return slab
 
     def _create(self) -> None:
-        self._fd = open_shared()
+        # The descriptor is closed with the object if close() never runs (a Slab dropped by
+        # an interrupted claim): made and handed to its finalizer in one statement.
+        self._fd_closer = weakref.finalize(self, os.close, fd := open_shared())
+        self._fd_closer.atexit = False
+        self._fd = fd
         _forksafe.register_descriptor(self, self._fd)
         self._mmap: mmap.mmap | None = None
         self.nbytes = 0
@@ -236,8 +241,8 @@ class Slab:
     def close(self) -> None:
         """Close the descriptor; the mapping goes away once no view of it is left."""
         if self._fd >= 0:
-            os.close(self._fd)
             self._fd = -1
+            self._fd_closer()  # closes it, once
         # The mmap cannot be closed while views exist (BufferError); dropping our references
         # lets the last view unmap it. Closing it under a live view would turn reads into
         # segfaults.
@@ -261,12 +266,14 @@ class Segment:
 
     def __init__(self, nbytes: int):
         self.nbytes = max(nbytes, 1)
-        self.fd = open_shared()
-        try:
+        self.fd = -1
+        try:  # the descriptor closed on any failure, Ctrl-C included
+            self.fd = open_shared()
             size_shared(self.fd, self.nbytes, what=SEGMENT)
             self._mmap = map_shared(self.fd, self.nbytes, what=SEGMENT)
         except BaseException:
-            os.close(self.fd)
+            if self.fd >= 0:
+                os.close(self.fd)
             raise
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
 
@@ -339,6 +346,5 @@ class SegmentReceiver:
 
 def map_new_segment(nbytes: int) -> np.ndarray:
     """A segment made and mapped in this process (``num_workers=0``, thread workers)."""
-    segment = Segment(nbytes)
-    segment.close_fd()  # the mapping (the array's base) keeps the memory
-    return segment.array
+    # One statement: the mapping (the array's base) keeps the memory, the descriptor goes.
+    return (segment := Segment(nbytes)).close_fd() or segment.array

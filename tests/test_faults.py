@@ -447,7 +447,10 @@ class _InterruptAt:
     def __call__(self, frame, event, arg):
         if event == "call":
             name = frame.f_code.co_filename
-            return self if "arena_loader" in name and "samplers" not in name else None
+            # Not the at-fork hooks either: os.fork runs them with the fork half done, and
+            # an interrupt there leaves their state to the next fork (a known window).
+            return self if ("arena_loader" in name and "samplers" not in name
+                            and "_forksafe" not in name) else None
         if event == "line" and self.armed and os.getpid() == self.pid \
                 and threading.current_thread() is threading.main_thread():
             # sys.settrace reports a `with` line again while an exception leaves its block,
@@ -477,16 +480,28 @@ def _interrupted(call, k):
         sys.settrace(None)
 
 
-# With workers, iter() and close() interrupted at some lines still lose work (a reserved
-# slab left unusable, workers of an interrupted iter() left running): not in the matrix
-# yet, and named in docs/reliability.md. next() alone, with workers: the test below.
+# Persistent workers are not in it yet: an interrupt in some lines of iter()'s drain still
+# leaves mappings alive (docs/reliability.md).
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("num_workers, persistent", [(0, False)])
+@pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False)])
 def test_ctrl_c_at_any_line_of_next_iter_and_close_loses_nothing(num_workers, persistent):
     """KeyboardInterrupt injected at the k-th line of arena_loader code in next() (k = 1, 2,
     3, ... over successive calls, past the longest next()), in iter() and in close(), over
     several epochs: each epoch yields every batch once, in order; every slot is free after
-    it; close() called again after an interrupted one leaves no worker alive."""
+    it; close() called again after an interrupted one leaves no worker alive. Run in a fresh
+    interpreter: descriptors an interrupt leaves to the garbage collector must not reach the
+    next tests' workers."""
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys; from tests.test_faults import _ctrl_c_matrix; "
+         f"_ctrl_c_matrix({num_workers}, {persistent}); print('matrix ok')"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        capture_output=True, text=True, timeout=140)
+    assert result.returncode == 0 and "matrix ok" in result.stdout, result.stderr[-3000:]
+
+
+def _ctrl_c_matrix(num_workers, persistent):
     expected = list(range(0, 40, 2))
     longest = 0  # lines of the longest next(): k must reach past it
     k = 0
@@ -518,7 +533,8 @@ def test_ctrl_c_at_any_line_of_next_iter_and_close_loses_nothing(num_workers, pe
             gc.collect()
             arena = loader._source._arena
             if arena is not None:
-                assert arena.pool.counts()[SlotState.FREE] == loader.slots, epoch
+                counts = arena.pool.counts()
+                assert counts[SlotState.FREE] == loader.slots, (epoch, counts)
         assert k > longest, (k, longest)  # every line of next() was a target at least once
         for close_k in (3, 9, 17, 40):
             _, interrupted = _interrupted(loader.close, close_k)

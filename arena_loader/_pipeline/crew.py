@@ -75,17 +75,22 @@ class Crew:
             self.ring.close()
             raise
         self.group = group
-        self.ring.connect([conn.fileno() for conn in group.task_conns])
-        self.reader = CompletionReader([conn.fileno() for conn in group.result_conns])
-        self._segments = [SegmentReceiver(sock) for sock in group.fd_sockets]
-        self._poller = select.poll()
-        self._owner: dict[int, tuple[int, bool]] = {}  # fd -> (worker, is its sentinel)
-        for worker, fd in enumerate(self.reader.fds):
-            self._watch(fd, worker, False)
-        for worker, fd in enumerate(group.sentinels):
-            self._watch(fd, worker, True)
-        self._watch(waker_fd, WAKER, False)
-        self._open = True
+        try:  # the workers run: any failure (or Ctrl-C) from here on must stop them
+            self.ring.connect([conn.fileno() for conn in group.task_conns])
+            self.reader = CompletionReader([conn.fileno() for conn in group.result_conns])
+            self._segments = [SegmentReceiver(sock) for sock in group.fd_sockets]
+            self._poller = select.poll()
+            self._owner: dict[int, tuple[int, bool]] = {}  # fd -> (worker, is its sentinel)
+            for worker, fd in enumerate(self.reader.fds):
+                self._watch(fd, worker, False)
+            for worker, fd in enumerate(group.sentinels):
+                self._watch(fd, worker, True)
+            self._watch(waker_fd, WAKER, False)
+            self._open = True
+        except BaseException:
+            group.shutdown(graceful=False)
+            self.ring.close()
+            raise
 
     def _watch(self, fd: int, worker: int, sentinel: bool) -> None:
         self._poller.register(fd, select.POLLIN)

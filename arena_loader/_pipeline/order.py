@@ -22,6 +22,7 @@ import os
 import pickle
 import select
 import struct
+import weakref
 from array import array
 from typing import Any
 
@@ -59,12 +60,17 @@ class OrderRing:
         self.entry_nbytes = entry_nbytes(rows)
         self._header_nbytes = workers * _HEADER_STRIDE
         self.nbytes = self._header_nbytes + workers * depth * self.entry_nbytes
-        self._fd = open_shared(ORDER_TAG)
-        try:
+        self._fd = -1
+        try:  # the descriptor closed on any failure, Ctrl-C included
+            # Closed with the ring if close() never runs (a crew cut short by Ctrl-C).
+            self._fd_closer = weakref.finalize(self, os.close, fd := open_shared(ORDER_TAG))
+            self._fd_closer.atexit = False
+            self._fd = fd
             size_shared(self._fd, self.nbytes, what=_WHAT)
             self._mmap = map_shared(self._fd, self.nbytes, what=_WHAT)
         except BaseException:
-            os.close(self._fd)
+            if self._fd >= 0:
+                self._fd_closer()
             raise
         self.mapping = np.frombuffer(self._mmap, np.uint8)  # thread workers read it directly
         self._buffer = memoryview(self.mapping)
@@ -142,8 +148,8 @@ class OrderRing:
         """Idempotent. Workers map the ring themselves; this process's mapping goes now."""
         if self._fd < 0:
             return
-        os.close(self._fd)
         self._fd = -1
+        self._fd_closer()
         self._buffer.release()
         self._taken = self.mapping = None  # type: ignore[assignment]
         try:

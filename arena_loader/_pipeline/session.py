@@ -509,6 +509,8 @@ class Session:
                     self._release_arena()  # a broken session keeps no slot of the loader's
                     raise fresh_copy(self._fatal)
                 if self._feed.exhausted and not self._order.in_flight:
+                    if self.arena is not None:
+                        self._reconcile_slots()  # the epoch's end: no slot is owned now
                     error = self._feed.take_error()
                     if error is not None:
                         raise error
@@ -570,8 +572,8 @@ class Session:
             if batch is not None:
                 self._stash, self._taken = batch, None
             elif ready.storage is None and completion.status == LOADED and \
-                    self.arena.pool.state(completion.slot) is not SlotState.FILLED:
-                self._taken = None  # leased and lost mid-assembly: nothing to put back
+                    self.arena.pool.state(completion.slot) is SlotState.LEASED:
+                self.arena.pool.take_back(completion.slot)  # leased, never handed out
             raise
         except BaseException:
             self._taken = None
