@@ -149,3 +149,76 @@ def test_batch_sampler_slicing_our_samplers_gives_their_order(drop_last):
             expected = [b for b in expected if len(b) == 10]
         batches = list(BatchSampler(make(), 10, drop_last))
         assert batches == expected and all(type(i) is int for b in batches for i in b)
+
+
+class _StopsAtFive:
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        if i == 5:
+            raise StopIteration  # a dataset's bug: it must not end the epoch silently
+        return np.full(2, i)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataset_stop_iteration_is_that_batchs_runtime_error_not_the_end(num_workers):
+    """StopIteration from __getitem__ is raised as RuntimeError naming the indices, at its
+    batch's turn; the epoch goes on and every other batch arrives."""
+    from arena_loader import ArenaLoader
+
+    with ArenaLoader(_StopsAtFive(), batch_size=2, num_workers=num_workers) as loader:
+        iterator, got, errors = iter(loader), [], []
+        while True:
+            try:
+                got.append(int(next(iterator)[0, 0]))
+            except StopIteration:
+                break
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        del iterator
+    assert got == [0, 2, 6, 8, 10]
+    assert len(errors) == 1 and "StopIteration" in errors[0] and "[4, 5]" in errors[0]
+
+
+class _FailsAtFiveSecondTime:
+    def __init__(self):
+        import multiprocessing
+
+        self.fail = multiprocessing.Value("b", 0)  # shared with the (forked) workers
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        if i == 5 and self.fail.value:
+            raise ValueError("bad sample 5")
+        return np.full(2, i)
+
+
+@pytest.mark.timeout(60)
+def test_failed_batch_gives_its_slot_back_in_steady_state():
+    """Once the slab exists (second epoch, persistent workers), a batch whose sample raises
+    returns its slot: after the epoch every slot is free again."""
+    from arena_loader import ArenaLoader
+
+    dataset = _FailsAtFiveSecondTime()
+    with ArenaLoader(dataset, batch_size=2, num_workers=2, persistent_workers=True) as loader:
+        assert len(list(loader)) == 6
+        dataset.fail.value = 1
+        iterator = iter(loader)
+        with pytest.raises(ValueError, match="bad sample 5"):
+            while True:
+                next(iterator)
+        # At once (not only at the epoch's end): slots in use are exactly the batches owed.
+        pool, order = loader._source._arena.pool, iterator._session._order
+        counts = pool.counts()
+        assert counts[SlotState.ASSIGNED] + counts[SlotState.FILLED] == (
+            len(order.in_flight) + len(order.done))
+        assert sum(1 for _ in iterator) == 3  # the epoch goes on after the error
+        del iterator
+        import gc
+
+        gc.collect()
+        assert pool.counts()[SlotState.FREE] == loader.slots
