@@ -679,11 +679,6 @@ def _pickle_structure(spec: Any) -> bytes:
             "level (not inside a function)") from exc
 
 
-def encode_end(idx: int, slot: int, worker_id: int) -> bytes:
-    """The record for an iterable-style dataset's worker whose iterator has ended."""
-    return RECORD_MAGIC + HEADER.pack(idx, slot, worker_id, 1, 0, 0, 0, 0, 0, 0, 0)
-
-
 @dataclass(frozen=True)
 class Record:
     """A decoded worker record: batch ``idx`` is in ``slot`` (or a segment) with ``plan``;
