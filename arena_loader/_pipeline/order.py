@@ -82,10 +82,6 @@ class OrderRing:
         """What a worker process maps the ring with (its descriptor travels like the slab's)."""
         return SlabHandle(self._fd, self.nbytes)
 
-    @property
-    def fd(self) -> int:
-        return self._fd
-
     def connect(self, doorbell_fds: list[int]) -> None:
         """The write ends of the workers' doorbell pipes (non-blocking: a worker that stopped
         reading must not block the main process)."""
@@ -100,9 +96,9 @@ class OrderRing:
                 epoch: int = 0, indices: Any = None) -> bool:
         """Write one entry for ``worker`` and ring its doorbell; False when its ring is full
         or its pipe is (it is not reading: stopped or stuck)."""
-        seq = self._published[worker]
-        if seq - int(self._taken[worker]) >= self.depth:
+        if not self.has_room(worker):
             return False
+        seq = self._published[worker]
         offset = self._header_nbytes + (worker * self.depth + seq % self.depth) \
             * self.entry_nbytes
         piped = b""

@@ -41,16 +41,15 @@ class Reorderer:
         same one); None if it has not arrived. Then ``taken(ready)``."""
         if self.in_order:
             return self.done.pop(self.next_idx, None)
-        return self.done.pop(self._arrival.popleft(), None) if self._arrival else None
+        arrival = self._arrival
+        while arrival and arrival[0] not in self.done:
+            arrival.popleft()  # its batch was taken before an interrupt put it in line again
+        return self.done.pop(arrival.popleft()) if arrival else None
 
     def taken(self, ready: Any) -> None:
         """The caller holds ``ready``: the batch after it is next (``unget`` undoes this)."""
         if self.in_order:
             self.next_idx = ready.idx + 1
-
-    def waiting(self) -> bool:
-        """Completion order: some idx is in line (its batch may be gone: take skips it)."""
-        return bool(self._arrival)
 
     def unget(self, ready: Any) -> None:
         """Put back a batch taken but not handed out: it is next again."""

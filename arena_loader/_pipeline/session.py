@@ -536,18 +536,11 @@ class Session:
         while True:
             self._taken = ready = self._order.take()
             if ready is None:
-                return not self._order.in_order and self._take_again()
+                return False
             self._order.taken(ready)
             if ready.status != ENDED:
                 return True
             self._taken = None
-
-    def _take_again(self) -> bool:
-        """Completion order: an idx in line whose batch had gone (taken before an interrupt
-        put it in line again) is skipped; take the next."""
-        if self._order.waiting():
-            return self._take()
-        return False
 
     def _hand_over(self) -> Any:
         """The taken batch as the consumer's (or its error raised). Ctrl-C in here: a built
