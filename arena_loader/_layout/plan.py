@@ -1,0 +1,226 @@
+"""What a batch looks like in its storage: fields (dtype, shape, 64-byte aligned offset),
+object leaves pickled after them, and the structure to rebuild (docs/design.md, "Batch
+layout"). ``Plan`` is what the consumer needs; ``Prepared`` is a plan with the values a worker
+writes."""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FIELD_ALIGNMENT = 64
+
+# Field kinds: how the consumer hands the leaf out.
+KIND_NUMPY = 0  # a numpy array (or a numpy/Python scalar stacked into one)
+KIND_TORCH = 1  # a torch tensor in the worker: a tensor again where torch output is asked for
+KIND_NUMBER = 2  # an unbatched Python number (collate_fn output): handed out as a number
+KIND_TORCH_RAW = 3  # a torch dtype numpy lacks (bfloat16, float8): bits stored, torch dtype kept
+
+
+class FieldPlacement:
+    """One numeric leaf of one batch: its bytes are ``storage[offset: offset + nbytes]``.
+    (A plain slotted class: a batch has up to hundreds of these, made per batch on both
+    sides, and a frozen dataclass costs several times more to build.)"""
+
+    __slots__ = ("dtype", "kind", "nbytes", "offset", "shape", "torch_dtype")
+
+    def __init__(self, dtype: np.dtype, shape: tuple[int, ...], offset: int,
+                 kind: int = KIND_NUMPY, torch_dtype: str = ""):
+        self.dtype = dtype
+        self.shape = shape
+        self.offset = offset
+        self.kind = kind
+        self.torch_dtype = torch_dtype  # KIND_TORCH_RAW only: the torch dtype's name
+        self.nbytes = math.prod(shape) * dtype.itemsize
+
+    def at(self, offset: int) -> FieldPlacement:
+        return FieldPlacement(self.dtype, self.shape, offset, self.kind, self.torch_dtype)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FieldPlacement) and (
+            self.dtype, self.shape, self.offset, self.kind, self.torch_dtype) == (
+            other.dtype, other.shape, other.offset, other.kind, other.torch_dtype)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"FieldPlacement({self.dtype}, {self.shape}, offset={self.offset}, "
+                f"kind={self.kind}{', ' + self.torch_dtype if self.torch_dtype else ''})")
+
+
+# Structure nodes. A spec is a tree of these; leaves point into the field / object lists.
+@dataclass(frozen=True)
+class FieldLeaf:
+    index: int
+
+
+@dataclass(frozen=True)
+class ObjectLeaf:
+    index: int
+
+
+@dataclass(frozen=True)
+class MappingNode:
+    type: type
+    keys: tuple
+    children: tuple
+    path: str
+
+
+@dataclass(frozen=True)
+class SequenceNode:
+    type: type
+    children: tuple
+    path: str
+
+
+class Plan:
+    """Where one batch's fields and object leaves are in its storage, and its structure."""
+
+    __slots__ = ("collated", "fields", "nbytes", "objects_len", "objects_offset", "raw",
+                 "spec", "torch")
+
+    def __init__(self, spec: Any, fields: tuple[FieldPlacement, ...], objects_offset: int,
+                 objects_len: int, nbytes: int, torch: bool, collated: bool = True):
+        self.spec = spec
+        self.fields = fields
+        self.objects_offset = objects_offset
+        self.objects_len = objects_len  # bytes of the pickled object-leaf lists (0: none)
+        self.nbytes = nbytes  # bytes of storage the batch uses
+        self.torch = torch  # some leaf was a torch tensor: output=None hands out tensors
+        # Stacked by default collation (tuples become lists in torch output, as torch's
+        # default_collate makes them), not a collate_fn's batch (kept as it is).
+        self.collated = collated
+        # A torch dtype numpy lacks is among the fields: views need converting.
+        self.raw = any(f.kind == KIND_TORCH_RAW for f in fields)
+
+    def objects(self, storage: np.ndarray) -> list:
+        """The object-leaf values, unpickled from ``storage`` (host memory)."""
+        if not self.objects_len:
+            return []
+        start = self.objects_offset
+        return pickle.loads(storage[start: start + self.objects_len])
+
+    def assemble(self, storage: Any, objects: list,
+                 convert: Callable[[Any, FieldPlacement], Any] | None = None,
+                 host_bytes: np.ndarray | None = None) -> Any:
+        """The batch as views of ``storage``, in the batch's structure.
+
+        ``storage`` may be a device array with numpy's slicing (the device copy stage), which
+        passes the host storage as ``host_bytes`` to read Python numbers from; ``convert``, if
+        given, turns each field's view into what the consumer gets (a tensor, say)."""
+        views = []
+        host = type(storage) is np.ndarray
+        for f in self.fields:
+            if f.kind == KIND_NUMBER:
+                source = storage if host_bytes is None else host_bytes
+                views.append(source[f.offset: f.offset + f.nbytes].view(f.dtype).item())
+                continue
+            if host:  # one constructor call: its base is `storage`, which keeps the lease
+                view = np.ndarray(f.shape, f.dtype, storage, f.offset)
+            else:  # a device array: numpy-style slicing only
+                view = storage[f.offset: f.offset + f.nbytes].view(f.dtype).reshape(f.shape)
+            views.append(view if convert is None else convert(view, f))
+        return rebuild(self.spec, views, objects)
+
+
+class Prepared:
+    """A batch ready to be written: its plan and the values to write."""
+
+    __slots__ = ("_columns", "_objects", "plan")
+
+    def __init__(self, plan: Plan, columns: list, objects: bytes | None):
+        self.plan = plan
+        self._columns = columns  # per field: a list of row values, or one value (collated)
+        self._objects = objects
+
+    @property
+    def nbytes(self) -> int:
+        return self.plan.nbytes
+
+    def write(self, storage: np.ndarray) -> None:
+        """Write every field (one C call each where the data allows) and the objects."""
+        for field, column in zip(self.plan.fields, self._columns):
+            flat = storage[field.offset: field.offset + field.nbytes].view(field.dtype)
+            if type(column) is EqualRows:
+                write_equal_rows(flat, column, field)
+            elif type(column) is list:
+                write_rows(flat, column, field)
+            elif type(column) is np.ndarray and column.dtype == field.dtype:
+                np.concatenate((column,), axis=None, out=flat, casting="no")
+            else:
+                flat[...] = np.asarray(column, dtype=field.dtype).reshape(-1)
+        if self._objects is not None:
+            start = self.plan.objects_offset
+            storage[start: start + len(self._objects)] = np.frombuffer(self._objects, np.uint8)
+
+
+class EqualRows(list):
+    """Rows of one dtype and one length, whose other dimensions the write checks (in
+    C, as it copies): the per-row shape walk is done only if that check fails."""
+
+    __slots__ = ("explain",)  # a call that raises the named error when the write fails
+
+
+def write_equal_rows(flat: np.ndarray, rows: EqualRows, field: FieldPlacement) -> None:
+    shape = field.shape
+    try:  # axis 0 into an out of the batch's shape: numpy checks every row's other dims
+        np.concatenate(rows, axis=0, out=flat.reshape(shape[0] * shape[1], *shape[2:]),
+                       casting="no")
+    except (ValueError, TypeError):
+        rows.explain()  # raises the error that names the sample and the fix
+        raise
+
+
+def write_rows(flat: np.ndarray, rows: list, field: FieldPlacement) -> None:
+    try:  # the hot path: every row already has the field's dtype; one memcpy per row, in C
+        np.concatenate(rows, axis=None, out=flat, casting="no")
+    except TypeError:  # a row of another dtype (promoted) or Python numbers
+        if rows and type(rows[0]) is not np.ndarray:
+            flat[...] = np.asarray(rows, dtype=field.dtype).reshape(-1)
+        else:
+            np.concatenate(rows, axis=None, out=flat, casting="unsafe")
+
+
+# -- preparing a batch (workers, and the main process when num_workers=0) -------------------
+
+
+def rebuild(node: Any, views: list, objects: list) -> Any:
+    if type(node) is FieldLeaf:
+        return views[node.index]
+    if type(node) is ObjectLeaf:
+        return objects[node.index]
+    if type(node) is MappingNode:
+        items = {k: rebuild(c, views, objects) for k, c in zip(node.keys, node.children)}
+        if node.type is dict:
+            return items
+        if hasattr(node.type, "__dataclass_fields__"):
+            try:
+                return node.type(**items)
+            except TypeError:  # a dataclass with init=False fields
+                return items
+        try:
+            return node.type(items)
+        except TypeError:  # a Mapping type that cannot be built from a dict
+            return items
+    children = [rebuild(c, views, objects) for c in node.children]
+    if node.type is list:
+        return children
+    if node.type is tuple:
+        return tuple(children)
+    if hasattr(node.type, "_fields"):
+        return node.type(*children)
+    try:
+        return node.type(children)
+    except TypeError:
+        return children
+
+
+
+def align(offset: int) -> int:
+    return -(-offset // FIELD_ALIGNMENT) * FIELD_ALIGNMENT

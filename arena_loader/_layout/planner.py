@@ -1,0 +1,255 @@
+"""Preparing a batch (in workers, and in the main process when ``num_workers=0``): the rows
+of each field checked and typed as torch's ``default_collate`` would stack them, offsets
+assigned, object leaves pickled."""
+
+from __future__ import annotations
+
+import operator
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import LayoutError
+from .plan import (
+    FIELD_ALIGNMENT,
+    KIND_NUMBER,
+    KIND_NUMPY,
+    KIND_TORCH,
+    KIND_TORCH_RAW,
+    EqualRows,
+    FieldPlacement,
+    Plan,
+    Prepared,
+    align,
+)
+from .spec import (
+    PYTHON_NUMBER_DTYPES,
+    FieldLeaf,
+    SpecBuilder,
+    collate_objects,
+    describe,
+    flatten,
+    is_tensor,
+    reject_none,
+    tensor_array,
+)
+
+_CATEGORY = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
+
+
+def _promote(dtypes: list[np.dtype]) -> np.dtype:
+    """torch's type promotion for stacking: the highest category (bool < int < float <
+    complex) wins, and within it numpy's promotion (int8 + uint8 -> int16)."""
+    top = max(_CATEGORY.get(d.kind, 4) for d in dtypes)
+    if top == 4:  # strings, bytes: the widest
+        return np.result_type(*dtypes)
+    return np.result_type(*(d for d in dtypes if _CATEGORY.get(d.kind, 4) == top))
+
+
+def _number_dtype(values: list, path: str, indices: Sequence[Any]) -> np.dtype:
+    """torch's default_collate for a batch of Python numbers: the first one's type decides,
+    and a float among ints gives torch's default float dtype (float32)."""
+    first = type(values[0])
+    types = set(map(type, values))
+    if not types <= set(PYTHON_NUMBER_DTYPES):
+        other = next(v for v in values if type(v) not in PYTHON_NUMBER_DTYPES)
+        row = next(i for i, v in enumerate(values) if v is other)
+        raise LayoutError(f"sample {indices[row]!r}: field {path} is {describe(other)} where "
+                          f"sample {indices[0]!r} has a Python {first.__name__}; return the "
+                          "same type for every sample, or pass a collate_fn")
+    if complex in types:
+        return np.dtype(np.complex128) if first is complex else np.dtype(np.complex64)
+    if float in types:
+        return np.dtype(np.float64) if first is float else np.dtype(np.float32)
+    if int in types:
+        return np.dtype(np.int64)
+    return np.dtype(np.bool_)
+
+
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _column(values: list, path: str, indices: Sequence[Any],
+            fast: bool = True) -> tuple[list, FieldPlacement]:
+    """The rows of one field as numpy values, and its dtype, shape and kind (offset 0)."""
+    first = values[0]
+    # The hottest path: arrays of at least one dimension, one dtype and one length;
+    # their other dimensions are checked by the write itself (write_equal_rows).
+    if fast and type(first) is np.ndarray and first.ndim and not first.dtype.hasobject:
+        try:
+            equal = len(set(map(len, values))) == 1 and len(set(map(_DTYPE, values))) == 1
+        except (TypeError, AttributeError):  # a row without len() or dtype: the full walk
+            equal = False
+        if equal:
+            rows = EqualRows(values)
+            rows.explain = lambda: _column(values, path, indices, fast=False)
+            return rows, FieldPlacement(first.dtype, (len(values), *first.shape), 0)
+    # The hot path: every row an ndarray of one dtype and shape, checked by C-level maps.
+    if type(first) is np.ndarray and set(map(type, values)) == {np.ndarray}:
+        shapes, dtypes = set(map(_SHAPE, values)), set(map(_DTYPE, values))
+        if len(shapes) == 1 and len(dtypes) == 1:
+            _check_dtype(first.dtype, path, indices[0])
+            return values, FieldPlacement(first.dtype, (len(values), *first.shape), 0)
+    if type(first) in PYTHON_NUMBER_DTYPES:
+        dtype = _number_dtype(values, path, indices)
+        if dtype.kind == "i":
+            for value, index in zip(values, indices):
+                if type(value) is int and not -(2**63) <= value < 2**63:
+                    raise LayoutError(f"sample {index!r}: field {path} is {value}, outside the "
+                                      "int64 range it is stored in; store it as a float or a "
+                                      "string instead")
+        return values, FieldPlacement(dtype, (len(values),), 0)
+    kind, raw_name, rows = KIND_NUMPY, "", []
+    for value, index in zip(values, indices):
+        if is_tensor(value):
+            array, kind, raw_name = tensor_array(value)
+        elif isinstance(value, (np.ndarray, np.generic)):
+            array = value
+        elif type(value) in PYTHON_NUMBER_DTYPES:
+            array = np.asarray(value, dtype=_number_dtype([value], path, [index]))
+        elif value is None and type(first) is not type(None) and path == "sample":
+            reject_none(value, f"dataset[{index!r}]", collated=True)
+        else:
+            raise LayoutError(f"sample {index!r}: field {path} is {describe(value)} where "
+                              f"sample {indices[0]!r} has {describe(first)}; return the same "
+                              "type for every sample, or pass a collate_fn")
+        rows.append(array)
+    shape = rows[0].shape
+    for array, index in zip(rows, indices):
+        if array.shape != shape:
+            raise LayoutError(
+                f"sample {index!r}: field {path} has shape {list(array.shape)} but sample "
+                f"{indices[0]!r} has {list(shape)}; default collation stacks samples, so they "
+                "must have equal shapes (torch.stack raises here too): pad or crop them, or "
+                "pass a collate_fn (e.g. one that pads to the longest with pad_sequence)")
+    dtypes = {a.dtype for a in rows}
+    dtype = rows[0].dtype if len(dtypes) == 1 else _promote(list(dtypes))
+    if dtype.hasobject:  # name the sample that brought the object dtype in
+        index = next(i for a, i in zip(rows, indices) if a.dtype.hasobject)
+        _check_dtype(dtype, path, index)
+    if kind == KIND_TORCH_RAW and len(dtypes) > 1:
+        raise LayoutError(f"sample {indices[0]!r}: field {path} mixes {raw_name} with other "
+                          "dtypes; convert every sample to one dtype in the dataset")
+    _check_dtype(dtype, path, indices[0])
+    return rows, FieldPlacement(dtype, (len(rows), *shape), 0, kind, raw_name)
+
+
+def _check_dtype(dtype: np.dtype, path: str, index: Any) -> None:
+    if dtype.hasobject:
+        raise LayoutError(
+            f"sample {index!r}: field {path} is an object-dtype array ({dtype}), which cannot "
+            "be stored in shared memory; convert it to a numeric or fixed-width string dtype, "
+            "or return a list")
+
+
+def _leaf_placement(value: Any, path: str, label: str) -> tuple[Any, FieldPlacement]:
+    """One leaf of a collated batch: (the value to write, its placement at offset 0)."""
+    if type(value) in PYTHON_NUMBER_DTYPES:
+        dtype = PYTHON_NUMBER_DTYPES[type(value)]
+        if type(value) is int and not -(2**63) <= value < 2**63:
+            raise LayoutError(f"{label}: field {path} is {value}, outside the int64 range it is "
+                              "stored in; store it as a float or a string instead")
+        return value, FieldPlacement(dtype, (), 0, KIND_NUMBER)
+    if is_tensor(value):
+        array, kind, raw_name = tensor_array(value)
+        return array, FieldPlacement(array.dtype, array.shape, 0, kind, raw_name)
+    if value.dtype.hasobject:
+        raise LayoutError(
+            f"{label}: field {path} is an object-dtype array ({value.dtype}), which cannot be "
+            "stored in shared memory; convert it to a numeric or fixed-width string dtype, or "
+            "return a list")
+    return value, FieldPlacement(value.dtype, value.shape, 0)
+
+
+def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
+            objects: list | None, collated: bool) -> Prepared:
+    offset, torch = 0, False
+    for p in placements:  # placements are this batch's own: set their offsets in place
+        p.offset = offset
+        torch = torch or p.kind in (KIND_TORCH, KIND_TORCH_RAW)
+        offset += -(-p.nbytes // FIELD_ALIGNMENT) * FIELD_ALIGNMENT
+    fields = placements
+    pickled = None
+    if objects:
+        pickled = pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+    objects_offset = offset
+    nbytes = max(FIELD_ALIGNMENT, align(offset + (len(pickled) if pickled else 0)))
+    plan = Plan(spec, tuple(fields), objects_offset, len(pickled) if pickled else 0, nbytes,
+                torch, collated)
+    return Prepared(plan, columns, pickled)
+
+
+def prepare_samples(samples: Sequence[Any], indices: Sequence[Any]) -> Prepared:
+    """Default collation: the samples stacked per leaf as torch's ``default_collate`` would
+    (dtype promotion included); str and other objects become lists."""
+    first = samples[0]
+    if first is None:
+        reject_none(first, f"dataset[{indices[0]!r}]", collated=True)
+    builder = SpecBuilder()
+    spec = builder.build(first, "sample")
+    if type(spec) is FieldLeaf:  # samples that are one array or number: no walk
+        raw_columns, objects = [list(samples)], []
+    else:
+        raw_columns = [[v] for v in builder.field_values]
+        objects = [[v] for v in builder.object_values]
+        for sample, index in zip(samples[1:], indices[1:]):
+            if sample is None:
+                reject_none(sample, f"dataset[{index!r}]", collated=True)
+            flatten(spec, sample, raw_columns, objects, index)
+        objects = [collate_objects(values, path, in_sequence, indices) for values, path, in_sequence
+                   in zip(objects, builder.object_paths, builder.object_in_sequence)]
+    columns, placements = [], []
+    for values, path in zip(raw_columns, builder.field_paths):
+        rows, placement = _column(values, path, indices)
+        columns.append(rows)
+        placements.append(placement)
+    return _finish(spec, columns, placements, objects, collated=True)
+
+
+def prepare_batch(batch: Any, label: str) -> Prepared:
+    """A batch a ``collate_fn`` made (or one sample, with ``batch_size=None``): every leaf
+    keeps its own shape and dtype."""
+    if batch is None:
+        reject_none(batch, label)
+    builder = SpecBuilder()
+    spec = builder.build(batch, "batch")
+    columns, placements = [], []
+    for value, path in zip(builder.field_values, builder.field_paths):
+        column, placement = _leaf_placement(value, path, label)
+        columns.append(column)
+        placements.append(placement)
+    return _finish(spec, columns, placements, builder.object_values, collated=False)
+
+
+def prepare_rows(sample: Any, rows: int, index: Any) -> tuple[Prepared, Any]:
+    """The batch protocol (``read_into``): the plan for ``rows`` samples shaped like
+    ``sample``, and the ``out`` structure over a storage (via ``rows_view``)."""
+    builder = SpecBuilder()
+    builder.build(sample, "sample")
+    if builder.object_paths:
+        raise LayoutError(
+            f"sample {index!r}: the dataset defines read_into, but leaves "
+            f"{builder.object_paths} are not numeric, so read_into cannot write them into "
+            "shared memory; return only numbers and arrays, or remove read_into")
+    prepared = prepare_samples([sample], [index])
+    fields, offset = [], 0
+    for f in prepared.plan.fields:
+        placed = FieldPlacement(f.dtype, (rows, *f.shape[1:]), offset, f.kind, f.torch_dtype)
+        fields.append(placed)
+        offset = align(offset + placed.nbytes)
+    plan = Plan(prepared.plan.spec, tuple(fields), offset, 0, max(FIELD_ALIGNMENT, offset),
+                prepared.plan.torch)
+    return Prepared(plan, [None] * len(fields), None), plan
+
+
+def rows_view(plan: Plan, storage: np.ndarray) -> Any:
+    """The fields of ``plan`` as writable views of ``storage``, in the sample's structure:
+    the ``out`` a batch-protocol dataset's ``read_into`` writes (docs/batch_protocol.md)."""
+    return plan.assemble(storage, [])
+
+
+# -- the plan on the wire ----------------------------------------------------------------
+

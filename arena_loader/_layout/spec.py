@@ -1,0 +1,226 @@
+"""Walking a sample or a batch: its structure (a spec tree), which leaves are numeric fields
+and which are object leaves, and torch's ``default_collate`` rules for object leaves."""
+
+from __future__ import annotations
+
+import numbers
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import LayoutError, SampleTypeError
+from .plan import KIND_TORCH, KIND_TORCH_RAW, FieldLeaf, MappingNode, ObjectLeaf, SequenceNode
+
+# Python scalar types and the dtype torch's default_collate gives a batch of them.
+PYTHON_NUMBER_DTYPES = {bool: np.dtype(np.bool_), int: np.dtype(np.int64),
+                        float: np.dtype(np.float64), complex: np.dtype(np.complex128)}
+
+# torch dtypes numpy has no type for, stored bit for bit as an integer type of the same size.
+_TORCH_RAW_DTYPES = {"bfloat16": np.dtype(np.int16), "float8_e4m3fn": np.dtype(np.uint8),
+                     "float8_e5m2": np.dtype(np.uint8), "float8_e4m3fnuz": np.dtype(np.uint8),
+                     "float8_e5m2fnuz": np.dtype(np.uint8), "complex32": np.dtype(np.int32)}
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype}{list(value.shape)}"
+    if isinstance(value, np.generic):
+        return f"{value.dtype} scalar"
+    if is_tensor(value):
+        return f"tensor {value.dtype}{list(value.shape)}"
+    return type(value).__name__
+
+
+def is_tensor(value: Any) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "untyped_storage")
+
+
+def _slab_holds(tensor: Any) -> bool:
+    """A tensor whose values are one dense block numpy can view: strided, neither nested nor
+    quantized. Any other kind (nested, sparse, quantized, mkldnn) travels pickled, as torch's
+    workers send it."""
+    return (tensor.layout is sys.modules["torch"].strided and not tensor.is_nested
+            and not tensor.is_quantized)
+
+
+def _is_field(value: Any) -> bool:
+    """A leaf stored as an array in the slab: numpy arrays, numeric numpy scalars (a
+    ``np.str_`` is a str to torch's ``default_collate``, so an object leaf), Python numbers,
+    dense tensors."""
+    if isinstance(value, np.ndarray) or type(value) in PYTHON_NUMBER_DTYPES:
+        return True
+    if isinstance(value, np.generic):
+        return not isinstance(value, np.character)
+    return is_tensor(value) and _slab_holds(value)
+
+
+def tensor_array(value: Any) -> tuple[np.ndarray, int, str]:
+    """A CPU torch tensor's values as numpy: (array, kind, raw torch dtype name)."""
+    tensor = value.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    name = str(tensor.dtype).rpartition(".")[2]
+    raw = _TORCH_RAW_DTYPES.get(name)
+    if raw is not None:  # numpy has no such dtype: keep the bits
+        import torch
+
+        as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[raw.itemsize]
+        return tensor.contiguous().view(as_int).numpy(), KIND_TORCH_RAW, name
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    return tensor.numpy(), KIND_TORCH, ""
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+class SpecBuilder:
+    """Walks a sample (or a collated batch) and records its structure, fields and objects."""
+
+    def __init__(self) -> None:
+        self.field_paths: list[str] = []
+        self.field_values: list[Any] = []
+        self.object_paths: list[str] = []
+        self.object_values: list[Any] = []
+        # Per object leaf: its parent is a tuple or list (torch's default_collate then hands
+        # out the leaf's values as the tuple its zip() made, not a list).
+        self.object_in_sequence: list[bool] = []
+
+    def build(self, value: Any, path: str, in_sequence: bool = False) -> Any:
+        if _is_field(value):
+            self.field_paths.append(path)
+            self.field_values.append(value)
+            return FieldLeaf(len(self.field_paths) - 1)
+        if isinstance(value, Mapping):
+            keys = tuple(value.keys())
+            children = tuple(self.build(value[k], f"{path}[{k!r}]") for k in keys)
+            return MappingNode(type(value), keys, children, path)
+        if isinstance(value, (tuple, list)):
+            if _is_namedtuple(value):
+                names = type(value)._fields
+                children = tuple(self.build(v, f"{path}.{n}", True)
+                                 for n, v in zip(names, value))
+            else:
+                children = tuple(self.build(v, f"{path}[{i}]", True)
+                                 for i, v in enumerate(value))
+            return SequenceNode(type(value), children, path)
+        if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
+            names = tuple(value.__dataclass_fields__)
+            children = tuple(self.build(getattr(value, n), f"{path}.{n}") for n in names)
+            return MappingNode(type(value), names, children, path)
+        self.object_paths.append(path)
+        self.object_values.append(value)
+        self.object_in_sequence.append(in_sequence)
+        return ObjectLeaf(len(self.object_paths) - 1)
+
+
+def flatten(node: Any, value: Any, fields: list, objects: list, index: Any) -> None:
+    """Append ``value``'s leaves (a sample shaped like the first) to the per-leaf lists."""
+    kind = type(node)
+    if kind is FieldLeaf:
+        fields[node.index].append(value)
+    elif kind is ObjectLeaf:
+        objects[node.index].append(value)
+    elif kind is MappingNode:
+        if hasattr(value, "__dataclass_fields__") and not isinstance(value, Mapping):
+            try:
+                for key, child in zip(node.keys, node.children):
+                    flatten(child, getattr(value, key), fields, objects, index)
+            except AttributeError:
+                _structure_error(node, value, index)
+            return
+        if not isinstance(value, Mapping) or len(value) != len(node.keys):
+            _structure_error(node, value, index)
+        try:
+            for key, child in zip(node.keys, node.children):
+                flatten(child, value[key], fields, objects, index)
+        except KeyError:
+            _structure_error(node, value, index)
+    else:
+        if not isinstance(value, (tuple, list)) or len(value) != len(node.children):
+            _structure_error(node, value, index)
+        for child, item in zip(node.children, value):
+            flatten(child, item, fields, objects, index)
+
+
+def _structure_error(node: Any, value: Any, index: Any) -> None:
+    if isinstance(node, MappingNode):
+        expected = f"a mapping with keys {list(node.keys)}"
+        actual = f"keys {list(value.keys())}" if isinstance(value, Mapping) else describe(value)
+    else:
+        expected = f"a {node.type.__name__} of {len(node.children)} items"
+        actual = (f"a {type(value).__name__} of {len(value)} items"
+                  if isinstance(value, (tuple, list)) else describe(value))
+    raise LayoutError(f"sample {index!r}: {node.path} must be {expected} like the batch's first "
+                      f"sample, got {actual}; return the same structure (keys, lengths) for "
+                      "every sample, or pass a collate_fn")
+
+
+# torch's default_collate text for a leaf it cannot batch (torch/utils/data/_utils/collate.py).
+TORCH_COLLATE_TYPE_ERROR = ("default_collate: batch must contain tensors, numpy arrays, numbers, "
+                             "dicts or lists; found {}")
+_TORCH_UNSTACKABLE = ("Batches of {} tensors are not currently supported by the default "
+                      "collate_fn; please provide a custom collate_fn to handle them "
+                      "appropriately.")
+_SPARSE_LAYOUTS = ("sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc")
+
+
+def collate_objects(values: list, path: str, in_sequence: bool, indices: Sequence[Any]) -> Any:
+    """One object leaf's values under default collation, as torch's ``default_collate`` gives
+    them: str and bytes as they are (a tuple inside a tuple or list sample, the list otherwise),
+    a tensor kind the slab cannot hold stacked by torch (nested and sparse raise torch's
+    ``RuntimeError``); what torch rejects raises ``SampleTypeError`` (a ``TypeError``). As in
+    torch, the first sample's value decides."""
+    first = values[0]
+    if isinstance(first, (str, bytes)):
+        return tuple(values) if in_sequence else values
+    where = f"sample {indices[0]!r}"
+    if path != "sample":
+        where = f"field {path} of {where}"
+    if is_tensor(first):
+        torch = sys.modules["torch"]
+        kind = ("nested" if first.is_nested else "sparse"
+                if str(first.layout).rpartition(".")[2] in _SPARSE_LAYOUTS else None)
+        if kind is not None:
+            raise RuntimeError(f"{_TORCH_UNSTACKABLE.format(kind)} ({where} is a {kind} "
+                               "tensor; a collate_fn that returns them as a list, or "
+                               "batch_size=None, hands them out as they are)")
+        return torch.stack(values)  # quantized, mkldnn, ...: torch stacks them, pickled here
+    if isinstance(first, Sequence):
+        return values  # range, deque, ...: kept as a list (torch transposes them)
+    what = "None" if first is None else f"a {type(first).__module__}.{type(first).__qualname__}"
+    raise SampleTypeError(f"{TORCH_COLLATE_TYPE_ERROR.format(type(first))} ({where} is {what}, "
+                          f"which default collation cannot batch; {_collate_fix(first)})")
+
+
+def _collate_fix(value: Any) -> str:
+    """How to make ``value`` batchable, by what it is."""
+    if value is None:
+        return ("give the field a value in every sample (a number, an array or a string, "
+                "with a mask if it can be missing), leave it out of the sample, or pass a "
+                "collate_fn that handles None")
+    if type(value).__module__.startswith("PIL."):
+        return ("convert the image to an array in the dataset's transform "
+                "(torchvision.transforms.ToTensor() or PILToTensor(), or np.asarray(image)), "
+                "or pass a collate_fn")
+    if isinstance(value, numbers.Number):
+        return ("convert it to float or int in the dataset (float(value)), or pass a "
+                "collate_fn")
+    return ("convert it to an array, a number or a string in the dataset, or pass a "
+            "collate_fn that batches it")
+
+
+
+def reject_none(value: Any, subject: str, collated: bool = False) -> None:
+    """``collated``: default collation, where torch raises TypeError for a None sample too."""
+    if value is None:
+        message = (f"{subject} returned None; every sample must be an array, a number or a "
+                   "nested dict/tuple/list of them (filter missing samples in the dataset or "
+                   "the sampler)")
+        if collated:
+            raise SampleTypeError(f"{TORCH_COLLATE_TYPE_ERROR.format(type(None))} ({message})")
+        raise LayoutError(message)
+
