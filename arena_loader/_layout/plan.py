@@ -146,10 +146,11 @@ class Prepared:
     def write(self, storage: np.ndarray) -> None:
         """Write every field (one C call each where the data allows) and the objects."""
         for field, column in zip(self.plan.fields, self._columns):
-            flat = storage[field.offset: field.offset + field.nbytes].view(field.dtype)
             if type(column) is EqualRows:
-                write_equal_rows(flat, column, field)
-            elif type(column) is list:
+                write_equal_rows(storage, column, field)
+                continue
+            flat = storage[field.offset: field.offset + field.nbytes].view(field.dtype)
+            if type(column) is list:
                 write_rows(flat, column, field)
             elif type(column) is np.ndarray and column.dtype == field.dtype:
                 np.concatenate((column,), axis=None, out=flat, casting="no")
@@ -167,11 +168,14 @@ class EqualRows(list):
     __slots__ = ("explain",)  # a call that raises the named error when the write fails
 
 
-def write_equal_rows(flat: np.ndarray, rows: EqualRows, field: FieldPlacement) -> None:
+def write_equal_rows(storage: np.ndarray, rows: EqualRows, field: FieldPlacement) -> None:
     shape = field.shape
+    out = np.ndarray((shape[0] * shape[1], *shape[2:]), field.dtype, storage, field.offset)
     try:  # axis 0 into an out of the batch's shape: numpy checks every row's other dims
-        np.concatenate(rows, axis=0, out=flat.reshape(shape[0] * shape[1], *shape[2:]),
-                       casting="no")
+        try:
+            np.concatenate(rows, axis=0, out=out, casting="no")
+        except TypeError:  # a row of a dtype that promotes to the field's (int8 among int16)
+            np.concatenate(rows, axis=0, out=out, casting="safe")
     except (ValueError, TypeError):
         rows.explain()  # raises the error that names the sample and the fix
         raise

@@ -76,12 +76,13 @@ def _column(values: list, path: str, indices: Sequence[Any],
             fast: bool = True) -> tuple[list, FieldPlacement]:
     """The rows of one field as numpy values, and its dtype, shape and kind (offset 0)."""
     first = values[0]
-    # The hottest path: arrays of at least one dimension, one dtype and one length;
-    # their other dimensions are checked by the write itself (write_equal_rows).
+    # The hottest path: arrays of at least one dimension and one length, whose dtypes
+    # promote to the first one's (numpy's promotion then agrees with torch's); their other
+    # dimensions are checked by the write itself (write_equal_rows), in C.
     if fast and type(first) is np.ndarray and first.ndim and not first.dtype.hasobject:
         try:
-            equal = len(set(map(len, values))) == 1 and len(set(map(_DTYPE, values))) == 1
-        except (TypeError, AttributeError):  # a row without len() or dtype: the full walk
+            equal = len(set(map(len, values))) == 1 and np.result_type(*values) == first.dtype
+        except (TypeError, ValueError):  # a row without len() or a dtype: the full walk
             equal = False
         if equal:
             rows = EqualRows(values)
@@ -182,10 +183,32 @@ def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
     return Prepared(plan, columns, pickled)
 
 
+_SAMPLE_LEAF = FieldLeaf(0)
+# The plan of the last batch of equal-shape array samples, by (dtype, shape): batches of one
+# shape share one Plan, so the worker encodes it once (records.PlanEncoder). Replaced whole
+# in one assignment (thread workers share it).
+_last_equal_plan: tuple[Any, Plan | None] = (None, None)
+
+
+def _equal_rows_plan(placement: FieldPlacement) -> Plan:
+    global _last_equal_plan
+    key = (placement.dtype, placement.shape)
+    last_key, plan = _last_equal_plan
+    if last_key != key or plan is None:
+        plan = _finish(_SAMPLE_LEAF, [None], [placement], None, collated=True).plan
+        _last_equal_plan = (key, plan)
+    return plan
+
+
 def prepare_samples(samples: Sequence[Any], indices: Sequence[Any]) -> Prepared:
     """Default collation: the samples stacked per leaf as torch's ``default_collate`` would
     (dtype promotion included); str and other objects become lists."""
     first = samples[0]
+    if type(first) is np.ndarray:  # the commonest sample: one array (no structure to walk)
+        rows, placement = _column(samples, "sample", indices)
+        if type(rows) is EqualRows:
+            return Prepared(_equal_rows_plan(placement), [rows], None)
+        return _finish(_SAMPLE_LEAF, [rows], [placement], None, collated=True)
     if first is None:
         reject_none(first, f"dataset[{indices[0]!r}]", collated=True)
     builder = SpecBuilder()

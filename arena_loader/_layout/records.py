@@ -3,6 +3,7 @@ is pickled once per worker and then named by its id."""
 
 from __future__ import annotations
 
+import operator
 import pickle
 import struct
 from dataclasses import dataclass
@@ -27,8 +28,18 @@ class PlanEncoder:
     def __init__(self) -> None:
         self._structure_ids: dict[Any, int] = {}
         self._dtype_bytes: dict[tuple[np.dtype, str], bytes] = {}
+        self._last: tuple[Any, bytes] = (None, b"")  # batches of one shape share a Plan
 
     def encode(self, plan: Plan, idx: int, slot: int, worker_id: int, segment: bool) -> bytes:
+        key = (plan, idx, slot, worker_id, segment)
+        last_key, record = self._last
+        if last_key is not None and all(map(operator.is_, key, last_key)):
+            return record
+        record = self._encode(plan, idx, slot, worker_id, segment)
+        self._last = (key, record)
+        return record
+
+    def _encode(self, plan: Plan, idx: int, slot: int, worker_id: int, segment: bool) -> bytes:
         try:
             sid = self._structure_ids.get(plan.spec)
             structure = b""
