@@ -23,6 +23,7 @@ from .samplers import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
+from .snapshot import IteratorSnapshot, LoaderSnapshot
 from .worker_info import WorkerInfo, get_worker_info
 
 __all__ = [
@@ -33,9 +34,11 @@ __all__ = [
     "BatchSampler",
     "DescriptorLimitError",
     "DistributedSampler",
+    "IteratorSnapshot",
     "LayoutError",
     "LoaderClosedError",
     "LoaderForkedError",
+    "LoaderSnapshot",
     "LoaderTimeoutError",
     "MemmapDataset",
     "RandomSampler",

@@ -22,6 +22,7 @@ from ._output import make_converter, torch_raw_view
 from ._pool import SlotPool, SlotState
 from ._slab import Slab
 from .errors import LoaderClosedError, SlotsExhaustedError, forked_iterator_error
+from .snapshot import IteratorSnapshot, LoaderSnapshot
 
 # A slot's budget is the first batch's size times this, rounded up to whole pages: batches
 # that vary a little still fit; a larger one takes a one-off segment.
@@ -100,6 +101,12 @@ class Arena:
     @property
     def pinned(self) -> bool:
         return self._pinned is not None
+
+    @property
+    def slab_address(self) -> int | None:
+        """Where the slab starts in this process; None once it is closed."""
+        array = self.slab.array
+        return None if array is None else array.ctypes.data
 
     def slot_bytes(self, slot: int) -> np.ndarray:
         start = slot * self.slot_nbytes
@@ -183,6 +190,20 @@ class ArenaSource:
                     return
                 self._arena = None  # the loader was closed while this session used it
         arena.close()
+
+    def snapshot(self, iterators: tuple[IteratorSnapshot, ...]) -> LoaderSnapshot:
+        """The loader's slab and slots now (``ArenaLoader.snapshot``); changes nothing."""
+        with self._lock:
+            arena, in_use, closed = self._arena, self._claimed, self._closed
+        states = tuple(state.value for state in arena.pool.states()) if arena else ()
+        segments = self._segments_given - len(self._segments_released)
+        return LoaderSnapshot(
+            closed=closed, slots=self.slots, slot_nbytes=self.slot_nbytes,
+            slab_nbytes=arena.slab.nbytes if arena else None,
+            slab_address=arena.slab_address if arena else None,
+            pinned=arena is not None and arena.pinned, in_use=in_use, slot_states=states,
+            held_batches=states.count(SlotState.LEASED.value) + segments,
+            held_segments=segments, iterators=iterators)
 
     # -- held batches --------------------------------------------------------------------
 

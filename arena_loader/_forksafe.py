@@ -146,6 +146,11 @@ def keep_across_fork(owner: Any, address: int, nbytes: int) -> None:
         _regions.add(owner, (address, nbytes))
 
 
+def kept_regions() -> list[tuple[Any, tuple[int, int]]]:
+    """What ``keep_across_fork`` holds now: (owner, (address, nbytes)) for each live owner."""
+    return _regions.live()
+
+
 def mapping_address(mapping: mmap.mmap) -> int:
     return np.frombuffer(mapping, dtype=np.uint8, count=1).ctypes.data
 

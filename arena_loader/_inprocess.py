@@ -14,6 +14,7 @@ from ._fetch import BatchFiller, Fetched, StreamPosition
 from ._pool import SlotState
 from ._slab import map_new_segment
 from .errors import ShmCapacityError, forked_iterator_error
+from .snapshot import IteratorSnapshot
 
 
 class InProcessIterator:
@@ -128,6 +129,11 @@ class InProcessIterator:
                                                      self._position + fetched.rows)]
         self._position += fetched.rows
         return indices, fetched
+
+    def snapshot(self) -> IteratorSnapshot:
+        """This iterator now (``ArenaLoader.snapshot``): no workers, nothing in flight."""
+        return IteratorSnapshot(phase="finished" if self._done else "running", worker_pids=(),
+                                in_flight=(), ready=())
 
     def close(self) -> None:
         self._done = True

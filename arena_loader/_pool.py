@@ -203,6 +203,12 @@ class SlotPool:
                 result[state] += 1
             return result
 
+    def states(self) -> list[SlotState]:
+        """Each slot's state, by slot number."""
+        with self._lock:
+            self._collect_released()
+            return list(self._states)
+
     def state(self, slot: int) -> SlotState:
         with self._lock:
             self._collect_released()

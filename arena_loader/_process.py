@@ -185,7 +185,9 @@ class WorkerGroup:
                     # Reaped by someone else (a program that sets SIGCHLD to SIG_IGN has the
                     # kernel reap its children): the exit status is lost, but the process is
                     # gone, so release its sentinel descriptor.
-                    process._popen.close()  # multiprocessing keeps it private
+                    # Private: Process.close() refuses a process it could not reap, and
+                    # nothing public closes the sentinel descriptor _popen holds.
+                    process._popen.close()
             except (OSError, ValueError, AttributeError):
                 pass
 

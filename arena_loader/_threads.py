@@ -12,6 +12,7 @@ session reads EOF exactly as for a dead process (docs/design.md, "Thread workers
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 import os
 import threading
@@ -22,12 +23,14 @@ from typing import Any
 from ._pipeline.order import OrderReader
 from ._process import JOIN_TIMEOUT_S, fd_socket_pair, worker_pipes
 from ._slab import Slab
-from ._worker import WorkerSetup, _WorkerState, report_worker_failure, serve
+from ._worker import WorkerSetup, WorkerState, report_worker_failure, serve
 from .errors import WorkerCrashedError
 from .worker_info import WorkerInfo, set_thread_worker_info
 
+logger = logging.getLogger("arena_loader")
 
-class _ThreadWorkerState(_WorkerState):
+
+class _ThreadWorkerState(WorkerState):
     """A worker's state, writing through the main process's own mapping of the slab (no
     descriptor to map or close: the thread shares the process's)."""
 
@@ -137,7 +140,8 @@ class ThreadWorkerGroup:
     def shutdown(self, graceful: bool = True) -> None:
         """Stop every thread: wait for those asked to stop (``graceful``), then close the
         pipes, each step bounded by ``JOIN_TIMEOUT_S``. Idempotent. A thread stuck in user
-        code cannot be killed: it is left running as a daemon and named in ``stuck``."""
+        code cannot be killed: it is left running as a daemon, named in ``stuck`` and in a
+        warning of the ``arena_loader`` logger."""
         with self._shutdown_lock:
             if self._closed:
                 return
@@ -156,6 +160,10 @@ class ThreadWorkerGroup:
         self._join_until(time.monotonic() + JOIN_TIMEOUT_S)
         self.stuck_ids = [i for i, thread in enumerate(self.threads) if thread.is_alive()]
         self.stuck = [self.threads[i].name for i in self.stuck_ids]
+        if self.stuck:
+            logger.warning("thread worker(s) %s still in user code after being asked to stop; "
+                           "left running as daemon thread(s) until the dataset returns (a "
+                           "thread cannot be killed)", ", ".join(self.stuck))
 
     def _join_until(self, deadline: float) -> None:
         for thread in self.threads:

@@ -70,7 +70,8 @@ class ShardedDataPipe:
         data = sys.modules["torch.utils.data"]
         wrapper = getattr(getattr(data, "datapipes", None), "datapipe", None)
         wrapper = getattr(wrapper, "_IterDataPipeSerializationWrapper", None)
-        # torch's wrapper pickles the pipe with dill where a lambda needs it (spawn workers).
+        # torch's wrapper pickles the pipe with dill where a lambda needs it (spawn workers);
+        # it is private, and torch has no public way to pickle a DataPipe as its workers do.
         self.pipe = wrapper(pipe) if wrapper is not None else pipe
         self.world_size = world_size
         self.rank = rank

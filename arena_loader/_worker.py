@@ -89,7 +89,7 @@ def worker_main(setup: WorkerSetup, doorbell: Any, result: Any) -> None:
         os.close(setup.order.fd)
         reader = OrderReader(setup.worker_id, setup.num_workers, setup.order_depth,
                              setup.order_entry_nbytes, doorbell.fileno(), ring)
-        state = _WorkerState(setup)
+        state = WorkerState(setup)
         if setup.slot_nbytes:
             state.attach(setup.slot_nbytes)
         if setup.publish_to_torch:
@@ -156,7 +156,7 @@ def pid_exists(pid: int) -> bool:
     return True
 
 
-class _WorkerState:
+class WorkerState:
     """The slab mapping, and for iterable-style datasets this worker's iterator of it."""
 
     def __init__(self, setup: WorkerSetup):
@@ -220,7 +220,7 @@ class _WorkerState:
         return encode(Status.SEGMENT, entry.idx, entry.slot, plan)
 
 
-def serve(state: _WorkerState, reader: OrderReader, result_fd: int,
+def serve(state: WorkerState, reader: OrderReader, result_fd: int,
           parent_pid: int | None) -> None:
     """The worker loop, for process and thread workers alike (``parent_pid=None``: a thread,
     no reparenting check): take entries in order until STOP or the main process goes."""

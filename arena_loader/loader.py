@@ -40,6 +40,7 @@ from .samplers import (
     as_numpy_generator,
     is_torch_generator,
 )
+from .snapshot import LoaderSnapshot
 
 _FIXED_ATTRIBUTES = frozenset(
     ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"))
@@ -174,6 +175,9 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
         self._persistent: MultiProcessIterator | None = None
         self._persistent_epoch: weakref.ref | None = None
         self._live: weakref.WeakSet = weakref.WeakSet()
+        # Every host iterator still alive, by the order they were made (snapshot()).
+        self._iterators: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._made = itertools.count()
         self._closed = False
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, _close_all, self._source, self._live,
@@ -259,6 +263,7 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
             if options.persistent_workers:
                 self._persistent = iterator
         self._live.add(iterator)
+        self._iterators[next(self._made)] = iterator
         if self._closed:  # close() from another thread while this iterator was being made
             iterator.close()
             raise LoaderClosedError("this ArenaLoader was closed; create a new one")
@@ -323,6 +328,7 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
         self._source = ArenaSource(self.slots)
         self._persistent = None
         self._live = weakref.WeakSet()
+        self._iterators = weakref.WeakValueDictionary()
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, _close_all, self._source, self._live,
                                            self._pid)
@@ -364,6 +370,15 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
             dist.broadcast(shared, src=0, group=self._datapipe_group)
             seed = int(shared.item())
         return seed
+
+    def snapshot(self) -> LoaderSnapshot:
+        """A read-only picture of this loader now: its slab and each slot's state, the
+        batches your code holds, and each live iterator's phase, worker pids and batches in
+        flight (docs/design.md, "Introspection"). Cheap, and changes nothing: for tests,
+        debugging and monitoring."""
+        iterators = tuple(iterator.snapshot() for _, iterator in sorted(
+            self._iterators.items(), key=lambda item: item[0]))
+        return self._source.snapshot(iterators)
 
     def close(self) -> None:
         """Stop every worker of this loader and release its slab. Idempotent.

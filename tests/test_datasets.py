@@ -257,6 +257,7 @@ def test_gather_is_compiled_in_the_parent_before_fork_workers_start():
             first = next(iter(loader))[0]
             assert (first == x[:4]).all()
             from arena_loader import _gather
+            # The part under test: its numba kernel (private to _gather) compiled once.
             print("signatures", len(_gather._gather_byte_rows.signatures))
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

@@ -57,7 +57,7 @@ def test_pin_memory_without_cuda_warns_like_torch_and_gives_host_batches(no_cuda
         loader = ArenaLoader(DATA, batch_size=2, pin_memory=True)
     with loader:
         batches = [batch.copy() for batch in loader]
-        assert loader._source._arena._pinned is None
+        assert not loader.snapshot().pinned
     assert len(batches) == 3
     np.testing.assert_array_equal(batches[2][1], DATA[5])
 

@@ -40,7 +40,7 @@ def test_gpu_batches_match_host_batches(num_workers, pin_memory):
                 assert len(batches) == len(expected)
                 for i, (batch, reference) in enumerate(zip(batches, expected)):
                     assert_batches_equal(batch, reference, f"epoch {epoch} batch {i}")
-            assert (loader._source._arena._pinned is not None) == pin_memory
+            assert loader.snapshot().pinned == pin_memory
 
 
 def test_unbatched_scalar_fields_reach_the_gpu():

@@ -21,7 +21,6 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
                 "test_device.py runs this module that way", allow_module_level=True)
 
 from arena_loader import ArenaLoader, LoaderClosedError, SlotsExhaustedError, _device
-from arena_loader._pool import SlotState
 
 from .conftest import our_threads, wait_until
 from .datasets import (
@@ -39,7 +38,8 @@ pytestmark = pytest.mark.timeout(60)
 
 def address(device_array) -> int:
     """Where a (simulated) device array's memory starts."""
-    return device_array._ary.__array_interface__["data"][0]
+    # The simulator's device array answers for the numpy array it wraps.
+    return device_array.__array_interface__["data"][0]
 
 
 class GatedEvent:
@@ -160,15 +160,14 @@ def test_host_slot_returns_to_workers_only_after_its_copy_event(pinned, gated_ev
                      pin_memory=pinned) as loader:
         iterator = iter(loader)
         first = next(iterator)
-        pool = loader._source._arena.pool
         # The thread copied batch 1 too and now waits for batch 0's copy to complete.
         assert wait_until(lambda: copy_events(gated_events)
                           and copy_events(gated_events)[0].waiting)
-        assert pool.state(0) is SlotState.LEASED
-        assert pool.state(1) is SlotState.LEASED
+        assert loader.snapshot().slot_states[:2] == ("leased", "leased")
         copy_events(gated_events)[0].opened.set()
-        assert wait_until(lambda: pool.state(0) is SlotState.FREE)
-        assert pool.state(1) is SlotState.LEASED  # batch 1's copy is still "in flight"
+        assert wait_until(lambda: loader.snapshot().slot_states[0] == "free")
+        # Batch 1's copy is still "in flight".
+        assert loader.snapshot().slot_states[1] == "leased"
         for event in gated_events:
             event.opened.set()
         gated_events.clear()
@@ -193,11 +192,10 @@ def test_staging_fallback_warns_once_and_frees_the_slot_once_staged(gated_events
         next(iterator)
     assert len(caught) == 1
     with loader:
-        pool = loader._source._arena.pool
         assert wait_until(lambda: copy_events(gated_events)
                           and copy_events(gated_events)[0].waiting)
         # Batch 0's copy has not completed, yet batches 0 and 1 are staged: both slots free.
-        assert pool.counts()[SlotState.LEASED] == 0
+        assert loader.snapshot().leased_slots == 0
         for event in gated_events:
             event.opened.set()
         rest = _drain(iterator, gated_events)
@@ -228,7 +226,7 @@ def test_pinned_slab_is_registered_once_and_unregistered_at_close(pinned_in_plac
         for _ in range(2):
             assert len(list(loader)) == 5
     assert len(pinned_in_place) == 1
-    assert pinned_in_place[0].nbytes == loader._source._arena.slab.nbytes
+    assert pinned_in_place[0].nbytes == loader.snapshot().slab_nbytes
     registration = weakref.ref(pinned_in_place.pop())
     loader.close()
     gc.collect()
@@ -242,7 +240,7 @@ def test_pin_memory_without_device_gives_host_batches_from_a_pinned_slab(pinned_
         batches = list(loader)
         assert all(isinstance(batch, np.ndarray) for batch in batches)
         np.testing.assert_array_equal(batches[1][0], dataset[3])
-        assert pinned_in_place[0].nbytes == loader._source._arena.slab.nbytes
+        assert pinned_in_place[0].nbytes == loader.snapshot().slab_nbytes
         del batches
 
 

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from arena_loader import ArenaLoader, LoaderClosedError, WorkerCrashedError
-from arena_loader._pool import SlotState
 
 from .conftest import live_children, our_slab_mappings, wait_until
 from .datasets import ImageDataset, SlowDataset, SuicidalDataset, reference_epoch
@@ -107,8 +106,9 @@ def test_new_epoch_after_a_crash_reuses_the_loader_slab():
             for batch in crashed:
                 del batch
         gc.collect()
-        assert loader._source.slot_nbytes is not None and not loader._source._claimed
-        assert loader._source._arena.pool.counts()[SlotState.FREE] == 5
+        snapshot = loader.snapshot()
+        assert snapshot.slot_nbytes is not None and not snapshot.in_use
+        assert snapshot.free_slots == 5
         loader.dataset.fatal_index = -1
         assert sum(1 for _ in loader) == 10
         assert len(our_slab_mappings()) == 1  # still one slab, though `crashed` is alive
@@ -144,7 +144,7 @@ def test_object_leaves_that_do_not_pickle_fail_only_their_batch(leaf, pattern):
         assert type(info.value) is not Exception
         assert [next(iterator)["extra"] for _ in range(2)] == [["4", "5"], ["6", "7"]]
         gc.collect()
-        assert loader._source._arena.pool.counts()[SlotState.ASSIGNED] == 0
+        assert loader.snapshot().assigned_slots == 0
         del iterator
 
 
@@ -255,7 +255,7 @@ def test_first_batch_objects_that_do_not_pickle_fail_only_that_batch():
         with pytest.raises(StopIteration):
             next(iterator)
         gc.collect()
-        assert loader._source._arena.pool.counts()[SlotState.FREE] == 3
+        assert loader.snapshot().free_slots == 3
         del iterator
 
 
@@ -270,10 +270,11 @@ def test_close_while_the_first_batch_loads_leaves_the_loader_clean():
     with pytest.raises(LoaderClosedError):
         next(iterator)
     closer.join()
-    assert not loader._source._claimed
-    assert loader._source._arena is None  # the layout was never learned: no slab was sized
+    snapshot = loader.snapshot()
+    assert not snapshot.in_use
+    assert snapshot.slab_nbytes is None  # the layout was never learned: no slab was sized
     assert sum(1 for _ in loader) == 4
-    assert loader._source._arena.pool.counts()[SlotState.FREE] == 4
+    assert loader.snapshot().free_slots == 4
     loader.close()
     del iterator
 
@@ -311,7 +312,7 @@ def test_session_close_in_a_forked_child_does_not_touch_the_parents_workers():
         child = os.fork()
         if child == 0:
             try:
-                iterator._session.close()
+                iterator.close()  # runs the iterator's finalizer, as GC in that child would
             finally:
                 os._exit(0)
         os.waitpid(child, 0)
@@ -323,7 +324,10 @@ def test_crashed_iterator_is_collected_once_dropped():
     """After WorkerCrashedError (raised again, as an equal copy, by every next()), dropping the
     iterator frees it and closes its session: the error the session keeps must not pin the
     iterator through a traceback, or each crashed epoch would leak its pipes and frames."""
-    with ArenaLoader(SuicidalDataset(20, fatal_index=7), batch_size=2, num_workers=2) as loader:
+    with ArenaLoader(SuicidalDataset(20, fatal_index=-1), batch_size=2, num_workers=2) as loader:
+        assert sum(1 for _ in loader) == 10  # sizes the loader's slab, which stays open
+        fds = len(os.listdir("/proc/self/fd"))
+        loader.dataset.fatal_index = 7
         iterator = iter(loader)
         with pytest.raises(WorkerCrashedError) as first:
             for _ in iterator:
@@ -331,11 +335,14 @@ def test_crashed_iterator_is_collected_once_dropped():
         with pytest.raises(WorkerCrashedError) as again:
             next(iterator)
         assert str(again.value) == str(first.value) and again.value.pid == first.value.pid
-        session, collected = iterator._session, weakref.ref(iterator)
+        assert [epoch.phase for epoch in loader.snapshot().iterators] == ["failed"]
+        collected = weakref.ref(iterator)
         del iterator, first, again
         gc.collect()
         assert collected() is None
-        assert session.closed
+        assert loader.snapshot().iterators == ()
+        # Its session was closed: every pipe it opened is closed again.
+        assert len(os.listdir("/proc/self/fd")) == fds
 
 
 
@@ -369,7 +376,7 @@ def test_interrupt_while_handing_out_a_batch_gives_its_slot_back(monkeypatch):
         with pytest.raises(StopIteration):
             next(iterator)
         gc.collect()
-        assert loader._source._arena.pool.counts()[SlotState.FREE] == 3
+        assert loader.snapshot().free_slots == 3
         del iterator
 
 
@@ -399,7 +406,7 @@ def test_no_room_for_the_slab_gives_every_batch_a_segment(monkeypatch, num_worke
         for _ in range(2):
             for batch, reference in zip(loader, expected, strict=True):
                 np.testing.assert_array_equal(batch, reference)
-        assert loader._source._arena is None
+        assert loader.snapshot().slab_nbytes is None
 
 
 def exit_worker_one_soon(worker_id):
@@ -531,10 +538,9 @@ def _ctrl_c_matrix(num_workers, persistent):
             assert got == expected, (epoch, got)
             del iterator
             gc.collect()
-            arena = loader._source._arena
-            if arena is not None:
-                counts = arena.pool.counts()
-                assert counts[SlotState.FREE] == loader.slots, (epoch, counts)
+            snapshot = loader.snapshot()
+            if snapshot.slab_nbytes is not None:
+                assert snapshot.free_slots == loader.slots, (epoch, snapshot.slot_states)
         assert k > longest, (k, longest)  # every line of next() was a target at least once
         for close_k in (3, 9, 17, 40):
             _, interrupted = _interrupted(loader.close, close_k)

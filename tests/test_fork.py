@@ -350,6 +350,7 @@ class DescriptorReport:
         with open("/proc/self/maps") as maps:
             slab_names = {line.split()[5] for line in maps
                           if f"{SHM_DIR}/{NAME_PREFIX}" in line and ORDER_TAG not in line}
+        # The standard library's tracker pipe is inherited on purpose; it has no public name.
         tracker_fd = getattr(resource_tracker._resource_tracker, "_fd", None)
         inheritable = [fd for fd in _inheritable_fds()
                        if int(fd.split()[0]) not in (tracker_fd, *self.ignore)]

@@ -68,7 +68,7 @@ def test_every_stream_empty_ends_the_epoch_at_once():
     """No worker has data: StopIteration, and no slab is ever sized."""
     with ArenaLoader(ShardedStream(0, lengths=(0, 0)), batch_size=2, num_workers=2) as loader:
         assert list(loader) == []
-        assert loader._source.slot_nbytes is None
+        assert loader.snapshot().slot_nbytes is None
 
 
 def test_persistent_workers_restart_their_iterators_each_epoch():

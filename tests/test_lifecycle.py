@@ -16,7 +16,6 @@ import psutil
 import pytest
 
 from arena_loader import ArenaLoader, LoaderClosedError, WorkerCrashedError
-from arena_loader._pool import SlotState
 from arena_loader._slab import NAME_PREFIX
 
 from .conftest import live_children, our_slab_mappings, wait_until
@@ -241,7 +240,7 @@ def test_error_in_the_first_batch_is_raised_by_next_and_iteration_continues(num_
             next(iterator)
         del iterator
         gc.collect()
-        assert loader._source._arena.pool.counts()[SlotState.FREE] == 5
+        assert loader.snapshot().free_slots == 5
 
 
 @pytest.mark.parametrize("break_first", [False, True])
@@ -274,7 +273,7 @@ def test_persistent_loader_recovers_after_a_worker_is_killed_between_epochs(brea
             assert i == len(expected) - 1
         del batch, iterator, _
         gc.collect()
-        assert loader._source._arena.pool.counts()[SlotState.FREE] == 6
+        assert loader.snapshot().free_slots == 6
 
 
 @pytest.mark.parametrize("persistent, context", [(True, "fork"), (False, "fork"),

@@ -10,7 +10,6 @@ import torch
 import torch.utils.data
 
 from arena_loader import ArenaLoader
-from arena_loader._pool import SlotState
 
 from .datasets import ImageDataset, NestedDataset
 
@@ -26,16 +25,15 @@ def test_torch_tensors_view_the_slot_and_free_it_when_dropped(num_workers):
         assert sum(1 for _ in loader) == 2  # the first epoch sizes the slab
         iterator = iter(loader)
         batch = next(iterator)
-        arena = loader._source._arena
-        slab_start = arena.slab.array.__array_interface__["data"][0]
-        offset = batch.data_ptr() - slab_start
+        snapshot = loader.snapshot()
+        offset = batch.data_ptr() - snapshot.slab_address
         assert isinstance(batch, torch.Tensor) and batch.dtype == torch.float32
-        assert 0 <= offset < arena.slab.nbytes and offset % arena.slot_nbytes == 0
+        assert 0 <= offset < snapshot.slab_nbytes and offset % snapshot.slot_nbytes == 0
         np.testing.assert_array_equal(batch.numpy(), np.stack([dataset[i] for i in range(4)]))
-        assert arena.pool.counts()[SlotState.LEASED] == 1
+        assert snapshot.leased_slots == 1
         del batch
         gc.collect()
-        assert arena.pool.counts()[SlotState.LEASED] == 0
+        assert loader.snapshot().leased_slots == 0
         del iterator
 
 

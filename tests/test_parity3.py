@@ -83,6 +83,7 @@ def torch_error(dataset, **kwargs) -> BaseException:
         caught = error
     else:
         raise AssertionError("torch's DataLoader raised no error")
+    # torch's iterator has no public way to stop its workers now (only its __del__).
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
@@ -364,6 +365,8 @@ def shuffler_epochs(loader) -> list[list[int]]:
     for seed in (123, 123, 321):
         torch.manual_seed(seed)
         epochs.append([int(batch[0]) for batch in loader])
+    # torch's private names on purpose: ArenaLoader offers them because torch's own tests and
+    # some training code use them (docs/migrating.md); this checks that they work like torch's.
     if loader._iterator is not None:
         loader._iterator._shutdown_workers()
         loader._iterator = None

@@ -212,13 +212,13 @@ def test_failed_batch_gives_its_slot_back_in_steady_state():
             while True:
                 next(iterator)
         # At once (not only at the epoch's end): slots in use are exactly the batches owed.
-        pool, order = loader._source._arena.pool, iterator._session._order
-        counts = pool.counts()
-        assert counts[SlotState.ASSIGNED] + counts[SlotState.FILLED] == (
-            len(order.in_flight) + len(order.done))
+        snapshot = loader.snapshot()
+        (epoch,) = snapshot.iterators
+        assert snapshot.assigned_slots + snapshot.filled_slots == (
+            len(epoch.in_flight) + len(epoch.ready))
         assert sum(1 for _ in iterator) == 3  # the epoch goes on after the error
         del iterator
         import gc
 
         gc.collect()
-        assert pool.counts()[SlotState.FREE] == loader.slots
+        assert loader.snapshot().free_slots == loader.slots

@@ -236,12 +236,12 @@ def test_keeping_every_batch_works_warns_once_and_memory_returns(num_workers):
         assert "np.array" in str(held_warnings[0].message)
         assert "held_batch_limit" in str(held_warnings[0].message)
         assert np.concatenate(kept).tolist() == list(range(256))
-        assert loader._source.held(loader._source._arena) >= 60
+        assert loader.snapshot().held_batches >= 60
         peak = _shm_mapped_bytes()
         del kept
-        assert loader._source.held(loader._source._arena) == 0
+        assert loader.snapshot().held_batches == 0
         # The segments went with the batches: only the slab is mapped now.
-        slab = loader._source._arena.slab.nbytes
+        slab = loader.snapshot().slab_nbytes
         assert _shm_mapped_bytes() <= slab + 4096 < peak
         # A second epoch keeping one small view per batch, persistent or not, works too.
         kept = [x[0] for x, _ in loader]
@@ -387,7 +387,7 @@ def test_one_view_kept_per_epoch_over_20_persistent_epochs(num_workers):
             gc.collect()
             assert _shm_mapped_bytes() <= baseline
             # Memory is back to the slab alone: an epoch holding nothing needs no segment.
-            slab = loader._source._arena.slab.nbytes
+            slab = loader.snapshot().slab_nbytes
             assert sum(1 for _ in loader) == 4 and _shm_mapped_bytes() <= slab + 4096
 
 

@@ -60,13 +60,13 @@ def test_leased_slot_is_registered_for_fork_until_its_batch_dies():
     pool = SlotPool(slab_array, 64, 4)
     slot = pool.acquire()
     pool.mark_filled(slot)
-    before = len(_forksafe._regions)
+    before = len(_forksafe.kept_regions())
     lease = pool.lease(slot)
-    assert len(_forksafe._regions) == before + 1
-    (region,) = [region for owner, region in _forksafe._regions.live() if owner is lease]
+    assert len(_forksafe.kept_regions()) == before + 1
+    (region,) = [region for owner, region in _forksafe.kept_regions() if owner is lease]
     assert region == (slab_array[slot * 64:].ctypes.data, 64)
     del lease
-    assert len(_forksafe._regions) == before
+    assert len(_forksafe.kept_regions()) == before
 
 
 def test_slab_larger_than_dev_shm_fails_at_construction():

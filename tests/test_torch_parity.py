@@ -146,7 +146,7 @@ def assert_same_batch(ours, theirs, where: str) -> None:
             assert_same_batch(ours[key], theirs[key], f"{where}[{key!r}]")
     elif isinstance(theirs, tuple) and hasattr(theirs, "_fields"):
         assert type(ours) is type(theirs), f"{where}: {type(ours)} != {type(theirs)}"
-        for field, (a, b) in zip(theirs._fields, zip(ours, theirs)):
+        for field, (a, b) in zip(theirs._fields, zip(ours, theirs)):  # namedtuple's public API
             assert_same_batch(a, b, f"{where}.{field}")
     elif isinstance(theirs, list) and theirs and isinstance(theirs[0], str):
         assert list(ours) == theirs, where

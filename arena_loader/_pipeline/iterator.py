@@ -11,6 +11,7 @@ from typing import Any
 from .._arena import ArenaSource
 from .._fetch import BatchFiller
 from .._options import LoaderOptions
+from ..snapshot import IteratorSnapshot
 from .session import Session
 
 
@@ -57,6 +58,9 @@ class MultiProcessIterator:
     def stats(self) -> dict[str, int]:
         """Completion records received and their bytes (no array travels in them)."""
         return self._session.stats
+
+    def snapshot(self) -> IteratorSnapshot:
+        return self._session.snapshot()
 
     def close(self) -> None:
         self._finalizer()

@@ -32,6 +32,7 @@ from .._pool import SlotState, Waker
 from .._process import JOIN_TIMEOUT_S
 from .._slab import Slab
 from ..errors import LoaderClosedError, LoaderTimeoutError, ShmCapacityError, forked_iterator_error
+from ..snapshot import IteratorSnapshot
 from .completions import ENDED, FAILED, LOADED, SEGMENT, WORKER_FAILED, Completion
 from .crew import WAKER, Crew
 from .feed import Feed
@@ -124,6 +125,13 @@ class Session:
         if self._crew is None:
             return dict(self._stats)
         return {key: self._stats[key] + value for key, value in self._crew.stats.items()}
+
+    def snapshot(self) -> IteratorSnapshot:
+        """This session now (``ArenaLoader.snapshot``); changes nothing."""
+        with self._lock:
+            return IteratorSnapshot(phase=self.phase.value, worker_pids=tuple(self.worker_pids),
+                                    in_flight=tuple(sorted(self._order.in_flight)),
+                                    ready=tuple(sorted(self._order.done)))
 
     def _check_open(self) -> None:
         if self.phase is Phase.FINISHED:
