@@ -18,6 +18,7 @@ import numpy as np
 
 from . import _forksafe
 from ._layout import KIND_TORCH_RAW, FieldPlacement, Plan
+from ._messages import listed
 from ._output import make_converter, torch_raw_view
 from ._pool import SlotPool, SlotState
 from ._slab import Slab
@@ -86,17 +87,22 @@ class Arena:
         fails); by default a new one. ``pinner`` page-locks the slab."""
         self.slot_nbytes = slot_nbytes
         self.slots = slots
+        reserved = slab is not None
         if slab is None:
             slab = Slab(slots * slot_nbytes, slots=slots)
         else:
             slab.allocate(slots * slot_nbytes, slots=slots)
         self.slab = slab
         self.pool = SlotPool(self.slab.array, slot_nbytes, slots)
-        try:
-            self._pinned = pinner(self.slab.array) if pinner is not None else None
-        except BaseException:
-            self.close()
-            raise
+        self._pinned = None
+        if pinner is not None:
+            try:
+                self._pinned = pinner(self.slab.array)
+            except BaseException as exc:
+                # Ctrl-C: the workers' reserved slab stays open, for the claim made again.
+                if not (reserved and isinstance(exc, KeyboardInterrupt)):
+                    self.close()
+                raise
 
     @property
     def pinned(self) -> bool:
@@ -287,9 +293,9 @@ class ArenaSource:
                 objects = plan.objects(host)
             except Exception as exc:
                 raise RuntimeError(
-                    f"the non-array values of batch idx={idx} (indices {indices!r}) did not "
-                    f"unpickle in the main process: {exc!r}; return only numbers, arrays, str "
-                    "or bytes from the dataset, or objects that unpickle") from exc
+                    f"the non-array values of batch idx={idx} (indices {listed(indices)!r}) "
+                    f"did not unpickle in the main process: {exc!r}; return only numbers, "
+                    "arrays, str or bytes from the dataset, or objects that unpickle") from exc
             if self._lease_only:
                 return LeasedSlot(lease, plan, objects, pinned)
             batch = plan.assemble(host, objects, _raw_field if plan.raw else None)

@@ -10,6 +10,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 # An entry's slot when the batch has no slot (the slab is not sized yet, or the consumer holds
 # every slot): the worker writes it into a one-off segment.
 NO_SLOT = -1
@@ -70,6 +72,12 @@ class _ReadableMessage(str):
         return str(self)
 
 
+def listed(indices: Any) -> Any:
+    """Sample indices as the user sees them (a list), where the batch order holds an int64
+    array (``BatchSampler.index_batches``)."""
+    return indices.tolist() if type(indices) is np.ndarray else indices
+
+
 def rebuild_worker_error(failure: BatchFailed | WorkerFailed, indices: Any = None,
                          idx: int | None = None) -> BaseException:
     """The worker's exception, re-created with its type, tagged with worker, idx and indices.
@@ -78,7 +86,7 @@ def rebuild_worker_error(failure: BatchFailed | WorkerFailed, indices: Any = Non
     cannot be built from one message, and for ``StopIteration``, which would otherwise end
     the epoch silently.
     """
-    error = failure.error
+    error, indices = failure.error, listed(indices)
     if idx is None:
         where = "while starting (slab attach, seeding or worker_init_fn)"
     elif indices is None:

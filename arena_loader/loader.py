@@ -338,7 +338,12 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
             return itertools.repeat(None)  # each worker's iterator decides when it ends
         if not self.options.auto_collation:
             return iter(self.sampler)
-        batches = iter(self.batch_sampler)
+        if self.options.num_workers > 0 and type(self.batch_sampler) is BatchSampler:
+            # int64 arrays straight into the batch order (workers read them as ints);
+            # the in-process loader hands the dataset ints, as torch does, so takes lists.
+            batches = self.batch_sampler.index_batches()
+        else:
+            batches = iter(self.batch_sampler)
         if self._filler.batch_size is None:
             # A batch_sampler that does not say its batch size: size the slots from this
             # epoch's largest batch.

@@ -210,14 +210,22 @@ class BatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         # Our own samplers give the epoch as one array: each batch is one slice's tolist().
         # Any other sampler: islice fills each list in C.
+        for batch in self.index_batches():
+            yield batch if type(batch) is list else batch.tolist()
+
+    def index_batches(self) -> Iterator[list[int] | np.ndarray]:
+        """The epoch's batches as ``__iter__`` draws them, but each as a slice of one int64
+        array where the sampler is one of ours (what a loader with workers writes into the
+        batch order as it is); lists otherwise."""
         index_array = getattr(self.sampler, "_index_array", None)
         array = index_array() if index_array is not None and type(self.sampler) in (
             RandomSampler, SequentialSampler) else None
         if array is not None:
+            array = array.astype(np.int64, copy=False)
             size = self.batch_size
             stop = len(array) - len(array) % size if self.drop_last else len(array)
             for start in range(0, stop, size):
-                yield array[start: start + size].tolist()
+                yield array[start: start + size]
             return
         indices = iter(self.sampler)
         while True:

@@ -71,6 +71,9 @@ def test_nested_samples_round_trip_as_default_collate_would():
     [np.zeros(2, np.int32), np.ones(2, np.float32)],
     [np.zeros(2, np.float32), np.ones(2, np.float64)],
     [np.zeros(2, np.int8), np.ones(2, np.uint8)],
+    # Later rows of a dtype that promotes to the first row's: written with a safe cast.
+    [np.ones(2, np.float32), np.full(2, 3, np.int8), np.ones(2, np.float16)],
+    [np.ones((2, 3), np.int16), np.full((2, 3), -2, np.int8)],
 ])
 def test_dtype_promotion_follows_torch_default_collate(values):
     expected = torch.utils.data.default_collate(values)

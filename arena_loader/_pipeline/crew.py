@@ -63,19 +63,18 @@ class Crew:
                         order_depth=self.ring.depth, order_entry_nbytes=self.ring.entry_nbytes)
             for i in range(self.workers)
         ]
+        group: WorkerGroupLike | None = None
+        # One try from before the workers start: any failure (or Ctrl-C) once they run, on
+        # any line, must stop them (a group interrupted while starting stops its own).
         try:
             if thread:
-                group: WorkerGroupLike = ThreadWorkerGroup(setups, slab, self.ring.mapping)
+                group = ThreadWorkerGroup(setups, slab, self.ring.mapping)
             else:
                 context = options.start_context()
                 if context.get_start_method() == "fork":
                     filler.warm_up()
                 group = WorkerGroup(context, setups)
-        except BaseException:
-            self.ring.close()
-            raise
-        self.group = group
-        try:  # the workers run: any failure (or Ctrl-C) from here on must stop them
+            self.group = group
             self.ring.connect([conn.fileno() for conn in group.task_conns])
             self.reader = CompletionReader([conn.fileno() for conn in group.result_conns])
             self._segments = [SegmentReceiver(sock) for sock in group.fd_sockets]
@@ -88,7 +87,8 @@ class Crew:
             self._watch(waker_fd, WAKER, False)
             self._open = True
         except BaseException:
-            group.shutdown(graceful=False)
+            if group is not None:
+                group.shutdown(graceful=False)
             self.ring.close()
             raise
 

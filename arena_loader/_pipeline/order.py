@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from .._messages import listed
 from .._slab import SlabHandle, map_shared, open_shared, size_shared
 
 ORDER_TAG = "order_"  # in the ring's /dev/shm name, beside the slab's
@@ -104,6 +105,8 @@ class OrderRing:
         piped = b""
         if indices is None:
             payload: Any = b""
+        elif type(indices) is np.ndarray:  # int64 slices of the sampler's epoch array
+            payload, kind = indices, EntryKind.INDICES
         elif type(indices) is list and indices and type(indices[0]) is int:
             try:
                 payload, kind = array("q", indices), EntryKind.INDICES
@@ -111,10 +114,10 @@ class OrderRing:
                 payload, kind = pickle.dumps(indices, protocol=5), EntryKind.PICKLED
         else:
             payload, kind = pickle.dumps(indices, protocol=5), EntryKind.PICKLED
-        nbytes = len(payload) * payload.itemsize if isinstance(payload, array) else len(payload)
+        nbytes = len(payload) * payload.itemsize if kind == EntryKind.INDICES else len(payload)
         if nbytes > self.entry_nbytes - ENTRY.size:
-            if isinstance(payload, array):
-                payload = pickle.dumps(indices, protocol=5)
+            if kind == EntryKind.INDICES:
+                payload = pickle.dumps(listed(indices), protocol=5)
             piped, kind, nbytes = _PIPE_LENGTH.pack(len(payload)) + payload, EntryKind.PIPED, 0
         else:
             start = offset + ENTRY.size

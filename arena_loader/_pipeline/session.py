@@ -26,7 +26,7 @@ from typing import Any
 from .. import _forksafe
 from .._arena import Arena, ArenaSource, slot_budget
 from .._fetch import BatchFiller
-from .._messages import NO_SLOT, fresh_copy, rebuild_worker_error
+from .._messages import NO_SLOT, fresh_copy, listed, rebuild_worker_error
 from .._options import LoaderOptions
 from .._pool import SlotState, Waker
 from .._process import JOIN_TIMEOUT_S
@@ -426,8 +426,8 @@ class Session:
             self._stop_workers(graceful=False)
         if self.phase is not Phase.RUNNING:
             return
-        owed = [(idx, indices) for idx, (owner, _, indices) in self._order.in_flight.items()
-                if owner == worker]
+        owed = [(idx, listed(indices)) for idx, (owner, _, indices)
+                in self._order.in_flight.items() if owner == worker]
         self._fail(self._crew.crash_error(worker, owed))
 
     def _fail(self, error: BaseException) -> None:
@@ -595,7 +595,7 @@ class Session:
     def _timeout_message(self, timeout: float) -> str:
         message = f"DataLoader timed out after {timeout} seconds"
         in_flight = self._order.in_flight
-        waiting = [f"batch idx={idx} (indices {in_flight[idx][2]!r}) from worker "
+        waiting = [f"batch idx={idx} (indices {listed(in_flight[idx][2])!r}) from worker "
                    f"{in_flight[idx][0]} (pid {self._crew.pids[in_flight[idx][0]]})"
                    for idx in self._order.owed() if idx in in_flight]
         if waiting:
