@@ -117,8 +117,10 @@ class SlotPool:
     def acquire(self) -> int | None:
         """A free slot, now ASSIGNED; None when every slot is in use."""
         with self._lock:
-            self._collect_released()
-            if not self._free:
+            free = self._free
+            if self._released or not free or self._states[free[0]] is not SlotState.FREE:
+                self._collect_released()
+            if not free:
                 # Flag first, then look again: a release that appended after the first look
                 # either shows up now or sees the flag and wakes the waiter.
                 self._wanted = True
@@ -130,15 +132,18 @@ class SlotPool:
             # Moved, then dropped from the free list: interrupted between, the next acquire
             # skips it (_collect_released); a caller interrupted before it records the slot
             # leaves it ASSIGNED and unowned, for reconcile().
-            self._move(slot, SlotState.FREE, SlotState.ASSIGNED)
-            self._free.popleft()
+            self._states[slot] = SlotState.ASSIGNED  # (FREE: _collect_released made sure)
+            free.popleft()
             return slot
 
     def mark_filled(self, slot: int) -> None:
         """ASSIGNED -> FILLED; a slot already FILLED stays so (a record filed twice)."""
         with self._lock:
-            if self._states[slot] is not SlotState.FILLED:
-                self._move(slot, SlotState.ASSIGNED, SlotState.FILLED)
+            state = self._states[slot]
+            if state is SlotState.ASSIGNED:
+                self._states[slot] = SlotState.FILLED
+            elif state is not SlotState.FILLED:
+                self._move(slot, SlotState.ASSIGNED, SlotState.FILLED)  # raises
 
     def lease(self, slot: int) -> SlotLease:
         lease = None
@@ -146,7 +151,9 @@ class SlotPool:
             with self._lock:
                 if self._slab_array is None:
                     raise LoaderClosedError("the loader was closed; create a new one")
-                self._move(slot, SlotState.FILLED, SlotState.LEASED)
+                if self._states[slot] is not SlotState.FILLED:
+                    self._move(slot, SlotState.FILLED, SlotState.LEASED)  # raises
+                self._states[slot] = SlotState.LEASED
             start = slot * self.slot_nbytes
             lease = SlotLease(slot, self._slab_array[start: start + self.slot_nbytes])
             # A process forked while the batch lives gets its own copy of the slot's bytes.
@@ -217,13 +224,10 @@ class SlotPool:
     def _lease_died(self, slot: int, ref: weakref.ref) -> None:
         if self._lease_refs.get(slot) is ref:
             del self._lease_refs[slot]
-            self._release(slot)
-
-    def _release(self, slot: int) -> None:
-        self._released.append(slot)
-        waker = self.waker
-        if waker is not None and self._wanted:
-            waker.wake()
+            self._released.append(slot)  # (as _release: one call less per batch)
+            waker = self.waker
+            if waker is not None and self._wanted:
+                waker.wake()
 
     def _collect_released(self) -> None:
         # Each step may be redone: a Ctrl-C between two leaves the slot at the head of

@@ -115,12 +115,6 @@ class Crew:
                 epoch: int = 0, indices: Any = None) -> bool:
         return self._open and self.ring.publish(worker, kind, idx, slot, epoch, indices)
 
-    def next_seq(self, worker: int) -> int:
-        return self.ring.next_seq(worker)
-
-    def is_published(self, worker: int, seq: int) -> bool:
-        return self.ring.is_published(worker, seq)
-
     # -- what workers send -----------------------------------------------------------------
 
     @property

@@ -66,14 +66,15 @@ class Feed:
         first and taken back unless the ring took the entry; False (taken back) when the
         worker's pipe is closed. Raises what publishing raised, taken back likewise."""
         idx, indices = self.send_idx, self.pending
-        seq = crew.next_seq(worker)
+        published = crew.ring.published
+        seq = published[worker]
         try:
             order.in_flight[idx], self.pending, self.send_idx = (
                 (worker, slot, None if self._iterable else indices), NO_PENDING, idx + 1)
             kind = EntryKind.STREAM if self._iterable else EntryKind.INDICES
             sent = crew.publish(worker, kind, idx, slot, self.epoch, indices)
         except BaseException:
-            if not crew.is_published(worker, seq):
+            if published[worker] <= seq:  # the ring did not take it
                 self._unsend(order, idx, indices)
             raise
         if not sent:

@@ -76,7 +76,9 @@ class OrderRing:
         self.mapping = np.frombuffer(self._mmap, np.uint8)  # thread workers read it directly
         self._buffer = memoryview(self.mapping)
         self._taken = np.frombuffer(self.mapping, np.int64, workers * 8)[::8]
-        self._published = [0] * workers
+        # Per worker: entries published so far (the next one's seq). Read, never written,
+        # by others: an interrupted publish is published iff this moved past its seq.
+        self.published = [0] * workers
         self._doorbells: list[int] = [-1] * workers
 
     def handle(self) -> SlabHandle:
@@ -91,7 +93,7 @@ class OrderRing:
         self._doorbells = list(doorbell_fds)
 
     def has_room(self, worker: int) -> bool:
-        return self._published[worker] - int(self._taken[worker]) < self.depth
+        return self.published[worker] - int(self._taken[worker]) < self.depth
 
     def publish(self, worker: int, kind: EntryKind, idx: int = 0, slot: int = 0,
                 epoch: int = 0, indices: Any = None) -> bool:
@@ -99,7 +101,7 @@ class OrderRing:
         or its pipe is (it is not reading: stopped or stuck)."""
         if not self.has_room(worker):
             return False
-        seq = self._published[worker]
+        seq = self.published[worker]
         offset = self._header_nbytes + (worker * self.depth + seq % self.depth) \
             * self.entry_nbytes
         piped = b""
@@ -127,21 +129,14 @@ class OrderRing:
         try:
             if piped:
                 _write_all(doorbell, DOORBELL + piped)
-                self._published[worker] = seq + 1
+                self.published[worker] = seq + 1
             else:
                 # One statement: once the byte is written the entry counts as published,
-                # whatever interrupts next (the caller reads is_published to know).
-                self._published[worker] = seq + os.write(doorbell, DOORBELL)
+                # whatever interrupts next (the caller reads ``published`` to know).
+                self.published[worker] = seq + os.write(doorbell, DOORBELL)
         except (BlockingIOError, BrokenPipeError, OSError):
             return False
         return True
-
-    def next_seq(self, worker: int) -> int:
-        """The number the next entry published for ``worker`` gets."""
-        return self._published[worker]
-
-    def is_published(self, worker: int, seq: int) -> bool:
-        return self._published[worker] > seq
 
     def close(self) -> None:
         """Idempotent. Workers map the ring themselves; this process's mapping goes now."""

@@ -35,7 +35,7 @@ from ..errors import LoaderClosedError, LoaderTimeoutError, ShmCapacityError, fo
 from ..snapshot import IteratorSnapshot
 from .completions import ENDED, FAILED, LOADED, SEGMENT, WORKER_FAILED, Completion
 from .crew import WAKER, Crew
-from .feed import Feed
+from .feed import NO_PENDING, Feed
 from .order import EntryKind
 from .reorder import Reorderer
 
@@ -76,6 +76,7 @@ class Session:
         self._closing = threading.RLock()  # one close() at a time (re-entrant: finalizers)
         self._waker = Waker()
         self.phase = Phase.STARTING
+        self._ended = False  # FINISHED or CLOSED: next() raises (the hot path reads this)
         self.arena: Arena | None = None
         self._arena_claimed = False
         # Before the slot budget is known: the slab the workers are started with, given its
@@ -100,6 +101,7 @@ class Session:
             raise RuntimeError(f"session cannot go from {self.phase.value} to {phase.value} "
                                "(arena_loader bug: please report it)")
         self.phase = phase
+        self._ended = phase is Phase.FINISHED or phase is Phase.CLOSED
 
     @property
     def broken(self) -> bool:
@@ -234,19 +236,23 @@ class Session:
     def _fill_window(self) -> None:
         """Send batches while the window, free slots and the sampler allow; the sampler runs
         outside the lock (a slow one must not hold up close())."""
+        feed, order = self._feed, self._order
         while True:
+            if (feed.pending is NO_PENDING and not feed.exhausted and self.phase is Phase.RUNNING
+                    and len(order.in_flight) + len(order.done) < self._window):
+                feed.draw()  # (only this thread changes the order; close() only ends it)
             with self._lock:
-                self._check_open()
+                if self._ended:
+                    self._check_open()
                 if not self._publish():
                     return
-            self._feed.draw()
 
     def _publish(self) -> bool:
         """Send the drawn batches the window allows; True when the next needs a draw."""
         feed, order = self._feed, self._order
         while (not feed.exhausted and self.phase is Phase.RUNNING
                and len(order.in_flight) + len(order.done) < self._window):
-            if feed.needs_draw:
+            if feed.pending is NO_PENDING:
                 return True
             worker = feed.pick_worker()
             if worker is None:
@@ -337,10 +343,13 @@ class Session:
     def _file_arrived(self) -> None:
         """File the parsed records in order; each leaves the queue only once filed."""
         crew = self._crew
-        while crew is not None and crew.arrived:
-            self._file(crew.arrived[0])
-            if crew.arrived:  # a failure filed on the way may have emptied it
-                crew.arrived.popleft()
+        if crew is None:
+            return
+        arrived = crew.arrived
+        while arrived:
+            self._file(arrived[0])
+            if arrived:  # a failure filed on the way may have emptied it
+                arrived.popleft()
 
     def _file(self, completion: Completion) -> None:
         """One record: check it answers a batch in flight, then file it for the consumer (or,
@@ -490,7 +499,7 @@ class Session:
             self._check_open()
             if not self._started and self.phase is Phase.STARTING:
                 self._begin()
-            if self.arena is not None:
+            if self.arena is not None and self._source.held_batch_limit is not None:
                 self._source.check_limit(self.arena)
         batch = None
         try:
@@ -510,9 +519,16 @@ class Session:
         collected = False
         while True:
             with self._lock:
-                self._check_open()
+                if self._ended:
+                    self._check_open()
                 if self._take():
                     return self._hand_over()
+                # Not there yet: take in what the worker that owes it has sent, no poll.
+                owed = self._order.in_flight.get(self._order.next_idx)
+                if owed is not None and self._order.in_order and self.phase is Phase.RUNNING:
+                    self._receive(owed[0])  # (files records an interrupted read left, too)
+                    if self._take():
+                        return self._hand_over()
                 if self.phase is Phase.FAILED:
                     self._release_arena()  # a broken session keeps no slot of the loader's
                     raise fresh_copy(self._fatal)
