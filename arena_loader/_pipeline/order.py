@@ -48,6 +48,9 @@ class EntryKind(enum.IntEnum):
     STOP = 6  # finish and exit
 
 
+_KINDS = {int(kind): kind for kind in EntryKind}  # (a dict lookup: EntryKind() costs more)
+
+
 def entry_nbytes(rows: int) -> int:
     """An entry that holds ``rows`` int64 indices, rounded to a cache line."""
     return -(-(ENTRY.size + 8 * max(rows, 1)) // 64) * 64
@@ -217,7 +220,7 @@ class OrderReader:
             indices = None
         self._seq = seq + 1
         self._taken[self._worker] = seq + 1  # the position may be written again
-        return Entry(EntryKind(kind), idx, slot, epoch, indices)
+        return Entry(_KINDS[kind], idx, slot, epoch, indices)
 
     def _fill(self, timeout_s: float) -> bool:
         try:

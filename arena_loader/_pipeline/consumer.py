@@ -1,0 +1,115 @@
+"""``next()``: the next batch in order, taken from what workers have sent (the worker that
+owes it is read first, without a poll), its slot leased, and the window refilled before it is
+returned, so workers go on while the training step runs. Every wait is bounded (``timeout``,
+a dead worker, ``close()`` from another thread); an interrupt at any line loses no batch
+(``Handout``)."""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import TYPE_CHECKING, Any
+
+from .. import _forksafe
+from .._messages import fresh_copy
+from ..errors import LoaderTimeoutError, forked_iterator_error
+from .handout import timeout_message
+from .phase import POLL_S, Phase
+
+if TYPE_CHECKING:
+    from .session import Session
+
+
+class Consumer:
+    def __init__(self, session: Session):
+        self.session = session
+
+    def next_batch(self) -> Any:
+        session = self.session
+        if _forksafe.generation() != session.generation:
+            raise forked_iterator_error(session.pid)
+        with session.consumer_lock:
+            try:
+                return self._next_batch()
+            except KeyboardInterrupt:
+                with session.lock:
+                    session.handout.put_back(session.order)  # taken, not handed over
+                raise
+
+    def _next_batch(self) -> Any:
+        session = self.session
+        with session.lock:
+            handout = session.handout
+            if handout.stash is not None:  # built by a next() that Ctrl-C interrupted
+                batch, handout.stash = handout.stash, None
+                return batch
+            session.check_open()
+            if not session.started and session.phase is Phase.STARTING:
+                session.begin()
+            arena = session.claim.arena
+            if arena is not None and session.source.held_batch_limit is not None:
+                session.source.check_limit(arena)
+        batch = None
+        try:
+            batch = self._wait_for_batch()
+            # The window has room for the batch just taken: send the next one now, as torch
+            # does, so workers go on while the training step runs.
+            session.fill_window()
+            return batch
+        except BaseException:
+            if batch is not None:
+                session.handout.stash = batch  # handed out by the next next()
+            raise
+
+    def _wait_for_batch(self) -> Any:
+        session = self.session
+        timeout = session.options.timeout
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        collected = False
+        while True:
+            with session.lock:
+                if session.ended:
+                    session.check_open()
+                order, handout = session.order, session.handout
+                if handout.take(order):
+                    return self._hand_over()
+                # Not there yet: take in what the worker that owes it has sent, no poll.
+                owed = order.in_flight.get(order.next_idx)
+                if owed is not None and order.in_order and session.phase is Phase.RUNNING:
+                    session.intake.receive(owed[0])  # (files what an interrupted read left)
+                    if handout.take(order):
+                        return self._hand_over()
+                if session.phase is Phase.FAILED:
+                    session.release_arena()  # a broken session keeps no slot of the loader's
+                    raise fresh_copy(session.fatal)
+                feed, arena = session.feed, session.claim.arena
+                if feed.exhausted and not order.in_flight:
+                    if arena is not None:
+                        session.reconcile_slots()  # the epoch's end: no slot is owned now
+                    error = feed.take_error()
+                    if error is not None:
+                        raise error
+                    raise StopIteration
+                starved = session.window.starved(order, feed, arena, session.source)
+                if starved and collected:
+                    raise session.source.limit_error(arena)
+                wait_s = POLL_S
+                if deadline is not None:
+                    wait_s = min(wait_s, deadline - time.monotonic())
+                    if wait_s <= 0:
+                        pids = session.crew.pids if session.crew is not None else []
+                        raise LoaderTimeoutError(timeout_message(timeout, order, pids))
+            if starved:
+                gc.collect()  # views in reference cycles give their slots back
+                collected = True
+                continue
+            session.fill_window()  # a slot freed since, or a draw left pending
+            session.intake.wait(wait_s)
+
+    def _hand_over(self) -> Any:
+        session = self.session
+        window, arena = session.window, session.claim.arena
+        if window.held_overflow:  # this batch went to a segment: say why, once per loader
+            window.held_overflow = False
+            session.source.note_overflow(arena)
+        return session.handout.hand_over(session.source, arena)

@@ -1,0 +1,90 @@
+"""The batch ``next()`` is handing out, held so that a ``KeyboardInterrupt`` at any line of
+``next()`` loses nothing: a batch taken from the ``Reorderer`` is in ``taken`` until the
+consumer has it (an interrupt puts it back at the front: ``put_back``), and a batch built but
+not yet returned is in ``stash`` (the next ``next()`` returns it first). One per epoch; the
+session calls it under its lock."""
+
+from __future__ import annotations
+
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from .._arena import Arena, ArenaSource
+from .._messages import listed, rebuild_worker_error
+from .._pool import SlotState
+from .completions import ENDED, FAILED, LOADED, Completion
+from .reorder import Reorderer
+
+
+class Handout:
+    __slots__ = ("stash", "taken")
+
+    def __init__(self) -> None:
+        self.taken: Completion | None = None  # taken, not yet handed over
+        self.stash: Any = None  # a batch built for a next() that Ctrl-C interrupted
+
+    def take(self, order: Reorderer) -> bool:
+        """Move the next batch to hand out into ``taken`` (from here on an interrupt puts it
+        back: ``put_back``); skips ended iterators' marks. False: none is ready."""
+        while True:
+            self.taken = ready = order.take()
+            if ready is None:
+                return False
+            order.taken(ready)
+            if ready.status != ENDED:
+                return True
+            self.taken = None
+
+    def put_back(self, order: Reorderer) -> None:
+        """``next()`` was interrupted: a batch taken and not handed over is next again."""
+        taken, self.taken = self.taken, None
+        if taken is not None:
+            order.unget(taken)
+
+    def slot(self) -> int | None:
+        """The slot the taken batch is in, if any: owned (``Session._reconcile_slots``)."""
+        taken = self.taken
+        return taken.slot if taken is not None and taken.storage is None else None
+
+    def hand_over(self, source: ArenaSource, arena: Arena | None) -> Any:
+        """The taken batch as the consumer's (or its error raised). Ctrl-C in here: a built
+        batch is stashed for the next next(), an unbuilt one stays taken."""
+        ready = self.taken
+        batch = None
+        try:
+            if ready.status == FAILED:
+                self.taken = None  # handed out: raised on the next line
+                raise rebuild_worker_error(ForkingPickler.loads(ready.body), ready.indices,
+                                           ready.idx)
+            in_slot = ready.storage is None
+            batch = source.deliver(arena, ready.slot if in_slot else None, ready.storage,
+                                   ready.plan, ready.idx, ready.indices)
+            self.taken = None
+            return batch
+        except KeyboardInterrupt:
+            if batch is not None:
+                self.stash, self.taken = batch, None
+            elif ready.storage is None and ready.status == LOADED and \
+                    arena.pool.state(ready.slot) is SlotState.LEASED:
+                arena.pool.take_back(ready.slot)  # leased, never handed out
+            raise
+        except BaseException:
+            self.taken = None
+            # Not delivered (a bad object leaf): the slot would otherwise stay FILLED.
+            if ready.status == LOADED and ready.storage is None and \
+                    arena.pool.state(ready.slot) is SlotState.FILLED:
+                arena.pool.reclaim(ready.slot)
+            raise
+
+
+def timeout_message(timeout: float, order: Reorderer, pids: list[int]) -> str:
+    """torch's timeout text, plus which batch of which worker ``next()`` waits for."""
+    message = f"DataLoader timed out after {timeout} seconds"
+    in_flight = order.in_flight
+    waiting = [f"batch idx={idx} (indices {listed(in_flight[idx][2])!r}) from worker "
+               f"{in_flight[idx][0]} (pid {pids[in_flight[idx][0]]})"
+               for idx in order.owed() if idx in in_flight]
+    if waiting:
+        message += (f" waiting for {', '.join(waiting)}, which is still running; raise "
+                    "`timeout` if loading is this slow")
+    return message

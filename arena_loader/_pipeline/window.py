@@ -1,0 +1,94 @@
+"""The read-ahead window: how many batches are sent ahead of the consumer (torch's
+``prefetch_factor * num_workers``, or fewer when ``slots`` is smaller), and the slot each one
+gets. A batch gets a free slot; a one-off segment (``NO_SLOT``) before the slab exists or
+while the consumer holds every slot; nothing while it holds ``held_batch_limit`` batches.
+The session calls it under its lock; what only the session can do (fail, diagnose a dead
+worker) comes back as ``UnsendableBatchError`` / ``WorkerGoneError``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .._arena import Arena, ArenaSource
+from .._messages import NO_SLOT
+from .crew import Crew
+from .feed import NO_PENDING, Feed
+from .reorder import Reorderer
+
+
+class UnsendableBatchError(Exception):
+    """Publishing the batch raised (its indices do not pickle): no worker can load it."""
+
+
+class WorkerGoneError(Exception):
+    """The worker's order pipe is closed: it is dead."""
+
+    def __init__(self, worker: int):
+        super().__init__(worker)
+        self.worker = worker
+
+
+class Window:
+    __slots__ = ("held_blocked", "held_overflow", "size")
+
+    def __init__(self, size: int):
+        self.size = size
+        self.held_blocked = False  # the consumer holds held_batch_limit batches
+        self.held_overflow = False  # a batch went to a segment: every slot is held
+
+    def has_room(self, order: Reorderer) -> bool:
+        return len(order.in_flight) + len(order.done) < self.size
+
+    def publish(self, feed: Feed, order: Reorderer, crew: Crew, arena: Arena | None,
+                source: ArenaSource, reconcile: Callable[[], int]) -> bool:
+        """Send the drawn batches the window allows; True when the next needs a draw."""
+        while not feed.exhausted and len(order.in_flight) + len(order.done) < self.size:
+            if feed.pending is NO_PENDING:
+                return True
+            worker = feed.pick_worker()
+            if worker is None:
+                return False
+            slot = self._choose_slot(arena, source, reconcile)
+            if slot is None:
+                return False  # a freed slot wakes the waiting next()
+            try:
+                sent = feed.send(crew, order, worker, slot)
+            except BaseException as exc:
+                _reclaim_unsent(order, arena, slot)
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                raise UnsendableBatchError() from exc
+            if not sent:
+                _reclaim_unsent(order, arena, slot)
+                raise WorkerGoneError(worker)
+        return False
+
+    def _choose_slot(self, arena: Arena | None, source: ArenaSource,
+                     reconcile: Callable[[], int]) -> int | None:
+        if arena is None:
+            return NO_SLOT
+        slot = arena.pool.acquire()
+        if slot is None and reconcile():
+            slot = arena.pool.acquire()
+        if slot is not None:
+            self.held_blocked = False
+            return slot
+        if source.over_limit(arena):
+            self.held_blocked = True
+            return None
+        self.held_overflow = True
+        return NO_SLOT
+
+    def starved(self, order: Reorderer, feed: Feed, arena: Arena | None,
+                source: ArenaSource) -> bool:
+        """Nothing in flight or ready, a batch's indices waiting, and the consumer holds
+        ``held_batch_limit`` batches."""
+        if (order.in_flight or order.done or feed.needs_draw or feed.exhausted
+                or arena is None or not self.held_blocked):
+            return False
+        return source.over_limit(arena)
+
+
+def _reclaim_unsent(order: Reorderer, arena: Arena | None, slot: int) -> None:
+    if slot != NO_SLOT and all(entry[1] != slot for entry in order.in_flight.values()):
+        arena.pool.reclaim(slot)
