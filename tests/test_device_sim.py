@@ -20,7 +20,8 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
     pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 before numba.cuda is imported; "
                 "test_device.py runs this module that way", allow_module_level=True)
 
-from arena_loader import ArenaLoader, LoaderClosedError, SlotsExhaustedError, _device
+from arena_loader import ArenaLoader, LoaderClosedError, SlotsExhaustedError
+from arena_loader._device import cuda as device_cuda
 
 from .conftest import our_threads, wait_until
 from .datasets import (
@@ -83,7 +84,7 @@ def gated_events(monkeypatch):
             events[-1].opened.set()
         return events[-1]
 
-    monkeypatch.setattr(_device, "_new_event", new_event)
+    monkeypatch.setattr(device_cuda, "new_event", new_event)
     yield events
     for event in events:  # never leave the device thread blocked
         event.opened.set()
@@ -102,7 +103,7 @@ def pinned_in_place(monkeypatch):
         pinned.append(Registration(array))
         return pinned[-1]
 
-    monkeypatch.setattr(_device, "_register", register)
+    monkeypatch.setattr(device_cuda, "register", register)
     return pinned
 
 
@@ -319,7 +320,7 @@ def test_copy_error_is_raised_by_every_next_and_close_is_clean(monkeypatch):
     def broken(lease):
         raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS (simulated)")
 
-    monkeypatch.setattr(_device, "_owned_array", broken)
+    monkeypatch.setattr(device_cuda, "owned_array", broken)
     with ArenaLoader(ImageDataset(8), batch_size=2, num_workers=2, device="cuda") as loader:
         iterator = iter(loader)
         for _ in range(2):

@@ -1,0 +1,152 @@
+"""Every ``numba.cuda`` call of arena_loader: device resolution, availability, streams,
+events, page-locking, device and pinned buffers, device arrays over a lease.
+
+The other modules of ``_device`` call these through the module (``cuda.new_event()``), so a
+test that replaces one here (``monkeypatch.setattr(cuda, "new_event", ...)``) replaces it for
+all of them. Under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the same calls run on
+host arrays; the simulator has no ``mempin`` and no ``__cuda_array_interface__``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numba import cuda
+
+SIMULATED = ".simulator" in type(cuda.gpus).__module__
+CU_STREAM_NON_BLOCKING = 1
+
+
+def cuda_unavailable_reason() -> str | None:
+    """None when a CUDA GPU (or the simulator) can be used, else why not."""
+    try:
+        if cuda.is_available() and len(cuda.gpus) > 0:
+            return None
+    except Exception as exc:  # a broken driver install raises instead of answering False
+        return repr(exc)
+    # is_available() also wants NVVM, which compiles kernels; copies need only the driver.
+    try:
+        from numba.cuda.cudadrv.driver import driver
+
+        if driver.is_available and len(cuda.gpus) > 0:
+            return None
+    except Exception:
+        pass
+    error = cuda.cuda_error()
+    return " ".join(str(error).split()) if error else "no CUDA GPU was found"
+
+
+def resolve_gpu(index: int | None) -> int:
+    """The GPU a loader uses: ``index``, or for ``device="cuda"`` torch's current GPU if torch
+    is in use (else GPU 0). A ValueError names ``device`` if there is no such GPU."""
+    count = len(cuda.gpus)
+    if index is None:
+        torch = sys.modules.get("torch")
+        use_torch = torch is not None and not SIMULATED and torch.cuda.is_available()
+        index = torch.cuda.current_device() if use_torch else 0
+    if index >= count:
+        raise ValueError(f"device must name one of the {count} GPUs (cuda:0 to "
+                         f"cuda:{count - 1}), got 'cuda:{index}'; pass device='cuda' for the "
+                         "current GPU")
+    return index
+
+
+def on_gpu(gpu: int) -> Any:
+    """A context manager that makes ``gpu``'s context current in this thread."""
+    return cuda.gpus[gpu]
+
+
+def register(array: np.ndarray) -> Any:
+    """cuMemHostRegister over ``array``'s bytes; the returned object unregisters when freed."""
+    return cuda.current_context().mempin(array, array.ctypes.data, array.nbytes)
+
+
+# -- streams and events ---------------------------------------------------------------------
+
+def new_event() -> Any:
+    try:
+        return cuda.event(timing=False)
+    except TypeError:  # numba-cuda's simulator takes no arguments
+        return cuda.event()
+
+
+def new_stream() -> tuple[Any, Callable[[], None] | None]:
+    """The copy stream and how to destroy it. Non-blocking, so that copies do not wait for
+    (or hold up) work on the legacy default stream, where torch and numba queue by default;
+    numba only makes blocking streams, so it is created through numba's driver binding."""
+    if SIMULATED:
+        return cuda.stream(), None
+    try:
+        from numba.cuda.cudadrv import driver as drv
+
+        if getattr(drv, "USE_NV_BINDING", True):
+            handle = drv.driver.cuStreamCreate(CU_STREAM_NON_BLOCKING)
+            pointer = int(handle)
+        else:
+            handle = drv.drvapi.cu_stream()
+            drv.driver.cuStreamCreate(ctypes.byref(handle), CU_STREAM_NON_BLOCKING)
+            pointer = handle.value
+    except Exception:  # an unexpected binding: a blocking stream still gives right results
+        return cuda.stream(), None
+    return cuda.external_stream(pointer), lambda: drv.driver.cuStreamDestroy(handle)
+
+
+class ConsumerStreams:
+    """The stream the consumer queues its work on: torch's current stream for torch output
+    (one numba wrapper per torch stream, made once), else numba's default stream."""
+
+    def __init__(self, gpu: int, to_torch: bool):
+        self._gpu = gpu
+        self._to_torch = to_torch
+        self._wrapped: dict[int, Any] = {}
+
+    def current(self) -> Any:
+        if not self._to_torch:
+            return 0 if SIMULATED else cuda.default_stream()
+        torch = sys.modules["torch"]
+        pointer = torch.cuda.current_stream(self._gpu).cuda_stream
+        stream = self._wrapped.get(pointer)
+        if stream is None:
+            stream = self._wrapped[pointer] = cuda.external_stream(pointer)
+        return stream
+
+
+# -- buffers and device arrays --------------------------------------------------------------
+
+def device_bytes(nbytes: int) -> Any:
+    """A device buffer of ``nbytes`` bytes."""
+    return cuda.device_array(nbytes, dtype=np.uint8)
+
+
+def pinned_bytes(nbytes: int) -> Any:
+    """A page-locked host buffer of ``nbytes`` bytes."""
+    return cuda.pinned_array(nbytes, dtype=np.uint8)
+
+
+def owned_array(lease: Any) -> Any:
+    """A device array over a ``DeviceLease``'s buffer that keeps the lease alive (so do its
+    views)."""
+    if SIMULATED:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(np.asarray(lease))
+    return cuda.as_cuda_array(lease, sync=False)
+
+
+def torch_converter(gpu: int) -> Callable[[Any], Any]:
+    """Device array -> torch CUDA tensor, zero-copy through ``__cuda_array_interface__``."""
+    if SIMULATED:
+        raise ValueError("output='torch' with device='cuda' needs a real GPU: the numba CUDA "
+                         "simulator has no __cuda_array_interface__; use output='numpy' there")
+    import torch
+
+    device = torch.device("cuda", gpu)
+
+    def to_tensor(array: Any) -> Any:
+        return torch.as_tensor(array, device=device)
+
+    return to_tensor
