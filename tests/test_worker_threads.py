@@ -20,7 +20,7 @@ from arena_loader import (
     get_worker_info,
 )
 
-from .conftest import live_children, our_threads
+from .conftest import live_children, our_threads, wait_until
 from .datasets import ImageDataset, SuicidalDataset, assert_batches_equal, host_epoch
 
 pytestmark = pytest.mark.timeout(60)
@@ -202,11 +202,13 @@ def test_close_stops_every_thread_and_worker(mode):
     loader = ArenaLoader(ImageDataset(64), batch_size=8, num_workers=2, worker_mode=mode,
                          worker_threads=3, persistent_workers=True)
     iterator = iter(loader)
-    next(iterator)
-    if mode == "thread":
-        names = {t.name for t in our_threads()}
-        assert {"arena_loader-worker-0-thread-1", "arena_loader-worker-1-thread-2"} <= names
-    loader.close()
+    try:
+        next(iterator)
+        if mode == "thread":  # worker 1 may still be starting its threads: wait for them
+            wanted = {"arena_loader-worker-0-thread-1", "arena_loader-worker-1-thread-2"}
+            assert wait_until(lambda: wanted <= {t.name for t in our_threads()})
+    finally:
+        loader.close()
     assert not our_threads()
     assert not live_children()
     del iterator
