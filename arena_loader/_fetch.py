@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 
 from ._layout import Prepared, prepare_batch, prepare_rows, prepare_samples, rows_view
+from ._rows import RowWriter
+from ._sample_threads import FirstFailure, SampleThreads
 from .worker_info import get_worker_info
 
 _END = object()
@@ -24,6 +26,8 @@ class Fetched:
     samples: list | None  # default collation: the samples, written row by row
     batch: Any = None  # custom collate_fn or batch_size=None: the whole batch
     direct: bool = False  # the dataset's read_into writes the rows in place (batch protocol)
+    # worker_threads > 1: every row already written into the storage this plan was given
+    written: Prepared | None = None
 
 
 class BatchFiller:
@@ -76,8 +80,14 @@ class BatchFiller:
             raise RuntimeError("collate_fn raised StopIteration; raise another error "
                                "instead") from exc
 
-    def fetch(self, indices: Any) -> Fetched:
+    def fetch(self, indices: Any, threads: SampleThreads | None = None,
+              storage_for: Callable[[int], np.ndarray] | None = None) -> Fetched:
+        """The batch of ``indices``. With ``threads`` (``worker_threads > 1``, map-style,
+        automatic batching) its samples are fetched by all of them at once and, under default
+        collation, written row by row into ``storage_for(nbytes)`` as they arrive."""
         try:
+            if threads is not None and self._read_into is None:
+                return self._fetch_concurrently(indices, threads, storage_for)
             return self._fetch(indices)
         except StopIteration as exc:  # escaping from __next__ it would end the epoch silently
             raise RuntimeError(f"the dataset or collate_fn raised StopIteration while loading "
@@ -133,8 +143,60 @@ class BatchFiller:
             return Fetched(rows=len(samples), samples=samples)
         return Fetched(rows=len(samples), samples=None, batch=self.collate_fn(samples))
 
+    def _fetch_concurrently(self, indices: Any, threads: SampleThreads,
+                            storage_for: Callable[[int], np.ndarray] | None) -> Fetched:
+        indices = list(indices)
+        rows, count = len(indices), threads.count
+        writer = (RowWriter(indices, storage_for)
+                  if self.collate_fn is None and storage_for is not None else None)
+        samples = writer.samples if writer is not None else [None] * rows
+        failure = FirstFailure()
+        dataset, getitems = self.dataset, self._getitems
+
+        def load_share(thread: int) -> None:
+            share = range(thread, rows, count)
+            if getitems is not None:  # one __getitems__ call per thread, for its rows
+                try:
+                    got = getitems([indices[i] for i in share])
+                    if len(got) != len(share):
+                        raise ValueError(
+                            f"dataset.__getitems__ returned {len(got)} samples for "
+                            f"{len(share)} indices; it must return one sample per index, in "
+                            "order")
+                except BaseException as exc:
+                    _note_rows(exc, [indices[i] for i in share], thread, count)
+                    failure.record(share.start, exc)
+                    return
+                pairs = zip(share, got)
+            else:
+                pairs = ((row, None) for row in share)
+            for row, sample in pairs:
+                if row > failure.row:
+                    return  # an earlier row failed: that is the batch's error
+                try:
+                    if getitems is None:
+                        sample = dataset[indices[row]]
+                    if writer is not None:
+                        writer.offer(row, sample)
+                    else:
+                        samples[row] = sample
+                except BaseException as exc:
+                    _note_rows(exc, [indices[row]], thread, count)
+                    failure.record(row, exc)
+                    return
+
+        threads.run(load_share)
+        failure.raise_if_any()
+        if writer is not None and writer.done():
+            return Fetched(rows=rows, samples=None, written=writer.prepared)
+        if self.collate_fn is None:
+            return Fetched(rows=rows, samples=samples)
+        return Fetched(rows=rows, samples=None, batch=self.collate_fn(samples))
+
     def prepare(self, fetched: Fetched, indices: Any) -> Prepared:
         """The batch's plan (fields, shapes, dtypes, objects) and what to write."""
+        if fetched.written is not None:
+            return fetched.written
         if fetched.direct:  # planned from one sample; read_into then writes whole batches
             prepared = self._direct_plans.get(fetched.rows)
             if prepared is None:
@@ -151,6 +213,8 @@ class BatchFiller:
     def write(self, prepared: Prepared, fetched: Fetched, storage: np.ndarray,
               indices: Any) -> None:
         """Write the batch into ``storage`` (``prepared.nbytes`` bytes)."""
+        if fetched.written is not None:
+            return  # written row by row, into this very storage
         if not fetched.direct:
             prepared.write(storage)
             return
@@ -160,6 +224,16 @@ class BatchFiller:
             raise RuntimeError(f"the dataset's read_into raised StopIteration for indices "
                                f"{indices!r}; raise IndexError or another error instead"
                                ) from exc
+
+
+def _note_rows(error: BaseException, indices: list, thread: int, count: int) -> None:
+    """Name the sample(s) in the error: with threads, the traceback alone cannot say which
+    of the batch's samples failed."""
+    which = f"sample index {indices[0]!r}" if len(indices) == 1 else f"sample indices {indices!r}"
+    try:
+        error.add_note(f"(while loading {which} in thread {thread} of worker_threads={count})")
+    except (AttributeError, TypeError):
+        pass
 
 
 def as_index_array(indices: Any) -> np.ndarray:

@@ -85,6 +85,7 @@ class LoaderOptions:
     output: str | None = None
     device: Any = None
     worker_mode: str = "process"
+    worker_threads: int = 1
 
     def __post_init__(self) -> None:
         # Checks run in torch's order, so a call with several mistakes gets torch's error type.
@@ -137,6 +138,7 @@ class LoaderOptions:
                 "worker_mode must be 'process' for an iterable-style dataset, got 'thread': "
                 "such datasets shard by torch.utils.data.get_worker_info(), which is one value "
                 "per process, so every thread would yield the whole dataset")
+        self._check_worker_threads()
         # Validates the start method now, at construction, as torch does.
         object.__setattr__(self, "context", _resolve_context(self.multiprocessing_context)
                            if self.num_workers > 0 and self.worker_mode == "process" else None)
@@ -184,6 +186,30 @@ class LoaderOptions:
             _check_int("held_batch_limit", self.held_batch_limit, minimum=1,
                        fix="pass a positive int, or None to let held batches grow memory")
         object.__setattr__(self, "device", _check_device(self.device))
+
+    def _check_worker_threads(self) -> None:
+        """Threads inside workers (docs/design.md, "Threads inside workers") share out the
+        samples of a map-style dataset's batch."""
+        _check_int("worker_threads", self.worker_threads, minimum=1,
+                   fix="pass 1 (the default) for workers of one thread each")
+        if self.worker_threads == 1:
+            return
+        if self.num_workers == 0:
+            raise ValueError(
+                f"worker_threads must be 1 with num_workers=0, got {self.worker_threads}: the "
+                "threads run inside workers; pass num_workers >= 1 (worker_mode='thread' "
+                "keeps the workers inside this process)")
+        if self.iterable:
+            raise ValueError(
+                f"worker_threads must be 1 for an iterable-style dataset, got "
+                f"{self.worker_threads}: the threads of a worker would share its one iterator, "
+                "which hands out items one at a time; use more workers (num_workers), or a "
+                "map-style dataset (__getitem__ and __len__)")
+        if not self.auto_collation:
+            raise ValueError(
+                f"worker_threads must be 1 with batch_size=None, got {self.worker_threads}: "
+                "each batch is then one sample, loaded by one thread; pass a batch_size, or "
+                "use more workers (num_workers)")
 
     def _check_iterable_options(self) -> None:
         """torch's rule: an iterable-style dataset decides its own order and batches' keys."""

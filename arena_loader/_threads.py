@@ -23,9 +23,9 @@ from typing import Any
 from ._pipeline.order import OrderReader
 from ._process import JOIN_TIMEOUT_S, fd_socket_pair, worker_pipes
 from ._slab import Slab
-from ._worker import WorkerSetup, WorkerState, report_worker_failure, serve
+from ._worker import WorkerSetup, WorkerState, report_worker_failure, serve, worker_infos
 from .errors import WorkerCrashedError
-from .worker_info import WorkerInfo, set_thread_worker_info
+from .worker_info import set_thread_worker_info
 
 logger = logging.getLogger("arena_loader")
 
@@ -98,12 +98,12 @@ class ThreadWorkerGroup:
                 if setup.slot_nbytes:
                     state.attach(setup.slot_nbytes)
                 # No global RNG is reseeded: random, numpy and torch state belong to the whole
-                # process. WorkerInfo.seed is there for a per-thread generator.
-                seed = (setup.base_seed + setup.worker_id) % 2**64
-                set_thread_worker_info(WorkerInfo(setup.worker_id, setup.num_workers, seed,
-                                                  setup.filler.dataset))
+                # process. WorkerInfo.seed, thread_seed and rng are there per thread.
+                infos = worker_infos(setup, (setup.base_seed + setup.worker_id) % 2**64)
+                set_thread_worker_info(infos[0])
                 if setup.worker_init_fn is not None:
                     setup.worker_init_fn(setup.worker_id)
+                state.start_threads(infos)
             except Exception as exc:
                 report_worker_failure(result_conn.fileno(), setup.worker_id, exc)
                 return

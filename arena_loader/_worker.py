@@ -29,8 +29,9 @@ from ._layout import PlanEncoder
 from ._messages import BatchFailed, RemoteError, WorkerFailed
 from ._pipeline.completions import Status, encode, write_completion
 from ._pipeline.order import Entry, EntryKind, OrderReader
+from ._sample_threads import SampleThreads
 from ._slab import Segment, SlabHandle, send_segment
-from .worker_info import WorkerInfo, set_process_worker_info
+from .worker_info import WorkerInfo, set_process_worker_info, thread_info
 
 # How often an idle worker checks that its parent is still alive, in case the parent-death
 # signal could not be armed (see _arm_parent_death_signal).
@@ -58,6 +59,8 @@ class WorkerSetup:
     order: SlabHandle | None = None
     order_depth: int = 0
     order_entry_nbytes: int = 0
+    # Threads per worker (docs/design.md, "Threads inside workers"): 1 is the worker alone.
+    worker_threads: int = 1
 
 
 def seed_worker(base_seed: int, worker_id: int) -> int:
@@ -98,16 +101,24 @@ def worker_main(setup: WorkerSetup, doorbell: Any, result: Any) -> None:
             _import_torch()
         _limit_torch_threads()
         seed = seed_worker(setup.base_seed, setup.worker_id)
-        info = WorkerInfo(setup.worker_id, setup.num_workers, seed, setup.filler.dataset)
-        set_process_worker_info(info)
+        infos = worker_infos(setup, seed)
+        set_process_worker_info(infos[0])  # the extra threads set their own, thread-local
         if setup.publish_to_torch:
-            _publish_to_torch(info)
+            _publish_to_torch(infos[0])
         if setup.worker_init_fn is not None:
             setup.worker_init_fn(setup.worker_id)
+        state.start_threads(infos)
     except Exception as exc:
         report_worker_failure(result_fd, setup.worker_id, exc)
         return
     serve(state, reader, result_fd, parent_pid)
+
+
+def worker_infos(setup: WorkerSetup, seed: int) -> list[WorkerInfo]:
+    """What ``get_worker_info()`` answers in each of the worker's ``worker_threads``."""
+    return [thread_info(setup.base_seed, setup.worker_id, setup.num_workers, seed,
+                        setup.filler.dataset, t, setup.worker_threads)
+            for t in range(setup.worker_threads)]
 
 
 def report_worker_failure(result_fd: int, worker_id: int, exc: BaseException) -> None:
@@ -167,6 +178,18 @@ class WorkerState:
         self._stream: Iterator | None = None
         self._stream_epoch = -1
         self._position = 0  # items taken from the iterator: names samples in errors
+        # worker_threads > 1 (map-style, automatic batching): the worker's extra threads
+        self.threads: SampleThreads | None = None
+        self._segment: Segment | None = None  # the current batch's one-off segment, if any
+
+    def start_threads(self, infos: list[WorkerInfo]) -> None:
+        if len(infos) > 1:
+            self.threads = SampleThreads(infos)
+
+    def close(self) -> None:
+        """Stop the extra threads (the worker loop is ending)."""
+        if self.threads is not None:
+            self.threads.close()
 
     def attach(self, slot_nbytes: int) -> None:
         if self.slab is not None and self.slot_nbytes == slot_nbytes:
@@ -181,6 +204,9 @@ class WorkerState:
         """(the batch, its indices); (None, None) when an iterable's iterator is done."""
         filler = self.setup.filler
         if not filler.iterable:
+            if self.threads is not None:
+                return filler.fetch(entry.indices, self.threads,
+                                    lambda nbytes: self._storage(entry, nbytes)), entry.indices
             return filler.fetch(entry.indices), entry.indices
         if entry.epoch != self._stream_epoch:  # a new epoch (persistent workers): start over
             self._stream, self._stream_epoch, self._position = None, entry.epoch, 0
@@ -195,35 +221,58 @@ class WorkerState:
         self._position += fetched.rows
         return fetched, indices
 
+    def _storage(self, entry: Entry, nbytes: int) -> np.ndarray:
+        """Where batch ``entry`` of ``nbytes`` bytes goes: its slot, or if it has none or does
+        not fit, a one-off segment (kept in ``_segment`` until sent). Asked again with another
+        size (rows written in place, then planned anew), it gives storage of that size."""
+        if entry.slot >= 0 and self.slab is not None and nbytes <= self.slot_nbytes:
+            self._close_segment()
+            start = entry.slot * self.slot_nbytes
+            return self.slab[start: start + nbytes]
+        if self._segment is None or self._segment.nbytes != max(nbytes, 1):
+            self._close_segment()
+            self._segment = Segment(nbytes)
+        return self._segment.array[:nbytes]
+
+    def _close_segment(self) -> None:
+        segment, self._segment = self._segment, None
+        if segment is not None:
+            segment.close()
+
     def load(self, entry: Entry) -> bytes:
         """Load batch ``entry.idx``, write it into its slot (or, if it has none or does not
         fit, a one-off segment sent over the descriptor socket) and return its completion."""
-        fetched, indices = self.fetch(entry)
-        if fetched is None:
-            return encode(Status.ENDED, entry.idx, entry.slot)
-        filler = self.setup.filler
-        prepared = filler.prepare(fetched, indices)
-        nbytes = prepared.nbytes
-        # The plan record carries no idx or slot, so batches of one structure send equal
-        # bodies, which the main process decodes once (_pipeline.completions).
-        plan = self.encoder.encode(prepared.plan, 0, 0, 0, segment=False)
-        if entry.slot >= 0 and self.slab is not None and nbytes <= self.slot_nbytes:
-            start = entry.slot * self.slot_nbytes
-            filler.write(prepared, fetched, self.slab[start: start + nbytes], indices)
-            return encode(Status.LOADED, entry.idx, entry.slot, plan)
-        segment = Segment(nbytes)
         try:
-            filler.write(prepared, fetched, segment.array, indices)
-            send_segment(self.setup.fd_socket, entry.idx, segment)
+            fetched, indices = self.fetch(entry)
+            if fetched is None:
+                return encode(Status.ENDED, entry.idx, entry.slot)
+            filler = self.setup.filler
+            prepared = filler.prepare(fetched, indices)
+            # The plan record carries no idx or slot, so batches of one structure send equal
+            # bodies, which the main process decodes once (_pipeline.completions).
+            plan = self.encoder.encode(prepared.plan, 0, 0, 0, segment=False)
+            storage = self._storage(entry, prepared.nbytes)
+            filler.write(prepared, fetched, storage, indices)
+            if self._segment is None:
+                return encode(Status.LOADED, entry.idx, entry.slot, plan)
+            send_segment(self.setup.fd_socket, entry.idx, self._segment)
+            return encode(Status.SEGMENT, entry.idx, entry.slot, plan)
         finally:
-            segment.close()
-        return encode(Status.SEGMENT, entry.idx, entry.slot, plan)
+            self._close_segment()
 
 
 def serve(state: WorkerState, reader: OrderReader, result_fd: int,
           parent_pid: int | None) -> None:
     """The worker loop, for process and thread workers alike (``parent_pid=None``: a thread,
     no reparenting check): take entries in order until STOP or the main process goes."""
+    try:
+        _serve(state, reader, result_fd, parent_pid)
+    finally:
+        state.close()
+
+
+def _serve(state: WorkerState, reader: OrderReader, result_fd: int,
+           parent_pid: int | None) -> None:
     worker_id = state.setup.worker_id
     while True:
         try:

@@ -19,6 +19,7 @@ from ._fetch import BatchFiller
 from ._inprocess import InProcessIterator
 from ._options import LoaderOptions, is_iterable_dataset
 from ._pipeline.iterator import MultiProcessIterator
+from ._sample_threads import warn_thread_unsafe
 from ._torch_compat import (
     LengthCheckedIterator,
     ShardedDataPipe,
@@ -57,7 +58,11 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
     view the slab; a slot is reused only after every view of its batch is gone.
     ``worker_mode`` (keyword-only) is ``"process"`` (default) or ``"thread"``: workers as
     threads of this process, for datasets whose loading releases the GIL (docs/design.md,
-    "Thread workers").
+    "Thread workers"). ``worker_threads=K`` (keyword-only, default 1) runs K threads in each
+    worker, which load the samples of a batch at once, each row written straight into the
+    slot: for samples that wait (object storage, network file systems) or decode in C with
+    the GIL released. The dataset is then called from K threads at once and must be
+    thread-safe (docs/design.md, "Threads inside workers").
 
     ``ArenaLoader[T]`` is generic like ``DataLoader[T]``. A torch ``IterDataPipe`` is sharded
     per worker and per ``torch.distributed`` rank, and ``shuffle`` switches its ``shuffle()``
@@ -94,6 +99,7 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
         output: str | None = None,
         device: Any = None,
         worker_mode: str = "process",
+        worker_threads: int = 1,
     ) -> None:
         iterable = is_iterable_dataset(dataset)
         datapipe = iterable and is_iter_datapipe(dataset)
@@ -105,7 +111,10 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             in_order=in_order, slots=slots, held_batch_limit=held_batch_limit, output=output,
             iterable=iterable, device=device, worker_mode=worker_mode, datapipe=datapipe,
+            worker_threads=worker_threads,
         )
+        if worker_threads > 1:
+            warn_thread_unsafe(dataset, worker_threads)
         pinner, self._device = (_open_cuda(self.options)
                                 if pin_memory or self.options.device is not None else (None, None))
         self._pinner = pinner
@@ -133,6 +142,7 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
         self.slots = self.options.slots_or_default
         self.held_batch_limit = held_batch_limit
         self.worker_mode = worker_mode
+        self.worker_threads = worker_threads
         self.output = output
         self.device = self.options.device
         self._iterable = iterable

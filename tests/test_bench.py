@@ -42,7 +42,8 @@ from arena_loader.bench.workloads import (
 
 ROOT = Path(__file__).parent.parent
 TINY = ["--quick", "--scale", "0.02", "--image-shape", "3,8,8", "--large-batch-mb", "0.25",
-        "--jpeg-side", "16", "--rounds", "1", "--min-seconds", "0", "--min-batches", "1"]
+        "--jpeg-side", "16", "--rounds", "1", "--min-seconds", "0", "--min-batches", "1",
+        "--worker-threads", "2", "--wide-workers", "3"]
 
 
 def as_numpy(batch):
@@ -147,7 +148,8 @@ def _case(loader: str, rates: list[float], memory: list[float], first: list[floa
             "batches_per_epoch": 4, "bytes_per_epoch": 400, "epochs": 1, "seconds": 1.0,
             "steady_batches_per_s": rate, "steady_gbps": rate * 1e-6, "first_epoch_s": first_s,
             "first_batch_s": first_s / 2, "cpu_s_per_gb": 1.0, "peak_rss_main_mb": mb,
-            "peak_rss_workers_mb": 0.0, "peak_shm_mb": 0.0, "peak_memory_mb": mb})
+            "peak_rss_workers_mb": 0.0, "peak_shm_mb": 0.0, "peak_memory_mb": mb,
+            "peak_added_mb": mb})
     return result.as_dict()
 
 
@@ -255,7 +257,9 @@ def test_bench_cli_quick_writes_every_loader_and_metric(tmp_path):
     threads = {kind.name for kind in LOADERS if kind.threads}
     for workload in out["workloads"]:
         rows = {r["loader"]: r for r in out["results"] if r["workload"] == workload}
-        expected = set(names) if workload == "remote" else set(names) - threads
+        expected = {kind.name for kind in LOADERS if not kind.only or workload in kind.only}
+        if workload != "remote":
+            expected -= threads
         assert set(rows) == expected, workload
         for name, row in rows.items():
             if row["available"]:
@@ -269,7 +273,7 @@ def test_bench_cli_quick_writes_every_loader_and_metric(tmp_path):
     assert {"cpu_model", "cores", "dev_shm_gib", "versions"} <= set(out["environment"])
     assert {"spdl", "grain", "torchdata", "pillow"} <= set(out["environment"]["versions"])
     assert out["settings"]["command"].startswith("arena-loader bench --quick")
-    assert len(out["targets"]) == len(report.TARGETS)
+    assert len(out["targets"]) == len(report.TARGETS) + len(report.HYBRID_TARGETS)
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Targets" in result.stdout and ARENA in result.stdout
     assert "round 1/1" in result.stderr  # progress lines while it runs

@@ -60,7 +60,8 @@ class Crew:
                         arm_parent_death_signal=is_main_thread(),
                         publish_to_torch="torch" in sys.modules,
                         order=None if thread else self.ring.handle(),
-                        order_depth=self.ring.depth, order_entry_nbytes=self.ring.entry_nbytes)
+                        order_depth=self.ring.depth, order_entry_nbytes=self.ring.entry_nbytes,
+                        worker_threads=options.worker_threads)
             for i in range(self.workers)
         ]
         group: WorkerGroupLike | None = None

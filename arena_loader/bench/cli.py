@@ -27,6 +27,7 @@ from . import report
 from .harness import Budget, CaseResult, environment, measure, stray_processes
 from .loaders import (
     ARENA,
+    ARENA_HYBRID,
     ARENA_THREADS,
     COPY,
     FLOOR,
@@ -39,6 +40,7 @@ from .loaders import (
     STATEFUL,
     TORCH,
     TORCH_NUMPY,
+    TORCH_WIDE,
     LoaderKind,
     Setup,
     torch_missing,
@@ -55,8 +57,8 @@ QUICK = {"rounds": 3, "scale": 0.25, "scaling": "", "min_seconds": 1.0, "min_bat
 QUICK_LOADERS: dict[str, tuple[str, ...]] = {
     "image": (ARENA, TORCH, SPDL, GRAIN, STATEFUL, NODES, COPY, FLOOR),
     "tiny": (ARENA, TORCH, FLOOR),
-    "jpeg": (ARENA, TORCH, SPDL, GRAIN, STATEFUL, NODES, FLOOR),
-    "remote": (ARENA, TORCH, ARENA_THREADS, NODES_THREADS),
+    "jpeg": (ARENA, TORCH, SPDL, GRAIN, STATEFUL, NODES, FLOOR, ARENA_HYBRID),
+    "remote": (ARENA, TORCH, ARENA_THREADS, NODES_THREADS, ARENA_HYBRID, TORCH_WIDE),
 }
 QUICK_DEFAULT = (ARENA, TORCH)
 
@@ -87,6 +89,12 @@ def parser() -> argparse.ArgumentParser:
                    help="folder for bench.json, bench.png and bench.md (default bench-out)")
     p.add_argument("--workers", type=int, default=2,
                    help="num_workers for the comparison (default 2)")
+    p.add_argument("--worker-threads", type=int, default=8,
+                   help="threads per worker process of the 'ArenaLoader worker_threads' rows "
+                   "(jpeg, remote): --workers processes x this many threads (default 8)")
+    p.add_argument("--wide-workers", type=int, default=16,
+                   help="num_workers of the 'torch default collate wide' row (remote): what "
+                   "torch needs to wait as concurrently as processes x threads (default 16)")
     p.add_argument("--scaling", type=_ints, default=None,
                    help="worker counts for the scaling run on the image workload, e.g. 1,2,3,4 "
                    f"(default {FULL['scaling']}, quick none); '' to skip")
@@ -201,7 +209,9 @@ def _run(args: argparse.Namespace) -> int:
     env = environment()
     plans = []
     for workload in workloads:
-        cases = [(kind, args.workers) for kind in kinds if not kind.threads or workload.threads]
+        cases = [(kind, args.wide_workers if kind.wide else args.workers) for kind in kinds
+                 if (not kind.threads or workload.threads)
+                 and (not kind.only or workload.name in kind.only)]
         if workload.name == "image":
             cases += [(kind, w) for w in scaling for kind in scaling_kinds]
         plans.append((workload, cases))
@@ -254,7 +264,8 @@ def _run_workload(workload: Workload, dataset: Any, cases: list[tuple[LoaderKind
         for kind, result in runnable[shift:] + runnable[:shift]:
             threads = workload.threads if kind.threads else None
             setup = Setup(workload.batch_size, result.workers, args.prefetch_factor,
-                          workload.collate_fn, threads)
+                          workload.collate_fn, threads,
+                          args.worker_threads if kind.hybrid else 1)
             case_start = time.perf_counter()
             figures = measure(lambda kind=kind, setup=setup: kind.build(dataset, setup), budget)
             result.rounds.append(figures)
@@ -262,8 +273,10 @@ def _run_workload(workload: Workload, dataset: Any, cases: list[tuple[LoaderKind
             if strays:
                 progress(f"warning: {kind.name} left processes {strays} alive after close(); "
                          "killed them")
+            width = (f"{result.workers}x{setup.worker_threads}" if kind.hybrid
+                     else threads or result.workers)
             progress(f"round {r + 1}/{args.rounds} {workload.name:<6} {kind.name:<28} "
-                     f"w={threads or result.workers:<2} "
+                     f"w={width:<4} "
                      f"{figures['steady_batches_per_s']:>9,.1f} batches/s "
                      f"{figures['steady_gbps']:6.2f} GB/s "
                      f"({time.perf_counter() - case_start:.1f} s)")
@@ -281,7 +294,9 @@ def _report(args: argparse.Namespace, env: dict, workloads: list[Workload],
                      "min_seconds": args.min_seconds, "min_batches": args.min_batches,
                      "scale": args.scale, "image_shape": args.image_shape,
                      "large_batch_mb": args.large_batch_mb, "jpeg_side": args.jpeg_side,
-                     "shuffle": False, "persistent_workers": True,
+                     "worker_threads": args.worker_threads,
+                     "wide_workers": args.wide_workers, "shuffle": False,
+                     "persistent_workers": True,
                      "elapsed_s": round(elapsed_s, 1)},
         "workloads": {w.name: f"{w.samples} samples, {w.description}" for w in workloads},
         "loaders": [k.name for k in kinds],

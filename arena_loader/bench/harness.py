@@ -30,7 +30,7 @@ LIBRARIES = ("arena-loader", "numpy", "torch", "spdl", "grain", "torchdata", "pi
 # Every metric a measured case reports (the JSON test checks each one is present).
 METRICS = ("steady_gbps", "steady_batches_per_s", "first_epoch_s", "first_batch_s",
            "cpu_s_per_gb", "peak_rss_main_mb", "peak_rss_workers_mb", "peak_shm_mb",
-           "peak_memory_mb")
+           "peak_memory_mb", "peak_added_mb")
 
 
 def environment() -> dict[str, Any]:
@@ -104,6 +104,9 @@ class MemorySampler:
     def __init__(self) -> None:
         self._me = psutil.Process()
         self.peak_main = self.peak_workers = self.peak_shm = self.peak_memory = 0
+        # This process's proportional memory before the loader was built: what
+        # peak_added_mb leaves out (the program's own, the same for every loader).
+        self.baseline = proportional_bytes(os.getpid())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-memory-sampler",
                                         daemon=True)
@@ -304,4 +307,6 @@ def measure(build: Callable[[], Any], budget: Budget) -> dict[str, Any]:
         "peak_rss_workers_mb": memory.peak_workers / 1e6,
         "peak_shm_mb": memory.peak_shm / 1e6,
         "peak_memory_mb": memory.peak_memory / 1e6,
+        # What the loader adds: its workers, its shared memory and its growth of this process.
+        "peak_added_mb": max(0, memory.peak_memory - memory.baseline) / 1e6,
     }

@@ -40,6 +40,7 @@ class Setup:
     prefetch_factor: int = 2
     collate_fn: Callable[[list], Any] | None = None  # the workload's own, if it has one
     threads: int | None = None  # thread workers of the rows that wait in threads
+    worker_threads: int = 1  # threads inside each worker (ArenaLoader worker_threads rows)
 
     @property
     def slots(self) -> int:
@@ -474,6 +475,11 @@ def _arena_threads(dataset: Any, setup: Setup) -> ArenaLoader:
                        worker_mode="thread", **extra)
 
 
+def _arena_hybrid(dataset: Any, setup: Setup) -> ArenaLoader:
+    """Worker processes with ``worker_threads`` threads each (processes x threads)."""
+    return _arena(dataset, setup, worker_threads=setup.worker_threads)
+
+
 def _floor(dataset: Any, setup: Setup) -> FloorLoader:
     return FloorLoader(dataset, setup.batch_size, setup.workers, depth=setup.prefetch_factor)
 
@@ -490,6 +496,9 @@ class LoaderKind:
     takes_collate_fn: bool = True  # runs workloads that bring their own collate_fn
     fixed_shape_only: bool = False  # samples must be one array of one shape (the floor)
     threads: bool = False  # thread workers: run only on workloads that wait (Workload.threads)
+    only: tuple[str, ...] = ()  # runs only on these workloads (empty: on every one)
+    hybrid: bool = False  # processes x threads: --workers processes of --worker-threads each
+    wide: bool = False  # runs with --wide-workers workers instead of --workers
 
 
 ARENA = "ArenaLoader"
@@ -503,6 +512,8 @@ STATEFUL = "torchdata StatefulDataLoader"
 NODES = "torchdata nodes"
 ARENA_THREADS = "ArenaLoader threads"
 NODES_THREADS = "torchdata nodes threads"
+ARENA_HYBRID = "ArenaLoader worker_threads"
+TORCH_WIDE = "torch default collate wide"
 COPY = "copy limit"
 FLOOR = "floor"
 
@@ -520,6 +531,8 @@ LOADERS: list[LoaderKind] = [
     LoaderKind(ARENA_THREADS, _arena_threads, threads=True),
     LoaderKind(NODES_THREADS, functools.partial(NodesLoader, method="thread"),
                torchdata_missing, threads=True),
+    LoaderKind(ARENA_HYBRID, _arena_hybrid, only=("jpeg", "remote"), hybrid=True),
+    LoaderKind(TORCH_WIDE, _torch_loader, torch_missing, only=("remote",), wide=True),
     LoaderKind(COPY, lambda dataset, setup: CopyLimit(dataset, setup.batch_size),
                uses_workers=False, takes_collate_fn=False),
     LoaderKind(FLOOR, _floor, takes_collate_fn=False, fixed_shape_only=True),

@@ -1,0 +1,264 @@
+"""worker_threads=K: K threads per worker share out each batch's samples, write rows straight
+into the slot, and change nothing else (batches, order, errors, timeout, crashes, close)."""
+
+from __future__ import annotations
+
+import io
+import signal
+import threading
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+import arena_loader._fetch as fetch_module
+from arena_loader import (
+    ArenaLoader,
+    LoaderTimeoutError,
+    WorkerCrashedError,
+    get_worker_info,
+)
+
+from .conftest import live_children, our_threads, wait_until
+from .datasets import ImageDataset, SuicidalDataset, assert_batches_equal, host_epoch
+
+pytestmark = pytest.mark.timeout(60)
+
+MODES = ("process", "thread")
+
+
+class Records(ImageDataset):
+    """A dict per sample: an image, the index, and which worker thread loaded it."""
+
+    def __getitem__(self, index: int) -> dict:
+        info = get_worker_info()
+        return {"image": super().__getitem__(index), "index": index,
+                "worker": np.int64(info.id), "thread": np.int64(info.thread_id),
+                "draw": np.float64(info.rng.random())}
+
+
+class MixedDataset(ImageDataset):
+    """Sample ``odd`` is float64 where the others are uint8 (collation promotes the field),
+    sample ``named`` carries a str (an object leaf)."""
+
+    def __init__(self, n: int, odd: int):
+        super().__init__(n, shape=(3,), dtype=np.uint8)
+        self.odd = odd
+
+    def __getitem__(self, index: int) -> tuple:
+        image = super().__getitem__(index)
+        if index == self.odd:
+            image = image.astype(np.float64) + 0.5
+        return image, index
+
+
+class CorruptError(Exception):
+    """A dataset's own error type, with a field."""
+
+    def __init__(self, message: str, index: int = -1):
+        super().__init__(message)
+        self.index = index
+
+
+class FailingDataset(ImageDataset):
+    """Raises ``CorruptError`` for every index in ``bad``: at once for the first, after a short
+    wait for the others, so that a later row's error arrives last."""
+
+    def __init__(self, n: int, bad: set[int]):
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index in self.bad:
+            if index != min(self.bad):
+                time.sleep(0.05)
+            raise CorruptError(f"sample {index} is corrupt", index)
+        return super().__getitem__(index)
+
+
+def _epoch(dataset, **options) -> list:
+    return host_epoch(dataset, batch_size=8, num_workers=2, **options)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_worker_threads_give_the_same_batches_in_the_same_order(mode):
+    """K threads per worker give worker_threads=1's batches, in its order, shuffled too."""
+    dataset = ImageDataset(61, shape=(3, 5), dtype=np.float32)
+    for options in ({}, {"shuffle": True, "generator": 7}, {"drop_last": True}):
+        expected = _epoch(dataset, worker_mode=mode, **options)
+        got = _epoch(dataset, worker_mode=mode, worker_threads=3, **options)
+        assert len(got) == len(expected)
+        for i, (batch, ref) in enumerate(zip(got, expected)):
+            assert_batches_equal(batch, ref, f"{options} batch {i}")
+
+
+def test_rows_are_written_in_place_and_mismatches_collate_as_with_one_thread(monkeypatch):
+    """Matching samples are written row by row (no collation pass); a batch with a sample of
+    another dtype or an object leaf is collated as worker_threads=1 collates it."""
+    calls = []
+    original = fetch_module.prepare_samples
+    monkeypatch.setattr(fetch_module, "prepare_samples",
+                        lambda samples, indices: calls.append(list(indices))
+                        or original(samples, indices))
+    dataset = ImageDataset(32, shape=(4, 4), dtype=np.int16)
+    got = _epoch(dataset, worker_mode="thread", worker_threads=4)
+    assert calls == []  # every batch written in place
+    for batch, ref in zip(got, _epoch(dataset, worker_mode="thread")):
+        assert_batches_equal(batch, ref)
+    calls.clear()
+    mixed = MixedDataset(32, odd=13)
+    got = _epoch(mixed, worker_mode="thread", worker_threads=4)
+    assert calls == [list(range(8, 16))]  # only the batch with the float sample
+    assert got[1][0].dtype == np.float64 and got[0][0].dtype == np.uint8
+    for batch, ref in zip(got, _epoch(mixed, worker_mode="thread")):
+        assert_batches_equal(batch, ref)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_thread_loads_its_share_with_worker_info_and_a_reproducible_rng(mode):
+    """get_worker_info() answers in every thread (worker id, thread index, torch's fields);
+    thread t loads rows t, t+K, ...; its rng gives the same draws in every run."""
+    dataset = Records(48, shape=(2,), dtype=np.uint8)
+    runs = [_epoch(dataset, worker_mode=mode, worker_threads=3, generator=5) for _ in range(2)]
+    for idx, batch in enumerate(runs[0]):
+        assert list(batch["index"]) == list(range(idx * 8, idx * 8 + 8))
+        assert set(batch["worker"]) == {idx % 2}
+        assert list(batch["thread"]) == [row % 3 for row in range(8)]
+    draws = [np.concatenate([b["draw"] for b in run]) for run in runs]
+    np.testing.assert_array_equal(draws[0], draws[1])
+    assert len(set(draws[0])) == len(draws[0])  # the six threads' streams differ
+    other = np.concatenate([b["draw"] for b in _epoch(dataset, worker_mode=mode,
+                                                     worker_threads=3, generator=6)])
+    assert not np.array_equal(draws[0], other)
+
+
+def test_collate_fn_gets_the_concurrently_fetched_samples_once_in_order():
+    """With a collate_fn, the samples are fetched by the threads and collated once, in
+    sample order."""
+    seen = []
+
+    def collate(samples):
+        seen.append((threading.current_thread().name, [int(s["index"]) for s in samples]))
+        return {"index": np.array([s["index"] for s in samples]),
+                "thread": np.array([s["thread"] for s in samples])}
+
+    got = _epoch(Records(24, shape=(2,), dtype=np.uint8), worker_mode="thread",
+                 worker_threads=4, collate_fn=collate)
+    assert [list(b["index"]) for b in got] == [list(range(i, i + 8)) for i in (0, 8, 16)]
+    assert list(got[0]["thread"]) == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert sorted(s[1][0] for s in seen) == [0, 8, 16]
+    assert {name for name, _ in seen} <= {"arena_loader-worker-0", "arena_loader-worker-1"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_error_keeps_type_traceback_and_first_sample_index(mode):
+    """A sample's error comes back with its type, its traceback and the sample index: the
+    batch's first failing row, as with one thread; the epoch goes on."""
+    dataset = FailingDataset(32, bad={9, 14})
+    with ArenaLoader(dataset, batch_size=8, num_workers=2, worker_mode=mode,
+                     worker_threads=4) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        with pytest.raises(CorruptError) as caught:
+            next(iterator)
+        text = "".join(traceback.format_exception(caught.value))
+        assert "sample 9 is corrupt" in text and "sample 14" not in text
+        assert "sample index 9 in thread 1 of worker_threads=4" in text
+        assert "in __getitem__" in text
+        assert caught.value.indices == list(range(8, 16))
+        assert len(list(iterator)) == 2
+        del iterator
+
+
+def test_timeout_names_the_batch_a_thread_is_stuck_on():
+    """timeout counts as without threads: a sample stuck in one thread is a
+    LoaderTimeoutError naming its batch."""
+    from .datasets import SlowDataset
+
+    dataset = SlowDataset(16, {5}, 3.0)
+    with ArenaLoader(dataset, batch_size=8, num_workers=1, worker_threads=4,
+                     timeout=0.5) as loader:
+        start = time.monotonic()
+        with pytest.raises(LoaderTimeoutError, match=r"idx=0"):
+            next(iter(loader))
+        assert time.monotonic() - start < 3.0  # before the slow sample returns
+
+
+def test_worker_killed_in_an_extra_thread_raises_worker_crashed():
+    """A worker process killed from one of its extra threads is a WorkerCrashedError with
+    its pid and signal, as without threads."""
+    with ArenaLoader(SuicidalDataset(32, fatal_index=11), batch_size=8, num_workers=2,
+                     worker_threads=4) as loader:
+        with pytest.raises(WorkerCrashedError, match="SIGKILL") as caught:
+            list(loader)
+        assert caught.value.exitcode == -signal.SIGKILL
+    assert not live_children()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_close_stops_every_thread_and_worker(mode):
+    """close() mid-epoch leaves no worker process and no thread of ours."""
+    loader = ArenaLoader(ImageDataset(64), batch_size=8, num_workers=2, worker_mode=mode,
+                         worker_threads=3, persistent_workers=True)
+    iterator = iter(loader)
+    try:
+        next(iterator)
+        if mode == "thread":  # worker 1 may still be starting its threads: wait for them
+            wanted = {"arena_loader-worker-0-thread-1", "arena_loader-worker-1-thread-2"}
+            assert wait_until(lambda: wanted <= {t.name for t in our_threads()})
+    finally:
+        loader.close()
+    assert not our_threads()
+    assert not live_children()
+    del iterator
+
+
+def test_worker_threads_option_is_checked_with_the_fix():
+    """worker_threads: an int >= 1; > 1 needs workers, a map-style dataset and batches."""
+    with pytest.raises(ValueError, match=r"worker_threads must be >= 1, got 0"):
+        ArenaLoader(ImageDataset(4), num_workers=1, worker_threads=0)
+    with pytest.raises(TypeError, match=r"worker_threads must be an int, got str '2'"):
+        ArenaLoader(ImageDataset(4), num_workers=1, worker_threads="2")
+    with pytest.raises(ValueError, match=r"worker_threads must be 1 with num_workers=0, got 2"):
+        ArenaLoader(ImageDataset(4), worker_threads=2)
+    with pytest.raises(ValueError, match=r"worker_threads must be 1 with batch_size=None"):
+        ArenaLoader(ImageDataset(4), num_workers=1, batch_size=None, worker_threads=2)
+
+    class Stream:
+        def __iter__(self):
+            return iter(range(4))
+
+    with pytest.raises(ValueError, match=r"worker_threads must be 1 for an iterable-style "
+                                         r"dataset, got 4"):
+        ArenaLoader(Stream(), num_workers=1, worker_threads=4)
+    assert ArenaLoader(ImageDataset(4), num_workers=1, worker_threads=2).worker_threads == 2
+
+
+def test_open_file_attribute_warns_that_threads_share_it(tmp_path):
+    """A dataset holding an open file (seek + read race between threads) gets a warning
+    naming the attribute; worker_threads=1 gets none."""
+    path = tmp_path / "data.bin"
+    path.write_bytes(bytes(64))
+
+    class FileDataset(ImageDataset):
+        def __init__(self):
+            super().__init__(8)
+            self.handle = open(path, "rb")
+            self.lines = iter([1, 2])
+
+    dataset = FileDataset()
+    try:
+        with pytest.warns(UserWarning, match=r"dataset.handle is an open file object "
+                                             r"\(BufferedReader\), dataset.lines is an "
+                                             r"iterator .*worker_threads=4"):
+            ArenaLoader(dataset, num_workers=1, worker_threads=4)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ArenaLoader(dataset, num_workers=1)
+            ArenaLoader(ImageDataset(4), num_workers=1, worker_threads=4)
+    finally:
+        dataset.handle.close()
+    assert isinstance(dataset.handle, io.BufferedReader)
