@@ -12,10 +12,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
-import numpy as np
-
 from ._arena import ArenaSource
-from ._fetch import BatchFiller
 from ._inprocess import InProcessIterator
 from ._options import LoaderOptions, is_iterable_dataset
 from ._pipeline.iterator import MultiProcessIterator
@@ -27,20 +24,18 @@ from ._torch_compat import (
     UnusedIteratorDraws,
     check_worker_number,
     distributed_settings,
-    draw_torch_seed,
-    initialized_distributed,
     is_iter_datapipe,
-    loaded_torch,
+)
+from ._wiring import (
+    EpochSeeds,
+    PersistentEpoch,
+    close_all,
+    default_samplers,
+    epoch_batches,
+    make_filler,
+    open_cuda,
 )
 from .errors import LoaderClosedError, LoaderForkedError
-from .samplers import (
-    BatchSampler,
-    InfiniteConstantSampler,
-    RandomSampler,
-    SequentialSampler,
-    as_numpy_generator,
-    is_torch_generator,
-)
 from .snapshot import LoaderSnapshot
 
 _FIXED_ATTRIBUTES = frozenset(
@@ -115,7 +110,7 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
         )
         if worker_threads > 1:
             warn_thread_unsafe(dataset, worker_threads)
-        pinner, self._device = (_open_cuda(self.options)
+        pinner, self._device = (open_cuda(self.options)
                                 if pin_memory or self.options.device is not None else (None, None))
         self._pinner = pinner
         # The attributes torch's DataLoader exposes, read-only by convention, with torch's
@@ -153,33 +148,11 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
 
             graph_settings.apply_shuffle_settings(dataset, shuffle=shuffle)
         self._datapipe = ShardedDataPipe(dataset, *distributed_settings()) if datapipe else None
-        self._datapipe_group: Any = None  # torch.distributed group sharing its seed
-        if iterable:
-            # Each worker iterates its own replica of the dataset; the sampler only says
-            # "one more", as torch's does.
-            sampler = InfiniteConstantSampler() if sampler is None else sampler
-        elif sampler is None:
-            sampler = (RandomSampler(dataset, generator=generator) if shuffle
-                       else SequentialSampler(dataset))
-        if batch_size is not None and batch_sampler is None:
-            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
-        self.sampler = sampler
-        self.batch_sampler = batch_sampler
-        if is_torch_generator(generator) or isinstance(generator, np.random.Generator) \
-                or (generator is None and loaded_torch() is not None):
-            # Each epoch draws from the user's generator, or torch's global RNG, as torch does.
-            self._seed_rng = None
-        else:  # None or a seed: one stream for every epoch; any other type raises TypeError now
-            self._seed_rng = as_numpy_generator(generator)
-        # Rows per slot: batch_size, or the user batch_sampler's largest batch.
-        user_batch_sampler = self.options.batch_sampler is not None
-        rows = getattr(batch_sampler, "batch_size", None) if user_batch_sampler else batch_size
-        index_source = (f"batch_sampler {type(batch_sampler).__name__}" if user_batch_sampler
-                        else f"sampler {type(sampler).__name__}")
-        self._filler = BatchFiller(self._datapipe or dataset, collate_fn,
-                                   self.options.auto_collation, rows,
-                                   iterable=iterable, drop_last=drop_last,
-                                   index_source=index_source)
+        self.sampler, self.batch_sampler = default_samplers(
+            dataset, self.options, sampler, batch_sampler, batch_size, drop_last)
+        self._seeds = EpochSeeds(generator)
+        self._filler = make_filler(self._datapipe or dataset, self.options, self.sampler,
+                                   self.batch_sampler, batch_size, drop_last)
         self._source = ArenaSource(self.slots, pinner=pinner, lease_only=self._device is not None,
                                    output=output, held_batch_limit=held_batch_limit)
         self._persistent: MultiProcessIterator | None = None
@@ -190,7 +163,7 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
         self._made = itertools.count()
         self._closed = False
         self._pid = os.getpid()
-        self._finalizer = weakref.finalize(self, _close_all, self._source, self._live,
+        self._finalizer = weakref.finalize(self, close_all, self._source, self._live,
                                            self._pid)
         self.check_worker_number_rationality()
 
@@ -244,15 +217,15 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
         # Random draws in torch's order: the DataPipe seed, the workers' base seed (for a new
         # iterator only), then the sampler's own at its first index.
         if self._datapipe is not None:
-            self._datapipe.start_epoch(self._draw_datapipe_seed())
+            self._datapipe.start_epoch(self._seeds.datapipe_seed())
         reuse = (options.num_workers > 0 and options.persistent_workers
                  and self._persistent is not None and not self._persistent.broken)
-        base_seed = None if reuse else self._draw_base_seed()
+        base_seed = None if reuse else self._seeds.base_seed()
         if self._datapipe is not None and options.num_workers > 0 and not reuse:
             # torch's new worker iterator draws the DataPipe seed once more, in its _reset(),
             # for the main process's copy; its workers keep the first. Drawn to stay in step.
-            self._draw_datapipe_seed()
-        batches = self._epoch_batches()
+            self._seeds.datapipe_seed()
+        batches = epoch_batches(options, self.sampler, self.batch_sampler, self._filler)
         if self._device is not None and options.persistent_workers:
             self._device.detach()  # no device thread may read the persistent iterator now
         if options.num_workers == 0:
@@ -307,14 +280,14 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
 
     def _on_device(self, iterator: Any, owns_host: bool) -> Any:
         """``iterator`` behind the device copy stage, if there is one (else, for the
-        persistent iterator, behind a ``_PersistentEpoch`` that keeps the loader alive)."""
+        persistent iterator, behind a ``PersistentEpoch`` that keeps the loader alive)."""
         if self._device is None:
             if owns_host:
                 return iterator
             # The same object every epoch while the user holds it, as torch's.
             epoch = self._persistent_epoch() if self._persistent_epoch is not None else None
             if epoch is None or epoch._iterator is not iterator:
-                epoch = _PersistentEpoch(self, iterator)
+                epoch = PersistentEpoch(self, iterator)
                 self._persistent_epoch = weakref.ref(epoch)
             return epoch
         if owns_host:
@@ -340,51 +313,8 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
         self._live = weakref.WeakSet()
         self._iterators = weakref.WeakValueDictionary()
         self._pid = os.getpid()
-        self._finalizer = weakref.finalize(self, _close_all, self._source, self._live,
+        self._finalizer = weakref.finalize(self, close_all, self._source, self._live,
                                            self._pid)
-
-    def _epoch_batches(self) -> Iterator[Any]:
-        if self._iterable:
-            return itertools.repeat(None)  # each worker's iterator decides when it ends
-        if not self.options.auto_collation:
-            return iter(self.sampler)
-        if self.options.num_workers > 0 and type(self.batch_sampler) is BatchSampler:
-            # int64 arrays straight into the batch order (workers read them as ints);
-            # the in-process loader hands the dataset ints, as torch does, so takes lists.
-            batches = self.batch_sampler.index_batches()
-        else:
-            batches = iter(self.batch_sampler)
-        if self._filler.batch_size is None:
-            # A batch_sampler that does not say its batch size: size the slots from this
-            # epoch's largest batch.
-            batch_list = [list(b) for b in batches]
-            self._filler.batch_size = max((len(b) for b in batch_list), default=1)
-            batches = iter(batch_list)
-        return batches
-
-    def _draw_base_seed(self) -> int:
-        """The epoch's worker base seed, drawn from ``generator`` like torch does (with a
-        ``torch.Generator``, or none in a program using torch, torch's very draw: the same
-        seed gives torch's worker seeds, and leaves torch's RNG where torch leaves it)."""
-        if is_torch_generator(self.generator) or (self.generator is None
-                                                  and self._seed_rng is None):
-            return draw_torch_seed(self.generator)
-        rng = self._seed_rng if self._seed_rng is not None else as_numpy_generator(self.generator)
-        return int(rng.integers(2**63))
-
-    def _draw_datapipe_seed(self) -> int:
-        """torch's shared DataPipe seed: drawn like the base seed, and under
-        ``torch.distributed`` broadcast from rank 0 so every rank shuffles alike."""
-        seed = self._draw_base_seed()
-        dist = initialized_distributed()
-        if dist is not None:
-            torch = loaded_torch()
-            if self._datapipe_group is None:
-                self._datapipe_group = dist.new_group(backend="gloo")
-            shared = torch.tensor(seed, dtype=torch.int64)
-            dist.broadcast(shared, src=0, group=self._datapipe_group)
-            seed = int(shared.item())
-        return seed
 
     def snapshot(self) -> LoaderSnapshot:
         """A read-only picture of this loader now: its slab and each slot's state, the
@@ -415,60 +345,3 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-class _PersistentEpoch:
-    """The persistent iterator as ``iter(loader)`` returns it: holds the loader (so that
-    ``for b in ArenaLoader(...)`` keeps it alive) while the loader holds only the iterator."""
-
-    __slots__ = ("__weakref__", "_iterator", "_owner")
-
-    def __init__(self, owner: ArenaLoader, iterator: MultiProcessIterator):
-        self._owner = owner
-        self._iterator = iterator
-
-    def __iter__(self) -> _PersistentEpoch:
-        return self
-
-    def __next__(self) -> Any:
-        return next(self._iterator)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._iterator, name)  # worker_pids, stats, close, ...
-
-
-def _open_cuda(options: LoaderOptions) -> tuple[Any, Any]:
-    """(slab pinner or None, device copier or None) for ``pin_memory`` / ``device``. Without
-    CUDA, ``device`` is an error and ``pin_memory`` a warning (host batches), as in torch."""
-    try:
-        from . import _device  # numba.cuda is imported only here, only when asked for
-    except ImportError as exc:
-        reason = f"numba.cuda does not import: {exc}"
-    else:
-        reason = _device.cuda_unavailable_reason()
-    if reason is None:
-        gpu = _device.resolve_gpu(options.gpu_index)
-        pinner = (_device.HostPinner(gpu, staging=options.device is not None)
-                  if options.pin_memory else None)
-        copier = (_device.DeviceCopier(gpu, options.slots_or_default, options.pin_memory,
-                                        options.output, options.held_batch_limit)
-                  if options.device is not None else None)
-        return pinner, copier
-    if options.device is not None:
-        raise RuntimeError(f"device={options.device!r} needs a CUDA GPU, but {reason}; pass "
-                           "device=None for host batches, or install arena_loader[cuda] on a "
-                           "machine with a GPU")
-    warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then "
-                  f"device pinned memory won't be used. ({reason}; batches stay in pageable "
-                  "host memory)", stacklevel=3)
-    return None, None
-
-
-def _close_all(source: ArenaSource, live: weakref.WeakSet, pid: int) -> None:
-    if os.getpid() != pid:
-        return  # a finalizer copied into a forked worker: the loader is the parent's
-    try:
-        for iterator in list(live):
-            iterator.close()
-    finally:
-        source.close()

@@ -1,0 +1,116 @@
+"""``DistributedSampler``: each ``torch.distributed`` rank's share of the dataset, with
+torch's padding, shuffling and ``set_epoch`` rules (exported from ``arena_loader.samplers``)."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Iterator, Sized
+
+import numpy as np
+
+from ._options import torch_worded
+
+
+class DistributedSampler:
+    """The share of the dataset that process ``rank`` of ``num_replicas`` loads.
+
+    torch's rules: without ``drop_last`` the index list is padded by repeating it from the
+    start until it divides evenly; with ``drop_last`` its tail is cut so it does. Rank ``r``
+    takes every ``num_replicas``-th index starting at ``r``, so ranks are disjoint apart from
+    padding. With ``shuffle`` the order is a permutation that depends only on ``seed`` and the
+    epoch given to ``set_epoch`` (call it before each epoch), the same on every rank. In a
+    program that imported torch it is torch's permutation for ``seed + epoch`` (the same
+    order as torch's DistributedSampler); without torch, numpy's.
+
+    ``num_replicas`` and ``rank`` default to the initialised ``torch.distributed`` group, else
+    to the ``WORLD_SIZE`` and ``RANK`` environment variables that ``torchrun`` sets.
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if num_replicas is None:
+            num_replicas = _distributed_default("num_replicas", "WORLD_SIZE")
+        if rank is None:
+            rank = _distributed_default("rank", "RANK")
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) \
+                or num_replicas <= 0:
+            raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
+            raise ValueError(torch_worded(
+                f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]",
+                f"rank must be in [0, num_replicas - 1] = [0, {num_replicas - 1}], got "
+                f"rank={rank!r} with num_replicas={num_replicas}; pass a rank below "
+                "num_replicas"))
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+        self.dataset = dataset
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        size = len(dataset)
+        if drop_last and size % num_replicas:
+            # Cut the tail to the nearest multiple of num_replicas below size.
+            self.num_samples = math.ceil((size - num_replicas) / num_replicas)
+        else:
+            self.num_samples = math.ceil(size / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def __iter__(self) -> Iterator[int]:
+        size = len(self.dataset)
+        torch = sys.modules.get("torch")
+        if self.shuffle and torch is not None:
+            generator = torch.Generator()  # torch's: seeded by seed + epoch only
+            generator.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(size, generator=generator).tolist()
+        elif self.shuffle:
+            # A fresh generator from (seed, epoch) only: every rank computes the same order.
+            rng = np.random.default_rng([self.seed % 2**64, self.epoch % 2**64])
+            indices = rng.permutation(size).tolist()
+        else:
+            indices = list(range(size))
+        if self.total_size > size:
+            repeats = math.ceil(self.total_size / size)
+            indices = (indices * repeats)[:self.total_size]
+        else:
+            indices = indices[:self.total_size]
+        return iter(indices[self.rank:self.total_size:self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch``'s order on the next ``iter()``; call it at the start of each epoch."""
+        self.epoch = epoch
+
+
+def _distributed_default(name: str, variable: str) -> int:
+    """``num_replicas`` or ``rank`` from ``torch.distributed``, else from the environment."""
+    # Only a program that imported torch.distributed can have initialised it, so there is
+    # nothing to ask (and no import to pay for) when it is not loaded.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() if name == "num_replicas" else dist.get_rank()
+    value = os.environ.get(variable)
+    if value is None:
+        raise ValueError(
+            f"{name} must be given when torch.distributed is not initialised and {variable} is "
+            f"not set, got {name}=None; pass {name}=..., call "
+            "torch.distributed.init_process_group() first, or launch with torchrun")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"{name} must be an int; it defaults to the {variable} environment variable, "
+            f"which is {value!r}; set {variable} to an integer or pass {name}=...") from None

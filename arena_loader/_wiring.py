@@ -1,0 +1,179 @@
+"""The loader's parts built from its options, and what ``iter(loader)`` wraps an epoch in:
+torch's default samplers, the workers' seed stream, the epoch's batch order, the CUDA stage,
+and the persistent iterator's face. ``loader.py`` only wires these together."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ._arena import ArenaSource
+from ._fetch import BatchFiller
+from ._options import LoaderOptions
+from ._pipeline.iterator import MultiProcessIterator
+from ._torch_compat import (
+    draw_torch_seed,
+    initialized_distributed,
+    loaded_torch,
+)
+from .samplers import (
+    BatchSampler,
+    InfiniteConstantSampler,
+    RandomSampler,
+    SequentialSampler,
+    as_numpy_generator,
+    is_torch_generator,
+)
+
+
+def default_samplers(dataset: Any, options: LoaderOptions, sampler: Any, batch_sampler: Any,
+                     batch_size: int | None, drop_last: bool) -> tuple[Any, Any]:
+    """(sampler, batch_sampler) as torch's DataLoader makes them when not given."""
+    if options.iterable:
+        # Each worker iterates its own replica of the dataset; the sampler only says
+        # "one more", as torch's does.
+        sampler = InfiniteConstantSampler() if sampler is None else sampler
+    elif sampler is None:
+        sampler = (RandomSampler(dataset, generator=options.generator) if options.shuffle
+                   else SequentialSampler(dataset))
+    if batch_size is not None and batch_sampler is None:
+        batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+    return sampler, batch_sampler
+
+
+def make_filler(dataset: Any, options: LoaderOptions, sampler: Any, batch_sampler: Any,
+                batch_size: int | None, drop_last: bool) -> BatchFiller:
+    """What loads and collates a batch, with slots of ``batch_size`` rows (or the user
+    batch_sampler's, if it says)."""
+    user_batch_sampler = options.batch_sampler is not None
+    rows = getattr(batch_sampler, "batch_size", None) if user_batch_sampler else batch_size
+    index_source = (f"batch_sampler {type(batch_sampler).__name__}" if user_batch_sampler
+                    else f"sampler {type(sampler).__name__}")
+    return BatchFiller(dataset, options.collate_fn, options.auto_collation, rows,
+                       iterable=options.iterable, drop_last=drop_last,
+                       index_source=index_source)
+
+
+class EpochSeeds:
+    """The workers' base seed and the DataPipe seed of each epoch, drawn as torch draws them:
+    from the user's ``generator`` or torch's global RNG, else (None or a seed) from one numpy
+    stream for every epoch."""
+
+    def __init__(self, generator: Any):
+        self._generator = generator
+        self._group: Any = None  # torch.distributed group sharing the DataPipe seed
+        if is_torch_generator(generator) or isinstance(generator, np.random.Generator) \
+                or (generator is None and loaded_torch() is not None):
+            self._rng = None
+        else:  # any other type raises TypeError now
+            self._rng = as_numpy_generator(generator)
+
+    def base_seed(self) -> int:
+        """The epoch's worker base seed (with a ``torch.Generator``, or none in a program
+        using torch, torch's very draw: the same seed gives torch's worker seeds, and leaves
+        torch's RNG where torch leaves it)."""
+        generator = self._generator
+        if is_torch_generator(generator) or (generator is None and self._rng is None):
+            return draw_torch_seed(generator)
+        rng = self._rng if self._rng is not None else as_numpy_generator(generator)
+        return int(rng.integers(2**63))
+
+    def datapipe_seed(self) -> int:
+        """torch's shared DataPipe seed: drawn like the base seed, and under
+        ``torch.distributed`` broadcast from rank 0 so every rank shuffles alike."""
+        seed = self.base_seed()
+        dist = initialized_distributed()
+        if dist is not None:
+            torch = loaded_torch()
+            if self._group is None:
+                self._group = dist.new_group(backend="gloo")
+            shared = torch.tensor(seed, dtype=torch.int64)
+            dist.broadcast(shared, src=0, group=self._group)
+            seed = int(shared.item())
+        return seed
+
+
+def epoch_batches(options: LoaderOptions, sampler: Any, batch_sampler: Any,
+                  filler: BatchFiller) -> Iterator[Any]:
+    """The epoch's batch order: each batch's indices (None per batch for iterable-style
+    datasets, whose workers' iterators decide when they end)."""
+    if options.iterable:
+        return itertools.repeat(None)
+    if not options.auto_collation:
+        return iter(sampler)
+    if options.num_workers > 0 and type(batch_sampler) is BatchSampler:
+        # int64 arrays straight into the batch order (workers read them as ints);
+        # the in-process loader hands the dataset ints, as torch does, so takes lists.
+        batches = batch_sampler.index_batches()
+    else:
+        batches = iter(batch_sampler)
+    if filler.batch_size is None:
+        # A batch_sampler that does not say its batch size: size the slots from this
+        # epoch's largest batch.
+        batch_list = [list(b) for b in batches]
+        filler.batch_size = max((len(b) for b in batch_list), default=1)
+        batches = iter(batch_list)
+    return batches
+
+
+class PersistentEpoch:
+    """The persistent iterator as ``iter(loader)`` returns it: holds the loader (so that
+    ``for b in ArenaLoader(...)`` keeps it alive) while the loader holds only the iterator."""
+
+    __slots__ = ("__weakref__", "_iterator", "_owner")
+
+    def __init__(self, owner: Any, iterator: MultiProcessIterator):
+        self._owner = owner
+        self._iterator = iterator
+
+    def __iter__(self) -> PersistentEpoch:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._iterator)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._iterator, name)  # worker_pids, stats, close, ...
+
+
+def open_cuda(options: LoaderOptions) -> tuple[Any, Any]:
+    """(slab pinner or None, device copier or None) for ``pin_memory`` / ``device``. Without
+    CUDA, ``device`` is an error and ``pin_memory`` a warning (host batches), as in torch."""
+    try:
+        from . import _device  # numba.cuda is imported only here, only when asked for
+    except ImportError as exc:
+        reason = f"numba.cuda does not import: {exc}"
+    else:
+        reason = _device.cuda_unavailable_reason()
+    if reason is None:
+        gpu = _device.resolve_gpu(options.gpu_index)
+        pinner = (_device.HostPinner(gpu, staging=options.device is not None)
+                  if options.pin_memory else None)
+        copier = (_device.DeviceCopier(gpu, options.slots_or_default, options.pin_memory,
+                                        options.output, options.held_batch_limit)
+                  if options.device is not None else None)
+        return pinner, copier
+    if options.device is not None:
+        raise RuntimeError(f"device={options.device!r} needs a CUDA GPU, but {reason}; pass "
+                           "device=None for host batches, or install arena_loader[cuda] on a "
+                           "machine with a GPU")
+    warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then "
+                  f"device pinned memory won't be used. ({reason}; batches stay in pageable "
+                  "host memory)", stacklevel=3)
+    return None, None
+
+
+def close_all(source: ArenaSource, live: weakref.WeakSet, pid: int) -> None:
+    if os.getpid() != pid:
+        return  # a finalizer copied into a forked worker: the loader is the parent's
+    try:
+        for iterator in list(live):
+            iterator.close()
+    finally:
+        source.close()
