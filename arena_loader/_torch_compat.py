@@ -223,15 +223,20 @@ def _equal_states(a: Any, b: Any) -> bool:
 
 
 class TorchIteratorAttribute:
-    """torch's ``DataLoader._iterator``, which torch's own tests (and some training code) use
-    to shut persistent workers down: the persistent workers' iterator, or ``None``. Setting it
-    to ``None`` drops that iterator (the next ``iter()`` starts new workers)."""
+    """torch's DataLoader members beyond its options, which torch's own tests and some
+    training code use: ``_iterator`` (to shut persistent workers down: the persistent
+    workers' iterator, or ``None``; setting it to ``None`` drops that iterator, and the next
+    ``iter()`` starts new workers), ``_auto_collation``, ``_index_sampler`` and
+    ``check_worker_number_rationality``."""
 
-    _persistent: Any
+    _iterators: Any  # the loader's LiveIterators
+    batch_sampler: Any
+    sampler: Any
+    num_workers: int
 
     @property
     def _iterator(self) -> Any:
-        persistent = self._persistent
+        persistent = self._iterators.persistent
         return None if persistent is None else _TorchIteratorView(persistent)
 
     @_iterator.setter
@@ -239,9 +244,22 @@ class TorchIteratorAttribute:
         if value is not None:
             raise ValueError(f"_iterator can only be set to None (drop the persistent workers' "
                              f"iterator), got {value!r}")
-        persistent, self._persistent = self._persistent, None
-        if persistent is not None:
-            persistent.close()
+        self._iterators.close_persistent()
+
+    @property
+    def _auto_collation(self) -> bool:
+        return self.batch_sampler is not None
+
+    @property
+    def _index_sampler(self) -> Any:
+        """What yields each step's key: ``batch_sampler`` with automatic batching, else
+        ``sampler`` (torch's property)."""
+        return self.batch_sampler if self._auto_collation else self.sampler
+
+    def check_worker_number_rationality(self) -> None:
+        """torch's check, run at construction and when workers start: a UserWarning when
+        ``num_workers`` exceeds the CPUs this process may use."""
+        check_worker_number(self.num_workers, stacklevel=3)
 
 
 class _TorchIteratorView:

@@ -126,20 +126,70 @@ class PersistentEpoch:
     """The persistent iterator as ``iter(loader)`` returns it: holds the loader (so that
     ``for b in ArenaLoader(...)`` keeps it alive) while the loader holds only the iterator."""
 
-    __slots__ = ("__weakref__", "_iterator", "_owner")
+    __slots__ = ("__weakref__", "_owner", "iterator")
 
     def __init__(self, owner: Any, iterator: MultiProcessIterator):
         self._owner = owner
-        self._iterator = iterator
+        self.iterator = iterator
 
     def __iter__(self) -> PersistentEpoch:
         return self
 
     def __next__(self) -> Any:
-        return next(self._iterator)
+        return next(self.iterator)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._iterator, name)  # worker_pids, stats, close, ...
+        return getattr(self.iterator, name)  # worker_pids, stats, close, ...
+
+
+class LiveIterators:
+    """A loader's iterators still alive (closed with it; ``snapshot()`` lists them in the
+    order they were made) and its persistent one, with the face ``iter(loader)`` returns."""
+
+    def __init__(self) -> None:
+        self.live: weakref.WeakSet = weakref.WeakSet()
+        self._by_order: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._made = itertools.count()
+        self.persistent: MultiProcessIterator | None = None
+        self._face: weakref.ref | None = None
+
+    def add(self, iterator: Any) -> None:
+        self.live.add(iterator)
+        self._by_order[next(self._made)] = iterator
+
+    def snapshots(self) -> tuple:
+        return tuple(iterator.snapshot() for _, iterator in sorted(self._by_order.items(),
+                                                                   key=lambda item: item[0]))
+
+    def persistent_face(self, owner: Any, iterator: MultiProcessIterator) -> PersistentEpoch:
+        """The same object every epoch while the user holds it, as torch's."""
+        face = self._face() if self._face is not None else None
+        if face is None or face.iterator is not iterator:
+            face = PersistentEpoch(owner, iterator)
+            self._face = weakref.ref(face)
+        return face
+
+    def watched(self, draws: Any, source: ArenaSource, epoch: Any,
+                new_persistent: MultiProcessIterator | None) -> Any:
+        """``epoch``, whose random draws are given back if it is dropped unused (a probe
+        such as Lightning's ``iter(loader)``), with the persistent iterator this ``iter()``
+        made (its workers were seeded from those draws: it is dropped too)."""
+        if draws is not None:
+            iterators = weakref.ref(self)
+
+            def drop_persistent() -> None:
+                live = iterators()
+                if live is not None and live.persistent is new_persistent:
+                    live.close_persistent()
+
+            draws.watch(epoch, source.delivered_count,
+                        drop_persistent if new_persistent is not None else None)
+        return epoch
+
+    def close_persistent(self) -> None:
+        persistent, self.persistent = self.persistent, None
+        if persistent is not None:
+            persistent.close()
 
 
 def open_cuda(options: LoaderOptions) -> tuple[Any, Any]:

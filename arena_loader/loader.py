@@ -5,7 +5,6 @@ This module only wires parts together; see docs/design.md for how they fit.
 
 from __future__ import annotations
 
-import itertools
 import os
 import warnings
 import weakref
@@ -22,13 +21,12 @@ from ._torch_compat import (
     ShardedDataPipe,
     TorchIteratorAttribute,
     UnusedIteratorDraws,
-    check_worker_number,
     distributed_settings,
     is_iter_datapipe,
 )
 from ._wiring import (
     EpochSeeds,
-    PersistentEpoch,
+    LiveIterators,
     close_all,
     default_samplers,
     epoch_batches,
@@ -47,26 +45,14 @@ T_co = TypeVar("T_co", covariant=True)
 class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
     """Iterate over ``dataset`` in batches that workers write straight into shared memory.
 
-    The options are ``torch.utils.data.DataLoader``'s, with the same defaults and meanings;
-    ``slots`` (keyword-only) is how many batches the slab holds: those being loaded, those
-    loaded and waiting, and those your code still references. Batches are numpy arrays that
-    view the slab; a slot is reused only after every view of its batch is gone.
-    ``worker_mode`` (keyword-only) is ``"process"`` (default) or ``"thread"``: workers as
-    threads of this process, for datasets whose loading releases the GIL (docs/design.md,
-    "Thread workers"). ``worker_threads=K`` (keyword-only, default 1) runs K threads in each
-    worker, which load the samples of a batch at once, each row written straight into the
-    slot: for samples that wait (object storage, network file systems) or decode in C with
-    the GIL released. The dataset is then called from K threads at once and must be
-    thread-safe (docs/design.md, "Threads inside workers").
-
-    ``ArenaLoader[T]`` is generic like ``DataLoader[T]``. A torch ``IterDataPipe`` is sharded
-    per worker and per ``torch.distributed`` rank, and ``shuffle`` switches its ``shuffle()``
-    steps, as torch's DataLoader does.
-
-    ``pin_memory=True`` page-locks the slab in place (needs CUDA; see docs/design.md, "Device
-    copies"). ``device="cuda"`` or ``"cuda:N"`` (keyword-only) copies each batch to that GPU on
-    the loader's own stream: batches are numba device arrays, or torch CUDA tensors with
-    ``output="torch"``; pass ``pin_memory=True`` too for asynchronous copies.
+    The options are ``torch.utils.data.DataLoader``'s, with the same defaults and meanings
+    (``ArenaLoader[T]`` is generic like ``DataLoader[T]``; an ``IterDataPipe`` is sharded and
+    shuffled as torch does). Batches are numpy arrays viewing the slab (or tensors, or GPU
+    arrays); a slot is reused only after every view of its batch is gone. Keyword-only
+    options of ours: ``slots`` (batches the slab holds), ``held_batch_limit``, ``output``,
+    ``device`` (copies to that GPU on the loader's stream), ``worker_mode="thread"``,
+    ``worker_threads=K`` (K threads per worker; the dataset must then be thread-safe).
+    README ("Quick start") and docs/design.md say more.
     """
 
     def __init__(
@@ -155,15 +141,10 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
                                    self.batch_sampler, batch_size, drop_last)
         self._source = ArenaSource(self.slots, pinner=pinner, lease_only=self._device is not None,
                                    output=output, held_batch_limit=held_batch_limit)
-        self._persistent: MultiProcessIterator | None = None
-        self._persistent_epoch: weakref.ref | None = None
-        self._live: weakref.WeakSet = weakref.WeakSet()
-        # Every host iterator still alive, by the order they were made (snapshot()).
-        self._iterators: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        self._made = itertools.count()
+        self._iterators = LiveIterators()
         self._closed = False
         self._pid = os.getpid()
-        self._finalizer = weakref.finalize(self, close_all, self._source, self._live,
+        self._finalizer = weakref.finalize(self, close_all, self._source, self._iterators.live,
                                            self._pid)
         self.check_worker_number_rationality()
 
@@ -188,21 +169,6 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
             return len(self.batch_sampler)
         return len(self.sampler)
 
-    def check_worker_number_rationality(self) -> None:
-        """torch's check, run at construction and when workers start: a UserWarning when
-        ``num_workers`` exceeds the CPUs this process may use."""
-        check_worker_number(self.num_workers, stacklevel=3)
-
-    @property
-    def _auto_collation(self) -> bool:
-        return self.batch_sampler is not None
-
-    @property
-    def _index_sampler(self) -> Any:
-        """What yields each step's key: ``batch_sampler`` with automatic batching, else
-        ``sampler`` (torch's property)."""
-        return self.batch_sampler if self._auto_collation else self.sampler
-
     def __iter__(self) -> Iterator[T_co]:
         if self._closed:
             raise LoaderClosedError("this ArenaLoader was closed; create a new one")
@@ -218,8 +184,9 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
         # iterator only), then the sampler's own at its first index.
         if self._datapipe is not None:
             self._datapipe.start_epoch(self._seeds.datapipe_seed())
+        persistent = self._iterators.persistent
         reuse = (options.num_workers > 0 and options.persistent_workers
-                 and self._persistent is not None and not self._persistent.broken)
+                 and persistent is not None and not persistent.broken)
         base_seed = None if reuse else self._seeds.base_seed()
         if self._datapipe is not None and options.num_workers > 0 and not reuse:
             # torch's new worker iterator draws the DataPipe seed once more, in its _reset(),
@@ -231,45 +198,27 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
         if options.num_workers == 0:
             iterator: Any = InProcessIterator(self, self._filler, self._source, batches)
         elif reuse:
-            self._persistent.reset(batches)
-            return self._watched(draws, self._checked_length(
-                self._on_device(self._persistent, owns_host=False)), None)
+            self._iterators.persistent.reset(batches)
+            return self._iterators.watched(draws, self._source, self._checked_length(
+                self._on_device(self._iterators.persistent, owns_host=False)), None)
         else:
             self.check_worker_number_rationality()
-            if self._persistent is not None:
-                self._persistent.close()
+            if self._iterators.persistent is not None:
+                self._iterators.persistent.close()
             # The loader keeps its persistent iterator: that one must not reference the loader
             # back, or a dropped loader would wait for the cyclic GC to stop its workers.
             iterator = MultiProcessIterator(None if options.persistent_workers else self,
                                             options, self._filler, self._source, batches,
                                             base_seed)
             if options.persistent_workers:
-                self._persistent = iterator
-        self._live.add(iterator)
-        self._iterators[next(self._made)] = iterator
+                self._iterators.persistent = iterator
+        self._iterators.add(iterator)
         if self._closed:  # close() from another thread while this iterator was being made
             iterator.close()
             raise LoaderClosedError("this ArenaLoader was closed; create a new one")
-        return self._watched(draws, self._checked_length(
+        return self._iterators.watched(draws, self._source, self._checked_length(
             self._on_device(iterator, owns_host=not options.persistent_workers)),
             iterator if options.persistent_workers else None)
-
-    def _watched(self, draws: UnusedIteratorDraws | None, epoch: Any,
-                 new_persistent: MultiProcessIterator | None) -> Any:
-        """``epoch``, whose random draws are given back if it is dropped unused (a probe
-        such as Lightning's ``iter(loader)``), with the persistent iterator this ``iter()``
-        made (its workers were seeded from those draws)."""
-        if draws is not None:
-            loader = weakref.ref(self)
-
-            def drop_persistent() -> None:
-                owner = loader()
-                if owner is not None and owner._persistent is new_persistent:
-                    owner._iterator = None
-
-            draws.watch(epoch, self._source.delivered_count,
-                        drop_persistent if new_persistent is not None else None)
-        return epoch
 
     def _checked_length(self, iterator: Any) -> Any:
         """torch's warning for an iterable-style dataset yielding more than len() said."""
@@ -280,21 +229,16 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
 
     def _on_device(self, iterator: Any, owns_host: bool) -> Any:
         """``iterator`` behind the device copy stage, if there is one (else, for the
-        persistent iterator, behind a ``PersistentEpoch`` that keeps the loader alive)."""
+        persistent iterator, behind its face that keeps the loader alive)."""
         if self._device is None:
             if owns_host:
                 return iterator
-            # The same object every epoch while the user holds it, as torch's.
-            epoch = self._persistent_epoch() if self._persistent_epoch is not None else None
-            if epoch is None or epoch._iterator is not iterator:
-                epoch = PersistentEpoch(self, iterator)
-                self._persistent_epoch = weakref.ref(epoch)
-            return epoch
+            return self._iterators.persistent_face(self, iterator)
         if owns_host:
             # Closed by the device iterator, after its last copy from the slab completed.
-            self._live.discard(iterator)
+            self._iterators.live.discard(iterator)
         wrapped = self._device.wrap(self, iterator, owns_host)
-        self._live.add(wrapped)
+        self._iterators.live.add(wrapped)
         return wrapped
 
     def _adopt_after_fork(self) -> None:
@@ -309,11 +253,9 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
                 "loader in this process, or start the process with the 'spawn' method")
         self._finalizer.detach()  # the copy of the parent's: it must not run here
         self._source = ArenaSource(self.slots)
-        self._persistent = None
-        self._live = weakref.WeakSet()
-        self._iterators = weakref.WeakValueDictionary()
+        self._iterators = LiveIterators()
         self._pid = os.getpid()
-        self._finalizer = weakref.finalize(self, close_all, self._source, self._live,
+        self._finalizer = weakref.finalize(self, close_all, self._source, self._iterators.live,
                                            self._pid)
 
     def snapshot(self) -> LoaderSnapshot:
@@ -321,9 +263,7 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
         batches your code holds, and each live iterator's phase, worker pids and batches in
         flight (docs/design.md, "Introspection"). Cheap, and changes nothing: for tests,
         debugging and monitoring."""
-        iterators = tuple(iterator.snapshot() for _, iterator in sorted(
-            self._iterators.items(), key=lambda item: item[0]))
-        return self._source.snapshot(iterators)
+        return self._source.snapshot(self._iterators.snapshots())
 
     def close(self) -> None:
         """Stop every worker of this loader and release its slab. Idempotent.
@@ -335,9 +275,7 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
         self._closed = True
         if self._device is not None:
             self._device.detach()
-        if self._persistent is not None:
-            self._persistent.close()
-            self._persistent = None
+        self._iterators.close_persistent()
         self._finalizer()
 
     def __enter__(self) -> ArenaLoader:
