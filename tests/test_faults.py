@@ -487,10 +487,8 @@ def _interrupted(call, k):
         sys.settrace(None)
 
 
-# Persistent workers are not in it yet: an interrupt in some lines of iter()'s drain still
-# leaves mappings alive (docs/reliability.md).
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False)])
+@pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)])
 def test_ctrl_c_at_any_line_of_next_iter_and_close_loses_nothing(num_workers, persistent):
     """KeyboardInterrupt injected at the k-th line of arena_loader code in next() (k = 1, 2,
     3, ... over successive calls, past the longest next()), in iter() and in close(), over
@@ -516,11 +514,16 @@ def _ctrl_c_matrix(num_workers, persistent):
                      persistent_workers=persistent) as loader:
         for epoch in range(4):
             iterator, iter_k = None, 1 + 13 * epoch
+            # After the abandoned epoch, iter() drains it: interrupted at every line of that.
+            step = 1 if persistent and epoch == 2 else 29
             while iterator is None:  # iter() interrupted: the user calls it again
                 iterator, _ = _interrupted(lambda: iter(loader), iter_k)
-                iter_k += 29
+                iter_k += step
             got = []
-            while True:
+            # Persistent workers: epoch 1 is left after 5 batches, so the next iter() drains
+            # batches still in flight (interrupted at its lines like any other iter()).
+            stop_after = 5 if persistent and epoch == 1 else None
+            while len(got) != stop_after:
                 k += 1
                 tracer = _InterruptAt(k)
                 sys.settrace(tracer)
@@ -535,11 +538,11 @@ def _ctrl_c_matrix(num_workers, persistent):
                 longest = max(longest, tracer.count)
                 got.append(int(batch[0, 0]))
                 del batch
-            assert got == expected, (epoch, got)
+            assert got == expected[:stop_after], (epoch, got)
             del iterator
             gc.collect()
             snapshot = loader.snapshot()
-            if snapshot.slab_nbytes is not None:
+            if snapshot.slab_nbytes is not None and stop_after is None:
                 assert snapshot.free_slots == loader.slots, (epoch, snapshot.slot_states)
         assert k > longest, (k, longest)  # every line of next() was a target at least once
         for close_k in (3, 9, 17, 40):

@@ -125,13 +125,15 @@ class Crew:
 
     def fill(self, worker: int) -> bool | None:
         """Parse what ``worker`` has sent into ``arrived`` (see CompletionReader.fill)."""
-        return self.reader.fill(worker) if self._open else False
+        # (A stopped group has closed the pipes: their numbers may name other files now.)
+        return self.reader.fill(worker) if self._open and not self.group.closed else False
 
     def poll(self, timeout_s: float) -> list[tuple[int, bool]]:
         """Wait up to ``timeout_s`` for a record, a worker's exit or the waker: the
         (worker or WAKER, is a sentinel) of each that is ready. Called without the session's
         lock; a closed crew's descriptors read as ready at once."""
-        events = self._poller.poll(max(0, int(timeout_s * 1000))) if self._open else ()
+        events = self._poller.poll(max(0, int(timeout_s * 1000))) \
+            if self._open and not self.group.closed else ()
         owner = self._owner
         return [owner[fd] for fd, _ in events if fd in owner]
 

@@ -42,6 +42,8 @@ class Intake:
             while True:
                 with session.lock:
                     session.check_open()
+                    if session.crew is not None and session.crew.stopped:
+                        session.stop_workers(graceful=False)  # a stop cut short: finish it
                     if not session.order.in_flight or session.phase is not Phase.DRAINING:
                         break
                     if time.monotonic() >= deadline:

@@ -116,7 +116,8 @@ class Session:
                 self.check_open()
                 if self.phase is Phase.FAILED:
                     raise fresh_copy(self.fatal)
-                draining = self.phase is Phase.RUNNING
+                # (DRAINING: a drain that an interrupt cut short is done again.)
+                draining = self.phase is Phase.RUNNING or self.phase is Phase.DRAINING
                 if draining:
                     self.enter(Phase.DRAINING)
             if draining:
