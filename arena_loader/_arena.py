@@ -25,14 +25,16 @@ from ._slab import Slab
 from .errors import LoaderClosedError, SlotsExhaustedError, forked_iterator_error
 from .snapshot import IteratorSnapshot, LoaderSnapshot
 
-# A slot's budget is the first batch's size times this, rounded up to whole pages: batches
-# that vary a little still fit; a larger one takes a one-off segment.
+# A slot's budget is the first batch's size, rounded up to whole pages (batches of one shape,
+# the common case, waste nothing). A larger batch takes a one-off segment, and the next claim
+# of the arena (the next epoch) grows the slab once, to the largest such batch times this:
+# batches that vary keep fitting (docs/design.md, "Slot budget").
 SLOT_HEADROOM = 1.25
 PAGE = 4096
 
 
-def slot_budget(first_nbytes: int) -> int:
-    return max(PAGE, -(-int(first_nbytes * SLOT_HEADROOM) // PAGE) * PAGE)
+def slot_budget(nbytes: int, headroom: float = 1.0) -> int:
+    return max(PAGE, -(-int(nbytes * headroom) // PAGE) * PAGE)
 
 
 class PinnedRegion(Protocol):
@@ -158,6 +160,16 @@ class ArenaSource:
         self._segments_released: deque[None] = deque()
         self._warned = False
         self._pid = os.getpid()
+        self._outgrown = 0  # the largest batch that did not fit its slot (note_outgrown)
+
+    def note_outgrown(self, nbytes: int) -> None:
+        """A batch of ``nbytes`` did not fit its slot (it went to a segment): the next claim
+        of the arena grows the slab to fit it."""
+        self._outgrown = max(self._outgrown, nbytes)
+
+    def outgrown(self, arena: Arena) -> bool:
+        """A batch larger than ``arena``'s slots came: claimed again, it grows."""
+        return self._outgrown > arena.slot_nbytes
 
     def claim(self, slot_nbytes: int | None = None, slab: Slab | None = None) -> Arena | None:
         """The loader's arena, or a private one if it is in use; None while no budget is
@@ -183,6 +195,11 @@ class ArenaSource:
                 self._claimed = True  # a claim of this slab that an interrupt cut short
                 return self._arena
             if not self._claimed and slab is None:
+                if self._outgrown > self._arena.slot_nbytes:  # grow once, while unclaimed
+                    grown, old = slot_budget(self._outgrown, SLOT_HEADROOM), self._arena
+                    self._arena, self.slot_nbytes = Arena(grown, self.slots, None,
+                                                          self._pinner), grown
+                    old.close()  # held batches keep their mapping; its slots are not reused
                 self._claimed = True
                 return self._arena
             budget = self.slot_nbytes

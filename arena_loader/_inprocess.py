@@ -93,8 +93,10 @@ class InProcessIterator:
         arena = self._arena
         slot = batch = None
         try:
-            slot = source.acquire_or_overflow(arena) if arena is not None and \
-                prepared.nbytes <= arena.slot_nbytes else None
+            fits = arena is not None and prepared.nbytes <= arena.slot_nbytes
+            if arena is not None and not fits:
+                source.note_outgrown(prepared.nbytes)  # the next epoch's slab fits it
+            slot = source.acquire_or_overflow(arena) if fits else None
             if slot is None:
                 storage = map_new_segment(prepared.nbytes)
             else:

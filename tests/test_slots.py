@@ -129,3 +129,57 @@ def test_batch_outlives_closed_loader_with_valid_data():
     np.testing.assert_array_equal(first, reference_epoch(dataset, 4, False)[0])
     first += 1  # still writable memory, not unmapped
     del first
+
+
+class _GrowingRows:
+    """12 samples; those of the last batch (batch_size 4) are 8 times wider than the rest,
+    whose batches fill one page."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return np.full(1024 if i >= 8 else 128, i, dtype=np.float64)
+
+
+def _in_slab(batch, snapshot) -> bool:
+    start = snapshot.slab_address
+    return start <= batch.ctypes.data < start + snapshot.slab_nbytes
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)])
+def test_slab_grows_once_when_a_batch_outgrows_its_slot(num_workers, persistent):
+    """Slots are the first batch's size (page-rounded); a larger batch goes to a segment, and
+    the next epoch's slab fits it (grown once, with headroom): every batch is then in a slot."""
+    with ArenaLoader(_GrowingRows(), batch_size=4, num_workers=num_workers,
+                     persistent_workers=persistent, output="numpy") as loader:
+        def epoch():  # per batch: a copy, whether it was in a slot, the slot size
+            seen = []
+            for batch in loader:
+                snapshot = loader.snapshot()
+                seen.append((batch.copy(), _in_slab(batch, snapshot), snapshot.slot_nbytes))
+                del batch
+            return seen
+
+        first = epoch()
+        assert first[-1][2] == 4096  # 4 x 128 float64: one page, no headroom
+        # (With workers, the first batches may come before the slab is sized: segments.)
+        assert [in_slab for _, in_slab, _ in first][num_workers:] == [True, True, False][
+            num_workers:]
+        largest = max(batch.nbytes for batch, _, _ in first)
+        for _ in range(2):
+            again = epoch()
+            for (batch, in_slab, slot_nbytes), (expected, _, _) in zip(again, first):
+                np.testing.assert_array_equal(batch, expected)
+                assert in_slab and slot_nbytes >= largest * 1.25, (slot_nbytes, largest)
+
+
+@pytest.mark.timeout(60)
+def test_slots_of_equal_batches_are_their_size():
+    """Batches of one shape: a slot is a batch, rounded to whole pages, nothing more."""
+    with ArenaLoader(_GrowingRows(), batch_size=4, num_workers=0, output="numpy") as loader:
+        iterator = iter(loader)
+        batch = next(iterator)
+        assert loader.snapshot().slot_nbytes == batch.nbytes == 4096
+        del batch, iterator

@@ -73,6 +73,11 @@ class SlabClaim:
         self.arena.pool.waker = None
         self._source.unclaim(self.arena)
 
+    def let_go(self) -> None:
+        """After ``release``: the next ``begin`` claims the loader's arena afresh."""
+        if not self.claimed:
+            self.arena = None
+
     def close(self) -> None:
         """After ``release``: a slab still only reserved (no batch came) is closed."""
         reserve, self.reserve = self.reserve, None

@@ -130,6 +130,9 @@ class Intake:
             else:
                 session.fail(error)
             return
+        arena = session.claim.arena
+        if status == SEGMENT and arena is not None and completion.plan.nbytes > arena.slot_nbytes:
+            session.source.note_outgrown(completion.plan.nbytes)  # too large for a slot
         entry = accept(completion, session.order, session.feed, session.crew, session.claim.arena,
                        session.phase is Phase.DRAINING)
         if entry is None:

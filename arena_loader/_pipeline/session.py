@@ -125,6 +125,9 @@ class Session:
             with self.lock:
                 self.check_open()
                 self._reset_epoch_state(batches)
+                arena = self.claim.arena
+                if arena is not None and self.crew is not None and self.source.outgrown(arena):
+                    self._regrow()
                 self.begin()
             self.fill_window()
 
@@ -136,6 +139,15 @@ class Session:
         self.window = Window(self._window_size)
         self.handout = Handout()
         self.started = False
+
+    def _regrow(self) -> None:
+        """A batch outgrew its slot last epoch: these workers hold the old slab, so they stop,
+        the arena is given back (the next claim grows it) and ``begin`` starts new workers
+        on the grown slab. Once: the grown slots fit the largest batch seen, with headroom."""
+        self.stop_workers(graceful=False)  # idle: the last epoch was drained
+        self.drop_crew()
+        self.release_arena()
+        self.claim.let_go()
 
     def begin(self) -> None:
         """Claim the arena if the layout is known (else reserve a slab) and start workers if
