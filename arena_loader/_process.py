@@ -72,7 +72,7 @@ class WorkerGroup:
         self.task_conns: list[Connection] = []
         self.result_conns: list[Connection] = []
         self.fd_sockets: list[socket.socket] = []  # one-off segments' descriptors arrive here
-        self._closed = False
+        self.closed = False
         # Held for a whole shutdown: a second caller (close() while the dispatch thread is
         # stopping the group after a crash) returns only once every worker is gone.
         self._shutdown_lock = threading.Lock()
@@ -124,9 +124,6 @@ class WorkerGroup:
                 pass
         return started
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def crash_error(self, worker_id: int, owed: list[tuple[int, Any]]) -> WorkerCrashedError:
         """The error for a dead worker; ``owed``: (idx, indices) of the batches it had."""
@@ -152,7 +149,7 @@ class WorkerGroup:
         bounded. Idempotent. ``graceful=False`` (after a crash, when their work is discarded
         anyway) skips the wait."""
         with self._shutdown_lock:
-            if self._closed:
+            if self.closed:
                 return
             try:
                 self._shutdown(graceful)
@@ -162,7 +159,7 @@ class WorkerGroup:
                 self._kill_now()
                 raise
             finally:
-                self._closed = True
+                self.closed = True
 
     def _kill_now(self) -> None:
         for process in self._started:

@@ -59,7 +59,7 @@ class ThreadWorkerGroup:
         self.stuck: list[str] = []
         self.stuck_ids: list[int] = []
         self._exits: dict[int, BaseException] = {}  # why a thread ended, if not asked to
-        self._closed = False
+        self.closed = False
         self._shutdown_lock = threading.Lock()
         try:
             for setup in setups:
@@ -118,9 +118,6 @@ class ThreadWorkerGroup:
             result_conn.close()
             setup.fd_socket.close()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def crash_error(self, worker_id: int, owed: list[tuple[int, Any]]) -> WorkerCrashedError:
         """The error for a thread that ended unasked; ``owed``: (idx, indices) it had."""
@@ -143,12 +140,12 @@ class ThreadWorkerGroup:
         code cannot be killed: it is left running as a daemon, named in ``stuck`` and in a
         warning of the ``arena_loader`` logger."""
         with self._shutdown_lock:
-            if self._closed:
+            if self.closed:
                 return
             try:
                 self._shutdown(graceful)
             finally:
-                self._closed = True
+                self.closed = True
 
     def _shutdown(self, graceful: bool) -> None:
         if graceful:

@@ -126,17 +126,18 @@ class PersistentEpoch:
     """The persistent iterator as ``iter(loader)`` returns it: holds the loader (so that
     ``for b in ArenaLoader(...)`` keeps it alive) while the loader holds only the iterator."""
 
-    __slots__ = ("__weakref__", "_owner", "iterator")
+    __slots__ = ("__weakref__", "_next", "_owner", "iterator")
 
     def __init__(self, owner: Any, iterator: MultiProcessIterator):
         self._owner = owner
         self.iterator = iterator
+        self._next = iterator.next_batch
 
     def __iter__(self) -> PersistentEpoch:
         return self
 
     def __next__(self) -> Any:
-        return next(self.iterator)
+        return self._next()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.iterator, name)  # worker_pids, stats, close, ...

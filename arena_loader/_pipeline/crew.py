@@ -36,8 +36,7 @@ class WorkerGroupLike(Protocol):
     result_conns: list[Any]  # completion pipes, main process's (read) ends
     fd_sockets: list[Any]  # one-off segments' descriptors arrive here
 
-    @property
-    def closed(self) -> bool: ...
+    closed: bool  # stopped: its pipes are closed
 
     def crash_error(self, worker_id: int, owed: list[tuple[int, Any]]) -> WorkerCrashedError: ...
 

@@ -23,6 +23,9 @@ class MultiProcessIterator:
         self._owner = owner
         self._persistent = options.persistent_workers
         self._session = Session(options, filler, source, base_seed)
+        # A persistent iterator's epochs end without finishing the session: its face calls
+        # this directly (one call less per batch).
+        self.next_batch = self._session.next_batch
         self._finalizer = weakref.finalize(self, self._session.close)
         try:
             self._session.start_epoch(batches)
