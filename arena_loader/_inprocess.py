@@ -12,20 +12,24 @@ from typing import Any
 from ._arena import Arena, ArenaSource, slot_budget
 from ._fetch import BatchFiller, Fetched, StreamPosition
 from ._pool import SlotState
+from ._resume_stream import EpochPlan, open_stream, stream_is_stateful, stream_state
 from ._slab import map_new_segment
 from .errors import ShmCapacityError, forked_iterator_error
 from .snapshot import IteratorSnapshot
 
 
 class InProcessIterator:
-    def __init__(self, owner: Any, filler: BatchFiller, source: ArenaSource,
-                 batches: Iterator):
+    def __init__(self, owner: Any, filler: BatchFiller, source: ArenaSource, plan: EpochPlan):
         self._pid = os.getpid()
         self._owner = owner  # the loader: `for b in ArenaLoader(...)` must keep it alive
         self._filler = filler
         self._source = source
-        self._batches = batches
+        self._batches = plan.batches
+        self._epoch_position = plan.position  # the consumer's place (state_dict)
+        self._resume = plan.streams[0] if plan.streams is not None else None
         self._stream: Iterator | None = None  # iterable-style datasets, made at first next()
+        self._stream_state: bytes | None = None  # its state after the pending batch, if any
+        self._stateful = False
         self._position = 0  # items taken from the stream: names samples in errors
         self._arena: Arena | None = None
         self._done = False
@@ -33,7 +37,7 @@ class InProcessIterator:
         # no slot is free, so no batch is lost.
         self._pending: tuple[Any, Fetched | None] | None = None
         self._finalizer: weakref.finalize | None = None
-        self._count = 0  # batches made: names a batch in errors
+        self._count = plan.first_idx  # batches made (and skipped): names a batch in errors
         self._lock = threading.Lock()
         self._slabless = False
         self._stash: Any = None  # a batch built for a next() that Ctrl-C interrupted
@@ -65,6 +69,7 @@ class InProcessIterator:
             try:
                 self._pending = self._take()
             except StopIteration:
+                self._epoch_position.finished = True
                 self.close()
                 raise
         indices, fetched = self._pending
@@ -107,10 +112,12 @@ class InProcessIterator:
             batch = source.deliver(arena, slot, storage if slot is None else None,
                                    prepared.plan, self._count, indices)
             self._pending, self._count = None, self._count + 1
+            self._epoch_position.handed(0, self._stream_state)
             return batch
         except BaseException as exc:
             if batch is not None:  # Ctrl-C after the batch was built: the next next()'s
                 self._stash, self._pending, self._count = batch, None, self._count + 1
+                self._epoch_position.handed(0, self._stream_state)
             elif slot is not None and arena.pool.state(slot) in (SlotState.ASSIGNED,
                                                                  SlotState.FILLED):
                 arena.pool.reclaim(slot)  # rewritten from the kept batch next time
@@ -123,8 +130,12 @@ class InProcessIterator:
         if not filler.iterable:
             return next(self._batches), None
         if self._stream is None:
-            self._stream = iter(filler.dataset)
+            resume, self._resume = self._resume, None
+            self._stream = open_stream(filler.dataset, resume, filler.batch_size or 1)
+            self._stateful = stream_is_stateful(filler.dataset, self._stream)
         fetched = filler.fetch_next(self._stream)
+        if self._stateful:
+            self._stream_state = stream_state(filler.dataset, self._stream)
         if fetched is None:
             raise StopIteration
         indices = [StreamPosition(i) for i in range(self._position,

@@ -74,6 +74,10 @@ class EpochSeeds:
         else:  # any other type raises TypeError now
             self._rng = as_numpy_generator(generator)
 
+    @property
+    def stream(self) -> np.random.Generator | None:
+        """The numpy stream the seeds come from (None: torch's generator, or the user's)."""
+        return self._rng
     def base_seed(self) -> int:
         """The epoch's worker base seed (with a ``torch.Generator``, or none in a program
         using torch, torch's very draw: the same seed gives torch's worker seeds, and leaves
@@ -100,17 +104,22 @@ class EpochSeeds:
 
 
 def epoch_batches(options: LoaderOptions, sampler: Any, batch_sampler: Any,
-                  filler: BatchFiller) -> Iterator[Any]:
+                  filler: BatchFiller, first: int = 0) -> Iterator[Any]:
     """The epoch's batch order: each batch's indices (None per batch for iterable-style
-    datasets, whose workers' iterators decide when they end)."""
+    datasets, whose workers' iterators decide when they end), past the ``first`` batches a
+    resumed epoch skips (drawn as in a whole epoch, never loaded)."""
     if options.iterable:
         return itertools.repeat(None)
     if not options.auto_collation:
-        return iter(sampler)
-    if options.num_workers > 0 and type(batch_sampler) is BatchSampler:
+        return itertools.islice(sampler, first, None) if first else iter(sampler)
+    if type(batch_sampler) is BatchSampler and (options.num_workers > 0 or first):
         # int64 arrays straight into the batch order (workers read them as ints);
         # the in-process loader hands the dataset ints, as torch does, so takes lists.
-        batches = batch_sampler.index_batches()
+        batches = batch_sampler.index_batches(first)
+        if options.num_workers == 0:
+            batches = (b if type(b) is list else b.tolist() for b in batches)
+    elif first:
+        batches = itertools.islice(batch_sampler, first, None)
     else:
         batches = iter(batch_sampler)
     if filler.batch_size is None:

@@ -29,6 +29,7 @@ from ._layout import PlanEncoder
 from ._messages import BatchFailed, RemoteError, WorkerFailed
 from ._pipeline.completions import Status, encode, write_completion
 from ._pipeline.order import Entry, EntryKind, OrderReader
+from ._resume_stream import StreamResume, open_stream, stream_is_stateful, stream_state
 from ._sample_threads import SampleThreads
 from ._slab import Segment, SlabHandle, send_segment
 from .worker_info import WorkerInfo, set_process_worker_info, thread_info
@@ -61,6 +62,8 @@ class WorkerSetup:
     order_entry_nbytes: int = 0
     # Threads per worker (docs/design.md, "Threads inside workers"): 1 is the worker alone.
     worker_threads: int = 1
+    # A resumed epoch, iterable-style datasets: where this worker's iterator starts.
+    stream_resume: StreamResume | None = None
 
 
 def seed_worker(base_seed: int, worker_id: int) -> int:
@@ -178,6 +181,8 @@ class WorkerState:
         self._stream: Iterator | None = None
         self._stream_epoch = -1
         self._position = 0  # items taken from the iterator: names samples in errors
+        self._resume = setup.stream_resume  # for the first epoch's iterator only
+        self._stateful = False  # the replica has state_dict: its state goes with each batch
         # worker_threads > 1 (map-style, automatic batching): the worker's extra threads
         self.threads: SampleThreads | None = None
         self._segment: Segment | None = None  # the current batch's one-off segment, if any
@@ -210,7 +215,9 @@ class WorkerState:
             return filler.fetch(entry.indices), entry.indices
         if entry.epoch != self._stream_epoch:  # a new epoch (persistent workers): start over
             self._stream, self._stream_epoch, self._position = None, entry.epoch, 0
-            self._stream = iter(filler.dataset)
+            resume, self._resume = self._resume, None
+            self._stream = open_stream(filler.dataset, resume, filler.batch_size or 1)
+            self._stateful = stream_is_stateful(filler.dataset, self._stream)
         if self._stream is None:
             return None, None  # the iterator raised while being made: nothing this epoch
         fetched = filler.fetch_next(self._stream)
@@ -244,8 +251,11 @@ class WorkerState:
         fit, a one-off segment sent over the descriptor socket) and return its completion."""
         try:
             fetched, indices = self.fetch(entry)
+            # The replica's state after this batch goes just before its record.
+            state = encode(Status.STATE, entry.idx, entry.slot, stream_state(
+                self.setup.filler.dataset, self._stream)) if self._stateful else b""
             if fetched is None:
-                return encode(Status.ENDED, entry.idx, entry.slot)
+                return state + encode(Status.ENDED, entry.idx, entry.slot)
             filler = self.setup.filler
             prepared = filler.prepare(fetched, indices)
             # The plan record carries no idx or slot, so batches of one structure send equal
@@ -254,9 +264,9 @@ class WorkerState:
             storage = self._storage(entry, prepared.nbytes)
             filler.write(prepared, fetched, storage, indices)
             if self._segment is None:
-                return encode(Status.LOADED, entry.idx, entry.slot, plan)
+                return state + encode(Status.LOADED, entry.idx, entry.slot, plan)
             send_segment(self.setup.fd_socket, entry.idx, self._segment)
-            return encode(Status.SEGMENT, entry.idx, entry.slot, plan)
+            return state + encode(Status.SEGMENT, entry.idx, entry.slot, plan)
         finally:
             self._close_segment()
 

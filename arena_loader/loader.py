@@ -15,6 +15,7 @@ from ._arena import ArenaSource
 from ._inprocess import InProcessIterator
 from ._options import LoaderOptions, is_iterable_dataset
 from ._pipeline.iterator import MultiProcessIterator
+from ._resume import LoaderResume, Resumable
 from ._sample_threads import warn_thread_unsafe
 from ._torch_compat import (
     LengthCheckedIterator,
@@ -42,7 +43,7 @@ _FIXED_ATTRIBUTES = frozenset(
 T_co = TypeVar("T_co", covariant=True)
 
 
-class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
+class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
     """Iterate over ``dataset`` in batches that workers write straight into shared memory.
 
     The options are ``torch.utils.data.DataLoader``'s, with the same defaults and meanings
@@ -52,7 +53,8 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
     options of ours: ``slots`` (batches the slab holds), ``held_batch_limit``, ``output``,
     ``device`` (copies to that GPU on the loader's stream), ``worker_mode="thread"``,
     ``worker_threads=K`` (K threads per worker; the dataset must then be thread-safe).
-    README ("Quick start") and docs/design.md say more.
+    ``state_dict()`` / ``load_state_dict()`` resume mid-epoch, as torchdata's
+    ``StatefulDataLoader``. README ("Quick start", "Resuming") and docs/design.md say more.
     """
 
     def __init__(
@@ -137,6 +139,7 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
         self.sampler, self.batch_sampler = default_samplers(
             dataset, self.options, sampler, batch_sampler, batch_size, drop_last)
         self._seeds = EpochSeeds(generator)
+        self._resume = LoaderResume()
         self._filler = make_filler(self._datapipe or dataset, self.options, self.sampler,
                                    self.batch_sampler, batch_size, drop_last)
         self._source = ArenaSource(self.slots, pinner=pinner, lease_only=self._device is not None,
@@ -175,7 +178,10 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
         if os.getpid() != self._pid:
             self._adopt_after_fork()
         options = self.options
-        draws = UnusedIteratorDraws.take(self)  # given back if the iterator is never used
+        plan = self._resume.begin_epoch(self)  # a loaded state: its epoch's draws replayed
+        # Given back if the iterator is never used (not a resumed epoch's: its draws replay
+        # the interrupted run's, even when nothing of that epoch is left to hand out).
+        draws = None if plan.resumed else UnusedIteratorDraws.take(self)
         if self.pin_memory and self.pin_memory_device:
             warnings.warn("pin_memory_device is deprecated, the current accelerator will be "
                           f"used as the device,ignore pin_memory_device='"
@@ -187,18 +193,19 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
         persistent = self._iterators.persistent
         reuse = (options.num_workers > 0 and options.persistent_workers
                  and persistent is not None and not persistent.broken)
-        base_seed = None if reuse else self._seeds.base_seed()
-        if self._datapipe is not None and options.num_workers > 0 and not reuse:
+        base_seed = self._resume.base_seed(self._seeds, reuse)
+        if self._datapipe is not None and options.num_workers > 0 and self._resume.drew_seed:
             # torch's new worker iterator draws the DataPipe seed once more, in its _reset(),
             # for the main process's copy; its workers keep the first. Drawn to stay in step.
             self._seeds.datapipe_seed()
-        batches = epoch_batches(options, self.sampler, self.batch_sampler, self._filler)
+        plan.batches = epoch_batches(options, self.sampler, self.batch_sampler, self._filler,
+                                     plan.first_idx)
         if self._device is not None and options.persistent_workers:
             self._device.detach()  # no device thread may read the persistent iterator now
         if options.num_workers == 0:
-            iterator: Any = InProcessIterator(self, self._filler, self._source, batches)
+            iterator: Any = InProcessIterator(self, self._filler, self._source, plan)
         elif reuse:
-            self._iterators.persistent.reset(batches)
+            self._iterators.persistent.reset(plan)
             return self._iterators.watched(draws, self._source, self._checked_length(
                 self._on_device(self._iterators.persistent, owns_host=False)), None)
         else:
@@ -208,7 +215,7 @@ class ArenaLoader(TorchIteratorAttribute, Generic[T_co]):
             # The loader keeps its persistent iterator: that one must not reference the loader
             # back, or a dropped loader would wait for the cyclic GC to stop its workers.
             iterator = MultiProcessIterator(None if options.persistent_workers else self,
-                                            options, self._filler, self._source, batches,
+                                            options, self._filler, self._source, plan,
                                             base_seed)
             if options.persistent_workers:
                 self._iterators.persistent = iterator

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = [
     "WeightedRandomSampler",
     "as_numpy_generator",
     "is_torch_generator",
+    "numpy_stream",
     "torch_for",
 ]
 
@@ -77,6 +79,14 @@ def as_numpy_generator(generator: Any) -> np.random.Generator:
         "generator must be None, an int seed, a numpy.random.Generator or a torch.Generator, "
         f"got {type(generator).__name__}"
     )
+
+
+def numpy_stream(sampler: Any) -> np.random.Generator | None:
+    """The numpy generator one of our random samplers draws from (None when it follows
+    torch, or for any other sampler): the loader's state_dict() records its state."""
+    if type(sampler) in (RandomSampler, SubsetRandomSampler, WeightedRandomSampler):
+        return sampler._rng
+    return None
 
 
 class InfiniteConstantSampler:
@@ -212,10 +222,12 @@ class BatchSampler:
         for batch in self.index_batches():
             yield batch if type(batch) is list else batch.tolist()
 
-    def index_batches(self) -> Iterator[list[int] | np.ndarray]:
+    def index_batches(self, first: int = 0) -> Iterator[list[int] | np.ndarray]:
         """The epoch's batches as ``__iter__`` draws them, but each as a slice of one int64
         array where the sampler is one of ours (what a loader with workers writes into the
-        batch order as it is); lists otherwise."""
+        batch order as it is); lists otherwise. ``first``: batches to skip (a resumed
+        epoch): the sampler draws as in a whole epoch, and the skipped indices are dropped
+        before any list is made."""
         index_array = getattr(self.sampler, "_index_array", None)
         array = index_array() if index_array is not None and type(self.sampler) in (
             RandomSampler, SequentialSampler) else None
@@ -223,10 +235,12 @@ class BatchSampler:
             array = array.astype(np.int64, copy=False)
             size = self.batch_size
             stop = len(array) - len(array) % size if self.drop_last else len(array)
-            for start in range(0, stop, size):
+            for start in range(first * size, stop, size):
                 yield array[start: start + size]
             return
         indices = iter(self.sampler)
+        if first:  # drawn and dropped in C, no list per batch
+            deque(itertools.islice(indices, first * self.batch_size), maxlen=0)
         while True:
             batch = list(itertools.islice(indices, self.batch_size))
             if len(batch) < self.batch_size and (self.drop_last or not batch):

@@ -28,19 +28,22 @@ class Status(enum.IntEnum):
     ENDED = 3  # an iterable-style dataset's iterator ended: no batch
     FAILED = 4  # body: a pickled BatchFailed
     WORKER_FAILED = 5  # body: a pickled WorkerFailed (the worker could not start or attach)
+    # body: the worker's replica state after batch idx, sent just before its record (only
+    # for iterable-style datasets with state_dict; docs/design.md, "Resuming")
+    STATE = 6
 
 
 # The statuses as plain ints, for the per-batch path (an IntEnum call costs a microsecond);
 # a Completion's ``status`` is one of these.
-LOADED, SEGMENT, ENDED, FAILED, WORKER_FAILED = (int(s) for s in Status)
+LOADED, SEGMENT, ENDED, FAILED, WORKER_FAILED, STATE = (int(s) for s in Status)
 
 
 class Completion:
     """One decoded record: ``plan`` for loaded batches, ``body`` (bytes) otherwise. Filed,
     it also carries the batch's ``indices`` and, for a SEGMENT batch, its ``storage``."""
 
-    __slots__ = ("body", "idx", "indices", "nbytes", "plan", "slot", "status", "storage",
-                 "worker")
+    __slots__ = ("body", "idx", "indices", "nbytes", "plan", "slot", "state", "status",
+                 "storage", "worker")
 
     def __init__(self, worker: int, status: int, idx: int, slot: int, body: bytes,
                  plan: Any, nbytes: int):
@@ -48,6 +51,7 @@ class Completion:
         self.body, self.plan, self.nbytes = body, plan, nbytes
         self.indices: Any = None
         self.storage: Any = None  # a SEGMENT batch's bytes, once received
+        self.state: bytes | None = None  # the worker's replica state after it (STATE)
 
 
 def encode(status: Status, idx: int, slot: int, body: bytes = b"") -> bytes:

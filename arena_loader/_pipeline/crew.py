@@ -17,6 +17,7 @@ import numpy as np
 from .._fetch import BatchFiller
 from .._options import LoaderOptions
 from .._process import WorkerGroup, is_main_thread
+from .._resume_stream import StreamResume
 from .._slab import SegmentReceiver, Slab
 from .._threads import ThreadWorkerGroup
 from .._worker import WorkerSetup
@@ -45,9 +46,11 @@ class WorkerGroupLike(Protocol):
 
 class Crew:
     def __init__(self, options: LoaderOptions, filler: BatchFiller, slab: Slab,
-                 slot_nbytes: int, slots: int, base_seed: int, window: int, waker_fd: int):
+                 slot_nbytes: int, slots: int, base_seed: int, window: int, waker_fd: int,
+                 streams: list[StreamResume] | None = None):
         """Start ``options.num_workers`` workers holding ``slab`` (sized: ``slot_nbytes``;
-        reserved: 0, an ATTACH entry sizes it later) and a ring deep enough for ``window``."""
+        reserved: 0, an ATTACH entry sizes it later) and a ring deep enough for ``window``;
+        ``streams``: where each resumed worker's iterator starts (iterable-style datasets)."""
         self.workers = options.num_workers
         self.ring = OrderRing(self.workers, window + 2, filler.batch_size or 1)
         thread = options.worker_mode == "thread"
@@ -60,7 +63,8 @@ class Crew:
                         publish_to_torch="torch" in sys.modules,
                         order=None if thread else self.ring.handle(),
                         order_depth=self.ring.depth, order_entry_nbytes=self.ring.entry_nbytes,
-                        worker_threads=options.worker_threads)
+                        worker_threads=options.worker_threads,
+                        stream_resume=streams[i] if streams is not None else None)
             for i in range(self.workers)
         ]
         group: WorkerGroupLike | None = None

@@ -6,9 +6,9 @@ any two lines leaves the batch either sent and owed, or pending."""
 from __future__ import annotations
 
 import traceback
-from collections.abc import Iterator
 from typing import Any
 
+from .._resume_stream import EpochPlan
 from .crew import Crew
 from .order import EntryKind
 from .reorder import Reorderer
@@ -17,17 +17,18 @@ NO_PENDING = object()  # not None: an iterable-style dataset's "indices" are Non
 
 
 class Feed:
-    def __init__(self, batches: Iterator, num_workers: int, iterable: bool, epoch: int):
-        self._batches = batches
+    def __init__(self, plan: EpochPlan, num_workers: int, iterable: bool, epoch: int):
+        self._batches = plan.batches
         self._workers = num_workers
         self._iterable = iterable
         self.epoch = epoch
         self.pending: Any = NO_PENDING  # indices drawn, waiting for a slot
-        self.send_idx = 0
+        self.send_idx = plan.first_idx  # (a resumed epoch: past the batches handed out)
         self.exhausted = False
         self.sampler_error: BaseException | None = None
-        self.active = [True] * num_workers  # iterable-style datasets: iterator not ended
-        self._next_worker = 0
+        # Iterable-style datasets: which workers' iterators have not ended, who is next.
+        self.active = list(plan.active) if plan.active is not None else [True] * num_workers
+        self._next_worker = plan.next_worker
 
     @property
     def needs_draw(self) -> bool:

@@ -12,16 +12,18 @@ from typing import Any
 from .._arena import Arena, ArenaSource
 from .._messages import listed, rebuild_worker_error
 from .._pool import SlotState
+from .._resume_stream import EpochPosition
 from .completions import ENDED, FAILED, LOADED, Completion
 from .reorder import Reorderer
 
 
 class Handout:
-    __slots__ = ("stash", "taken")
+    __slots__ = ("position", "stash", "taken")
 
-    def __init__(self) -> None:
+    def __init__(self, position: EpochPosition) -> None:
         self.taken: Completion | None = None  # taken, not yet handed over
         self.stash: Any = None  # a batch built for a next() that Ctrl-C interrupted
+        self.position = position  # moved as each batch is handed over (state_dict)
 
     def take(self, order: Reorderer) -> bool:
         """Move the next batch to hand out into ``taken`` (from here on an interrupt puts it
@@ -33,6 +35,7 @@ class Handout:
             order.taken(ready)
             if ready.status != ENDED:
                 return True
+            self.position.ended(ready.worker, ready.state)
             self.taken = None
 
     def put_back(self, order: Reorderer) -> None:
@@ -54,12 +57,14 @@ class Handout:
         try:
             if ready.status == FAILED:
                 self.taken = None  # handed out: raised on the next line
+                self.position.handed(ready.worker, None)
                 raise rebuild_worker_error(ForkingPickler.loads(ready.body), ready.indices,
                                            ready.idx)
             in_slot = ready.storage is None
             batch = source.deliver(arena, ready.slot if in_slot else None, ready.storage,
                                    ready.plan, ready.idx, ready.indices)
             self.taken = None
+            self.position.handed(ready.worker, ready.state)
             return batch
         except KeyboardInterrupt:
             if batch is not None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .._arena import Arena
 from .._messages import NO_SLOT, fresh_copy, listed, rebuild_worker_error
 from .._process import JOIN_TIMEOUT_S
-from .completions import ENDED, LOADED, SEGMENT, WORKER_FAILED, Completion
+from .completions import ENDED, LOADED, SEGMENT, STATE, WORKER_FAILED, Completion
 from .crew import WAKER, Crew
 from .feed import Feed
 from .order import EntryKind
@@ -123,6 +123,11 @@ class Intake:
         if session.phase is not Phase.RUNNING and session.phase is not Phase.DRAINING:
             return  # failed: the workers are stopped and every slot they had is reclaimed
         status = completion.status
+        order = session.order
+        if status == STATE:  # kept for the record that follows it
+            if completion.idx in order.in_flight and session.phase is Phase.RUNNING:
+                order.states[completion.idx] = completion.body
+            return
         if status == WORKER_FAILED:
             error = rebuild_worker_error(ForkingPickler.loads(completion.body))
             if session.phase is Phase.DRAINING:
@@ -143,7 +148,9 @@ class Intake:
                 and not session.claim.slabless:
             self.attach(completion.plan.nbytes)  # the first batch, or an interrupted attach
         completion.indices = entry[2]
-        session.order.arrive(completion)
+        if order.states:
+            completion.state = order.states.pop(completion.idx, None)
+        order.arrive(completion)
 
     def attach(self, first_nbytes: int) -> None:
         """The session's first batch sets the slot budget: size the reserved slab for it and

@@ -5,19 +5,19 @@ closed by a finalizer) even while the session is referenced elsewhere."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 from .._arena import ArenaSource
 from .._fetch import BatchFiller
 from .._options import LoaderOptions
+from .._resume import EpochPlan
 from ..snapshot import IteratorSnapshot
 from .session import Session
 
 
 class MultiProcessIterator:
     def __init__(self, owner: Any, options: LoaderOptions, filler: BatchFiller,
-                 source: ArenaSource, batches: Iterator, base_seed: int):
+                 source: ArenaSource, plan: EpochPlan, base_seed: int):
         # The loader: `for b in ArenaLoader(...)` must keep it alive. Batches come converted
         # (to tensors, or leases for a device stage) from ArenaSource.deliver.
         self._owner = owner
@@ -28,7 +28,7 @@ class MultiProcessIterator:
         self.next_batch = self._session.next_batch
         self._finalizer = weakref.finalize(self, self._session.close)
         try:
-            self._session.start_epoch(batches)
+            self._session.start_epoch(plan)
         except BaseException:
             self.close()
             raise
@@ -40,13 +40,14 @@ class MultiProcessIterator:
         try:
             return self._session.next_batch()
         except StopIteration:
+            self._session.position.finished = True
             if not self._persistent:
                 self._session.finish()
             raise
 
-    def reset(self, batches: Iterator) -> None:
+    def reset(self, plan: EpochPlan) -> None:
         """Persistent workers: begin a new epoch on the same workers and slab."""
-        self._session.start_epoch(batches)
+        self._session.start_epoch(plan)
 
     @property
     def broken(self) -> bool:

@@ -10,12 +10,15 @@ from typing import Any
 
 
 class Reorderer:
-    def __init__(self, in_order: bool):
+    def __init__(self, in_order: bool, first_idx: int = 0):
         self.in_order = in_order
         self.in_flight: dict[int, tuple[int, int, Any]] = {}  # idx -> (worker, slot, indices)
         self.done: dict[int, Any] = {}  # idx -> its filed Completion
         self._arrival: deque[int] = deque()  # in_order=False: idx in completion order
-        self.next_idx = 0  # in_order: the idx next() hands out next
+        self.next_idx = first_idx  # in_order: the idx next() hands out next
+        # idx -> the worker's replica state sent before that batch's record (datasets with
+        # state_dict only: empty, and never looked into, otherwise)
+        self.states: dict[int, bytes] = {}
 
     def owed_by(self, idx: int) -> int | None:
         """The worker that owes batch ``idx``, if it is in flight."""

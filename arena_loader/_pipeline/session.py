@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
 
 from .. import _forksafe
 from .._arena import ArenaSource
@@ -26,6 +25,7 @@ from .._fetch import BatchFiller
 from .._messages import NO_SLOT, fresh_copy
 from .._options import LoaderOptions
 from .._pool import SlotState, Waker
+from .._resume_stream import EpochPlan, EpochPosition
 from ..errors import LoaderClosedError
 from ..snapshot import IteratorSnapshot
 from .claim import SlabClaim
@@ -65,7 +65,7 @@ class Session:
         self.stuck_slots: set[int] = set()  # written by thread workers stuck in user code
         self.fatal: BaseException | None = None
         self.epoch = -1
-        self._reset_epoch_state(iter(()))
+        self._reset_epoch_state(EpochPlan(EpochPosition(0, None, None)))
         self.intake = Intake(self)
         self.next_batch = Consumer(self).next_batch  # (bound once: no extra call per batch)
 
@@ -109,7 +109,7 @@ class Session:
 
     # -- epochs -----------------------------------------------------------------------
 
-    def start_epoch(self, batches: Iterator) -> None:
+    def start_epoch(self, plan: EpochPlan) -> None:
         """Begin an epoch: workers start (first epoch) and the read-ahead window is sent."""
         with self.consumer_lock:
             with self.lock:
@@ -124,20 +124,21 @@ class Session:
                 self.intake.drain()
             with self.lock:
                 self.check_open()
-                self._reset_epoch_state(batches)
+                self._reset_epoch_state(plan)
                 arena = self.claim.arena
                 if arena is not None and self.crew is not None and self.source.outgrown(arena):
                     self._regrow()
                 self.begin()
             self.fill_window()
 
-    def _reset_epoch_state(self, batches: Iterator) -> None:
+    def _reset_epoch_state(self, plan: EpochPlan) -> None:
         self.epoch += 1
-        self.feed = Feed(batches, self.options.num_workers, self._filler.iterable,
-                          self.epoch)
-        self.order = Reorderer(self.options.in_order)
+        self.feed = Feed(plan, self.options.num_workers, self._filler.iterable, self.epoch)
+        self.order = Reorderer(self.options.in_order, plan.first_idx)
         self.window = Window(self._window_size)
-        self.handout = Handout()
+        self.position = plan.position  # the consumer's place (state_dict)
+        self.handout = Handout(plan.position)
+        self._streams = plan.streams  # how a resumed epoch's new workers start
         self.started = False
 
     def _regrow(self) -> None:
@@ -159,7 +160,7 @@ class Session:
             self.attached = [slot_nbytes > 0] * self.options.num_workers
             self.crew = Crew(self.options, self._filler, slab, slot_nbytes,
                               self.source.slots, self._base_seed, self._window_size,
-                              self.waker.fileno())
+                              self.waker.fileno(), self._streams)
         self.enter(Phase.RUNNING)
         self.started = True
 

@@ -1,0 +1,129 @@
+"""The per-epoch side of resuming (docs/design.md, "Resuming"): what an epoch's iterator is
+given (``EpochPlan``), the consumer's position it moves batch by batch (``EpochPosition``),
+and, for iterable-style datasets, a worker's replica state taken after each batch and given
+back to a resumed worker (``StreamResume``). A dataset without ``state_dict`` costs nothing
+here: no state is taken, and a resumed worker skips the batches it had handed out."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def is_stateful(value: Any) -> bool:
+    """torchdata's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict()``."""
+    return callable(getattr(value, "state_dict", None)) and \
+        callable(getattr(value, "load_state_dict", None))
+
+
+@dataclass(frozen=True)
+class StreamResume:
+    """Where a resumed worker's iterator starts: its replica's pickled state (``state``),
+    or, for a dataset without one, how many of its batches to skip."""
+
+    state: bytes | None
+    skip_batches: int
+
+
+def open_stream(dataset: Any, resume: StreamResume | None, rows: int) -> Iterator:
+    """``iter(dataset)``, resumed as ``resume`` says (torchdata's order: the dataset's state,
+    then the iterator, then the iterator's state)."""
+    if resume is not None and resume.state is not None:
+        saved = pickle.loads(resume.state)
+        if saved["dataset"] is not None:
+            dataset.load_state_dict(saved["dataset"])
+        stream = iter(dataset)
+        if saved["iterator"] is not None:
+            stream.load_state_dict(saved["iterator"])
+        return stream
+    stream = iter(dataset)
+    if resume is not None and resume.skip_batches:
+        # Drawn and dropped, never collated: the only way on through a stream with no state.
+        deque(itertools.islice(stream, resume.skip_batches * rows), maxlen=0)
+    return stream
+
+
+def stream_is_stateful(dataset: Any, stream: Any) -> bool:
+    return is_stateful(dataset) or (stream is not dataset and is_stateful(stream))
+
+
+def stream_state(dataset: Any, stream: Any) -> bytes:
+    """The replica's state now (after the batch just fetched), pickled to travel."""
+    return pickle.dumps({
+        "dataset": dataset.state_dict() if is_stateful(dataset) else None,
+        "iterator": stream.state_dict() if stream is not dataset and is_stateful(stream)
+        else None}, protocol=5)
+
+
+class WorkerPosition:
+    """One worker's replica as of the last batch handed out from it this epoch."""
+
+    __slots__ = ("batches", "ended", "state")
+
+    def __init__(self, state: bytes | None = None, batches: int = 0, ended: bool = False):
+        self.state, self.batches, self.ended = state, batches, ended
+
+    def as_state(self) -> dict[str, Any]:
+        return {"batches": self.batches, "ended": self.ended,
+                "state": None if self.state is None else pickle.loads(self.state)}
+
+    @classmethod
+    def from_state(cls, saved: dict[str, Any]) -> WorkerPosition:
+        state = None if saved["state"] is None else pickle.dumps(saved["state"], protocol=5)
+        return cls(state, saved["batches"], saved["ended"])
+
+
+class EpochPosition:
+    """The consumer's place in one epoch, moved by the iterator as it hands batches out (so
+    ``state_dict()`` never counts what workers have only prefetched)."""
+
+    __slots__ = ("finished", "last_worker", "next_idx", "workers", "yielded")
+
+    def __init__(self, first_idx: int, workers: list[WorkerPosition] | None,
+                 last_worker: int | None, yielded: int | None = None):
+        self.next_idx = first_idx  # idx handed out so far, ended iterators' marks included
+        self.yielded = first_idx if yielded is None else yielded  # batches handed out
+        self.workers = workers  # iterable-style datasets only
+        self.last_worker = last_worker
+        self.finished = False  # the iterator raised StopIteration
+
+    def handed(self, worker: int, state: bytes | None) -> None:
+        """A batch (or its error) of ``worker`` went to the consumer; ``state``: its replica's
+        state after it (None: none taken)."""
+        self.next_idx += 1
+        self.yielded += 1
+        workers = self.workers
+        if workers is not None:
+            self.last_worker = worker
+            position = workers[worker]
+            position.batches += 1
+            if state is not None:
+                position.state = state
+
+    def ended(self, worker: int, state: bytes | None) -> None:
+        """``worker``'s iterator ended, and the consumer has passed that mark."""
+        self.next_idx += 1
+        self.last_worker = worker
+        position = self.workers[worker]
+        position.ended = True
+        if state is not None:
+            position.state = state
+
+
+@dataclass
+class EpochPlan:
+    """What an epoch's iterator is given: the batch order (already past the batches handed
+    out before a resume), where ``idx`` starts, the position to move, and for iterable-style
+    datasets which workers still have data, who is next, and how each resumed worker starts."""
+
+    position: EpochPosition
+    first_idx: int = 0
+    batches: Iterator = field(default_factory=lambda: iter(()))
+    active: list[bool] | None = None
+    next_worker: int = 0
+    streams: list[StreamResume] | None = None
+    resumed: bool = False  # made by load_state_dict(): replays an interrupted epoch

@@ -1,0 +1,186 @@
+"""Mid-epoch resume (docs/design.md, "Resuming"): a run stopped after k batches, its
+state_dict() pickled, and resumed in a fresh interpreter gives, batch for batch, what an
+uninterrupted run gives, for the rest of that epoch and the next."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from arena_loader import ArenaLoader
+from tests import resume_driver
+from tests.resume_driver import BATCH_SIZE, CONFIGS, SAMPLES, make_loader, resume, rows
+
+REPO = Path(__file__).resolve().parent.parent
+SEED = 20240611
+
+
+def _resume_in_fresh_interpreter(name: str, states: list[dict], tmp_path: Path) -> list:
+    states_path, out_path = tmp_path / "states.pkl", tmp_path / "resumed.pkl"
+    states_path.write_bytes(pickle.dumps(states))
+    subprocess.run([sys.executable, "-m", "tests.resume_driver", name, str(states_path),
+                    str(out_path)], cwd=REPO, check=True, timeout=90)
+    return pickle.loads(out_path.read_bytes())
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_resumed_run_equals_uninterrupted_run(name, tmp_path):
+    """Stopped after 0, a middle, the last batch, or the epoch's end, then resumed in a fresh
+    interpreter: the batches (samples, worker, worker seed) equal an uninterrupted run's."""
+    torch.manual_seed(SEED)
+    whole = resume_driver.run_whole(name)
+    first_epoch = len(whole) // 2 if "iterable" not in name else None
+    stops = [0, 2, first_epoch if first_epoch else 3, None]
+    heads, states = [], []
+    for stop_after in stops:
+        torch.manual_seed(SEED)
+        head, state = resume_driver.run_and_stop(name, stop_after)
+        heads.append(head)
+        states.append(state)
+    for stop_after, head in zip(stops, heads):
+        assert head == whole[:len(head)], f"stopped after {stop_after}: the run itself differs"
+    for stop_after, head, tail in zip(stops, heads, _resume_in_fresh_interpreter(
+            name, states, tmp_path)):
+        assert head + tail == whole, (f"{name}, stopped after {stop_after} batches: "
+                                      f"resumed {tail} instead of {whole[len(head):]}")
+
+
+class CountingDataset(resume_driver.WhoLoads):
+    """Records the samples it loads (in-process: the test can read them)."""
+
+    def __init__(self, samples: int = SAMPLES):
+        self.samples, self.loaded = samples, []
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        self.loaded.append(index)
+        return super().__getitem__(index)
+
+
+def _stop(loader: ArenaLoader, batches: int) -> tuple[list, dict]:
+    head = []
+    for batch in loader:
+        head.append(rows(batch))
+        if len(head) == batches:
+            break
+    return head, loader.state_dict()
+
+
+def test_resume_skips_batches_without_loading_them():
+    """The batches handed out before the state are skipped by index: not one of their
+    samples is loaded again."""
+    torch.manual_seed(SEED)
+    with ArenaLoader(CountingDataset(), batch_size=BATCH_SIZE, shuffle=True) as loader:
+        head, state = _stop(loader, 3)
+    dataset = CountingDataset()
+    torch.manual_seed(SEED + 1)
+    with ArenaLoader(dataset, batch_size=BATCH_SIZE, shuffle=True) as loader:
+        loader.load_state_dict(state)
+        tail = [rows(b) for b in loader]
+    assert sorted(dataset.loaded) == sorted(row[0] for batch in tail for row in batch)
+    assert sorted(row[0] for batch in head + tail for row in batch) == list(range(SAMPLES))
+
+
+@pytest.mark.timeout(60)
+def test_state_counts_batches_received_not_prefetched():
+    """With workers loading ahead, the state counts the batches next() returned."""
+    with make_loader("workers") as loader:
+        iterator = iter(loader)
+        next(iterator)
+        assert resume_driver.wait_for_prefetch(loader)  # batches 1.. sent ahead, loading
+        time.sleep(0.2)
+        state = loader.state_dict()
+        assert (state["batches_yielded"], state["next_idx"]) == (1, 1)
+        del iterator
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["workers", "iterable_stateful"])
+def test_state_dict_is_plain_json_data(name):
+    """Mid-epoch, the state is plain data: it survives a JSON round trip and still resumes."""
+    torch.manual_seed(SEED)
+    whole = resume_driver.run_whole(name, epochs=1)
+    torch.manual_seed(SEED)
+    with make_loader(name) as loader:
+        _, state = _stop(loader, 2)
+    assert resume(name, json.loads(json.dumps(state)), epochs=1) == whole[2:]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("name", "overrides", "differs"), [
+    ("in_process", {"batch_size": 5}, "batch_size is 4 in the state and 5 here"),
+    ("in_process", {"dataset": "short"}, f"dataset_length is {SAMPLES} in the state and "
+                                         f"{SAMPLES - 1} here"),
+    ("iterable_stateful", {"num_workers": 1}, "num_workers is 2 in the state and 1 here"),
+    ("in_order_generator", {"generator": None}, "generators is"),
+])
+def test_mismatched_state_is_an_error_naming_what_differs(name, overrides, differs):
+    """A state from a loader built otherwise is refused, naming the difference."""
+    with make_loader(name) as loader:
+        state = loader.state_dict()
+    with make_loader(name, **overrides) as other, pytest.raises(ValueError, match=differs):
+        other.load_state_dict(state)
+
+
+def test_empty_state_changes_nothing():
+    """torchdata's rule: load_state_dict({}) is a no-op."""
+    torch.manual_seed(SEED)
+    whole = resume_driver.run_whole("in_process", epochs=1)
+    torch.manual_seed(SEED)
+    with make_loader("in_process") as loader:
+        loader.load_state_dict({})
+        assert [rows(b) for b in loader] == whole
+
+
+@pytest.mark.timeout(60)
+def test_stateless_iterable_workers_send_no_state():
+    """Workers send their replica's state only for datasets with state_dict: a dataset
+    without one costs not one record more."""
+    records = {}
+    for name in ("iterable_stateless", "iterable_stateful"):
+        with make_loader(name, num_workers=1) as loader:  # one worker: a fixed record count
+            iterator = iter(loader)
+            batches = sum(1 for _ in iterator)
+            records[name] = iterator.stats["results_received"]
+    assert batches == -(-SAMPLES // BATCH_SIZE)
+    assert records["iterable_stateless"] < records["iterable_stateful"]
+    assert records["iterable_stateful"] == 2 * records["iterable_stateless"]
+
+
+def test_matches_torchdata_stateful_dataloader():
+    """Code written for torchdata's StatefulDataLoader switches by one import: the same
+    calls, stopped and resumed at the same batch, give the same batches, for the rest of the
+    epoch and the next. (Sequential order: torchdata's own RandomSampler draws another
+    permutation than torch's, which ours follows.)"""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    dataset = [np.int64(i) for i in range(SAMPLES)]
+
+    def stop_and_resume(loader_class: type) -> list:
+        def make():
+            return loader_class(dataset, batch_size=BATCH_SIZE, drop_last=True)
+
+        loader = make()
+        head = []
+        for batch in loader:
+            head.append(np.asarray(batch).tolist())
+            if len(head) == 3:
+                break
+        state = pickle.loads(pickle.dumps(loader.state_dict()))
+        loader = make()
+        loader.load_state_dict(state)
+        return head + [np.asarray(b).tolist() for _ in range(2) for b in loader]
+
+    ours = stop_and_resume(ArenaLoader)
+    assert ours == stop_and_resume(stateful.StatefulDataLoader)
+    assert len(ours) == 2 * (SAMPLES // BATCH_SIZE)
