@@ -117,6 +117,9 @@ class SequentialSampler:
         """The epoch's indices as one array (BatchSampler slices it: no list per index)."""
         return np.arange(len(self.data_source))
 
+    def _indices_from(self, skip: int) -> Iterator[int]:
+        return iter(range(skip, len(self.data_source)))
+
     def __len__(self) -> int:
         return len(self.data_source)
 
@@ -177,24 +180,38 @@ class RandomSampler:
             drawn = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return drawn
 
-    def _torch_indices(self, torch: Any, n: int) -> Iterator[int]:
+    def _indices_from(self, skip: int) -> Iterator[int]:
+        """The epoch's indices after the first ``skip``, drawn as a whole epoch draws them (a
+        resumed epoch): the skipped ones are never made into Python ints."""
+        n = len(self.data_source)
+        torch = torch_for(self.generator)
+        if n == 0 or torch is None:
+            return iter(self._numpy_indices(n)[skip:].tolist()) if n else iter(())
+        return self._torch_indices(torch, n, skip)
+
+    def _torch_indices(self, torch: Any, n: int, skip: int = 0) -> Iterator[int]:
         """torch.utils.data.RandomSampler.__iter__'s draws, call for call (a generator, like
-        torch's, so its seed is drawn at the first next())."""
+        torch's, so its seed is drawn at the first next()); the first ``skip`` indices are
+        drawn and dropped."""
         generator = self.generator
         if generator is None:
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
             generator = torch.Generator()
             generator.manual_seed(seed)
         if self.replacement:
-            for _ in range(self.num_samples // 32):
-                yield from torch.randint(high=n, size=(32,), dtype=torch.int64,
-                                         generator=generator).tolist()
-            yield from torch.randint(high=n, size=(self.num_samples % 32,), dtype=torch.int64,
-                                     generator=generator).tolist()
+            chunks = [32] * (self.num_samples // 32) + [self.num_samples % 32]
+            draw = lambda size: torch.randint(high=n, size=(size,),  # noqa: E731
+                                              dtype=torch.int64, generator=generator)
         else:
-            for _ in range(self.num_samples // n):
-                yield from torch.randperm(n, generator=generator).tolist()
-            yield from torch.randperm(n, generator=generator).tolist()[:self.num_samples % n]
+            chunks = [n] * (self.num_samples // n) + [self.num_samples % n]
+            draw = lambda size: torch.randperm(n, generator=generator)[:size]  # noqa: E731
+        for size in chunks:
+            drawn = draw(size)  # (drawn even when skipped: the generator moves as in an epoch)
+            if skip >= size:
+                skip -= size
+                continue
+            yield from drawn[skip:].tolist()
+            skip = 0
 
     def __len__(self) -> int:
         return self.num_samples
@@ -238,9 +255,13 @@ class BatchSampler:
             for start in range(first * size, stop, size):
                 yield array[start: start + size]
             return
-        indices = iter(self.sampler)
-        if first:  # drawn and dropped in C, no list per batch
-            deque(itertools.islice(indices, first * self.batch_size), maxlen=0)
+        skip = first * self.batch_size
+        if skip and type(self.sampler) in (RandomSampler, SequentialSampler):
+            indices = self.sampler._indices_from(skip)
+        else:
+            indices = iter(self.sampler)
+            if skip:  # drawn and dropped in C, no list per batch
+                deque(itertools.islice(indices, skip), maxlen=0)
         while True:
             batch = list(itertools.islice(indices, self.batch_size))
             if len(batch) < self.batch_size and (self.drop_last or not batch):
