@@ -149,13 +149,16 @@ def test_stateless_iterable_workers_send_no_state():
     without one costs not one record more."""
     records = {}
     for name in ("iterable_stateless", "iterable_stateful"):
-        with make_loader(name, num_workers=1) as loader:  # one worker: a fixed record count
+        # One worker, one sample per batch, one batch read ahead: a record count that
+        # timing moves by at most the read-ahead's one ended mark (and its state record).
+        with make_loader(name, num_workers=1, batch_size=1, prefetch_factor=1) as loader:
             iterator = iter(loader)
             batches = sum(1 for _ in iterator)
             records[name] = iterator.stats["results_received"]
-    assert batches == -(-SAMPLES // BATCH_SIZE)
-    assert records["iterable_stateless"] < records["iterable_stateful"]
-    assert records["iterable_stateful"] == 2 * records["iterable_stateless"]
+    assert batches == SAMPLES
+    assert batches <= records["iterable_stateless"] <= batches + 2  # a record per batch
+    # With state_dict, one state record more per batch.
+    assert 2 * batches <= records["iterable_stateful"] <= 2 * batches + 4
 
 
 def test_matches_torchdata_stateful_dataloader():
