@@ -488,30 +488,32 @@ def _interrupted(call, k):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)])
-def test_ctrl_c_at_any_line_of_next_iter_and_close_loses_nothing(num_workers, persistent):
+@pytest.mark.parametrize("num_workers, persistent, threads", [
+    (0, False, 1), (2, False, 1), (2, True, 1), (2, False, 2)])
+def test_ctrl_c_at_any_line_of_next_iter_and_close_loses_nothing(num_workers, persistent,
+                                                                  threads):
     """KeyboardInterrupt injected at the k-th line of arena_loader code in next() (k = 1, 2,
     3, ... over successive calls, past the longest next()), in iter() and in close(), over
     several epochs: each epoch yields every batch once, in order; every slot is free after
     it; close() called again after an interrupted one leaves no worker alive. Run in a fresh
     interpreter: descriptors an interrupt leaves to the garbage collector must not reach the
-    next tests' workers."""
+    next tests' workers. ``threads``: worker_threads, each worker's threads sharing a batch."""
     import subprocess
 
     result = subprocess.run(
         [sys.executable, "-c", "import sys; from tests.test_faults import _ctrl_c_matrix; "
-         f"_ctrl_c_matrix({num_workers}, {persistent}); print('matrix ok')"],
+         f"_ctrl_c_matrix({num_workers}, {persistent}, {threads}); print('matrix ok')"],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         capture_output=True, text=True, timeout=140)
     assert result.returncode == 0 and "matrix ok" in result.stdout, result.stderr[-3000:]
 
 
-def _ctrl_c_matrix(num_workers, persistent):
+def _ctrl_c_matrix(num_workers, persistent, threads=1):
     expected = list(range(0, 40, 2))
     longest = 0  # lines of the longest next(): k must reach past it
     k = 0
     with ArenaLoader(_Indexed(), batch_size=2, num_workers=num_workers, timeout=10,
-                     persistent_workers=persistent) as loader:
+                     persistent_workers=persistent, worker_threads=threads) as loader:
         for epoch in range(4):
             iterator, iter_k = None, 1 + 13 * epoch
             # After the abandoned epoch, iter() drains it: interrupted at every line of that.
