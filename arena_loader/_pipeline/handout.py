@@ -45,7 +45,7 @@ class Handout:
             order.unget(taken)
 
     def slot(self) -> int | None:
-        """The slot the taken batch is in, if any: owned (``Session._reconcile_slots``)."""
+        """The slot the taken batch is in, if any: owned (``Session.reconcile_slots``)."""
         taken = self.taken
         return taken.slot if taken is not None and taken.storage is None else None
 
