@@ -70,15 +70,12 @@ class Intake:
     # -- receiving completions --------------------------------------------------------
 
     def wait(self, timeout_s: float) -> None:
-        """Take in what workers have sent; if nothing, wait up to ``timeout_s`` (lock not
-        held) for a record, a worker's exit, a freed slot or close()."""
+        """Wait up to ``timeout_s`` (lock not held) for a record, a worker's exit, a freed slot
+        or close(), and take in what came. (``next()`` has read the worker that owes its
+        batch just before: a record already there makes the poll return at once.)"""
         session = self.session
         with session.lock:
             session.check_open()
-            order = session.order
-            owed = order.owed_by(order.next_idx) if session.options.in_order else None
-            if owed is not None and self.receive(owed):
-                return
             crew = session.crew
         ready = crew.poll(timeout_s) if crew is not None else []
         with session.lock:

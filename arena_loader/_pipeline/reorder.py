@@ -20,11 +20,6 @@ class Reorderer:
         # state_dict only: empty, and never looked into, otherwise)
         self.states: dict[int, bytes] = {}
 
-    def owed_by(self, idx: int) -> int | None:
-        """The worker that owes batch ``idx``, if it is in flight."""
-        entry = self.in_flight.get(idx)
-        return None if entry is None else entry[0]
-
     def arrive(self, ready: Any) -> None:
         """Batch ``ready.idx`` is loaded (it was in flight). One statement moves it, so it is
         never both in flight and arrived; ``settle`` finishes an interrupted arrival."""
