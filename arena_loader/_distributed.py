@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sized
 import numpy as np
 
 from ._options import torch_worded
+from ._torch_compat import initialized_distributed
 
 
 class DistributedSampler:
@@ -97,10 +98,8 @@ class DistributedSampler:
 
 def _distributed_default(name: str, variable: str) -> int:
     """``num_replicas`` or ``rank`` from ``torch.distributed``, else from the environment."""
-    # Only a program that imported torch.distributed can have initialised it, so there is
-    # nothing to ask (and no import to pay for) when it is not loaded.
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    dist = initialized_distributed()
+    if dist is not None:
         return dist.get_world_size() if name == "num_replicas" else dist.get_rank()
     value = os.environ.get(variable)
     if value is None:

@@ -19,16 +19,17 @@ from typing import Any
 import numpy as np
 
 from ._resume_stream import EpochPlan, EpochPosition, StreamResume, WorkerPosition, is_stateful
-from .samplers import numpy_stream
+from .samplers import is_torch_generator, numpy_stream
 
 FORMAT = "arena_loader.resume/1"
 
 __all__ = ["FORMAT", "EpochPlan", "LoaderResume", "StreamResume"]
 
 
-def _is_torch_generator(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Generator)
+def _replicas_live_on(loader: Any) -> bool:
+    """Persistent workers, or the main process's own dataset: an iterable dataset's replica
+    starts the next epoch from where the last one left it."""
+    return loader.num_workers == 0 or loader.persistent_workers
 
 
 def _samplers(loader: Any) -> list[tuple[str, Any]]:
@@ -59,7 +60,7 @@ def random_streams(loader: Any) -> dict[str, Any]:
     if torch is not None and uses_global:
         candidates.insert(0, ("torch", torch.default_generator))
     for role, generator in candidates:
-        if (_is_torch_generator(generator) or isinstance(generator, np.random.Generator)) \
+        if (is_torch_generator(generator) or isinstance(generator, np.random.Generator)) \
                 and all(generator is not known for known in streams.values()):
             streams[role] = generator
     return streams
@@ -201,9 +202,7 @@ class LoaderResume:
             if pending is not None:
                 workers = [WorkerPosition.from_state(w) for w in pending["workers"]]
             else:
-                # A replica that lives on (persistent workers, or the main process's own
-                # dataset) starts this epoch from where the last one left it.
-                lives_on = loader.num_workers == 0 or loader.persistent_workers
+                lives_on = _replicas_live_on(loader)
                 last = self.position.workers if self.position is not None else None
                 workers = [WorkerPosition(state=last[w].state if lives_on and last else None)
                            for w in range(count)]
@@ -225,7 +224,7 @@ class LoaderResume:
             # states now, its workers' replicas where this epoch left them.
             carried = None
             if position is not None and position.workers is not None:
-                lives_on = loader.num_workers == 0 or loader.persistent_workers
+                lives_on = _replicas_live_on(loader)
                 carried = [WorkerPosition(state=w.state if lives_on else None).as_state()
                            for w in position.workers]
             elif loader.options.iterable:

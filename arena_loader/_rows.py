@@ -7,10 +7,11 @@ The batch's plan is fixed by the first sample to arrive (``prepare_rows``: the p
 sample exactly: same structure, and per leaf the same type, and for arrays the same dtype and
 shape. Then default collation of all samples (``prepare_samples``) would give this very plan,
 so the batch is what ``worker_threads=1`` gives. Anything else (object leaves such as str,
-torch tensors, a leaf of another dtype that collation would promote, a shape mismatch, a plan
-larger than the slot) turns the batch to the general path: the samples, kept as they
-arrived, are planned and written by ``prepare_samples`` once all are in, which also raises
-the error ``worker_threads=1`` raises (docs/design.md, "Threads inside workers").
+torch tensors, a leaf of another dtype that collation would promote, a shape mismatch) turns
+the batch to the general path: the samples, kept as they arrived, are planned and written by
+``prepare_samples`` once all are in, which also raises the error ``worker_threads=1`` raises
+(docs/design.md, "Threads inside workers"). A plan larger than the slot gets a one-off
+segment, as every batch does (``WorkerState._storage``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,8 @@ from typing import Any
 import numpy as np
 
 from ._layout import Prepared, prepare_rows
-from ._layout.spec import SpecBuilder, flatten
+from ._layout.spec import PYTHON_NUMBER_DTYPES, SpecBuilder, flatten
 from .errors import LayoutError
-
-# Leaf types written in place: a sample's leaf must have the first sample's type exactly.
-_IN_PLACE_SCALARS = (bool, int, float, complex)
 
 
 class RowWriter:
@@ -117,5 +115,5 @@ class RowWriter:
 def _in_place_leaf(leaf: Any) -> bool:
     if isinstance(leaf, np.ndarray):
         return not leaf.dtype.hasobject
-    return type(leaf) in _IN_PLACE_SCALARS or (isinstance(leaf, np.generic)
+    return type(leaf) in PYTHON_NUMBER_DTYPES or (isinstance(leaf, np.generic)
                                          and not isinstance(leaf, np.character))

@@ -259,7 +259,8 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
                 f"created in process {self._pid} and CUDA does not survive fork; create the "
                 "loader in this process, or start the process with the 'spawn' method")
         self._finalizer.detach()  # the copy of the parent's: it must not run here
-        self._source = ArenaSource(self.slots)
+        self._source = ArenaSource(self.slots, output=self.output,
+                                   held_batch_limit=self.held_batch_limit)
         self._iterators = LiveIterators()
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, close_all, self._source, self._iterators.live,

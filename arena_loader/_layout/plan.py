@@ -38,9 +38,6 @@ class FieldPlacement:
         self.torch_dtype = torch_dtype  # KIND_TORCH_RAW only: the torch dtype's name
         self.nbytes = math.prod(shape) * dtype.itemsize
 
-    def at(self, offset: int) -> FieldPlacement:
-        return FieldPlacement(self.dtype, self.shape, offset, self.kind, self.torch_dtype)
-
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FieldPlacement) and (
             self.dtype, self.shape, self.offset, self.kind, self.torch_dtype) == (
@@ -189,9 +186,6 @@ def write_rows(flat: np.ndarray, rows: list, field: FieldPlacement) -> None:
             flat[...] = np.asarray(rows, dtype=field.dtype).reshape(-1)
         else:
             np.concatenate(rows, axis=None, out=flat, casting="unsafe")
-
-
-# -- preparing a batch (workers, and the main process when num_workers=0) -------------------
 
 
 def rebuild(node: Any, views: list, objects: list) -> Any:

@@ -272,7 +272,3 @@ def rows_view(plan: Plan, storage: np.ndarray) -> Any:
     """The fields of ``plan`` as writable views of ``storage``, in the sample's structure:
     the ``out`` a batch-protocol dataset's ``read_into`` writes (docs/batch_protocol.md)."""
     return plan.assemble(storage, [])
-
-
-# -- the plan on the wire ----------------------------------------------------------------
-

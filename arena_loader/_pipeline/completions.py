@@ -42,13 +42,13 @@ class Completion:
     """One decoded record: ``plan`` for loaded batches, ``body`` (bytes) otherwise. Filed,
     it also carries the batch's ``indices`` and, for a SEGMENT batch, its ``storage``."""
 
-    __slots__ = ("body", "idx", "indices", "nbytes", "plan", "slot", "state", "status",
-                 "storage", "worker")
+    __slots__ = ("body", "idx", "indices", "plan", "slot", "state", "status", "storage",
+                 "worker")
 
     def __init__(self, worker: int, status: int, idx: int, slot: int, body: bytes,
-                 plan: Any, nbytes: int):
+                 plan: Any):
         self.worker, self.status, self.idx, self.slot = worker, status, idx, slot
-        self.body, self.plan, self.nbytes = body, plan, nbytes
+        self.body, self.plan = body, plan
         self.indices: Any = None
         self.storage: Any = None  # a SEGMENT batch's bytes, once received
         self.state: bytes | None = None  # the worker's replica state after it (STATE)
@@ -107,7 +107,7 @@ class CompletionReader:
                 break
             body = bytes(buffer[pos + header: end])
             plan = self._plan(worker, body) if status <= SEGMENT else None
-            append(Completion(worker, status, idx, slot, body, plan, end - pos))
+            append(Completion(worker, status, idx, slot, body, plan))
             pos, count = end, count + 1
         self.records, self.nbytes = self.records + count, self.nbytes + pos
         del buffer[:pos]

@@ -43,7 +43,8 @@ class Consumer:
             if handout.stash is not None:  # built by a next() that Ctrl-C interrupted
                 batch, handout.stash = handout.stash, None
                 return batch
-            session.check_open()
+            if session.ended:
+                session.check_open()
             if not session.started and session.phase is Phase.STARTING:
                 session.begin()
             arena = session.claim.arena

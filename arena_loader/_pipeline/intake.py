@@ -148,6 +148,8 @@ class Intake:
         if order.states:
             completion.state = order.states.pop(completion.idx, None)
         order.arrive(completion)
+        if status != LOADED:
+            release_unused(completion, session.claim.arena)
 
     def attach(self, first_nbytes: int) -> None:
         """The session's first batch sets the slot budget: size the reserved slab for it and
@@ -205,16 +207,23 @@ def accept(completion: Completion, order: Reorderer, feed: Feed, crew: Crew,
         if completion.storage is None:
             completion.storage = crew.receive_segment(worker, idx, completion.plan.nbytes)
         crew.forget_segment(worker, idx)  # the mapping holds it now
-    if slot != NO_SLOT:
-        if status == LOADED and not draining:
-            if completion.plan.nbytes > arena.slot_nbytes:
-                raise RuntimeError(f"arena_loader worker {worker} wrote batch idx={idx} "
-                                   f"of {completion.plan.nbytes} bytes into a slot of "
-                                   f"{arena.slot_nbytes}")
-            arena.pool.mark_filled(slot)
-        else:
-            arena.pool.reclaim(slot)  # not used (segment, ended, failed), not wanted
+    if slot != NO_SLOT and status == LOADED and not draining:
+        if completion.plan.nbytes > arena.slot_nbytes:
+            raise RuntimeError(f"arena_loader worker {worker} wrote batch idx={idx} "
+                               f"of {completion.plan.nbytes} bytes into a slot of "
+                               f"{arena.slot_nbytes}")
+        arena.pool.mark_filled(slot)
     if draining:
         order.in_flight.pop(idx, None)
+        release_unused(completion, arena)
         return None
     return entry
+
+
+def release_unused(completion: Completion, arena: Arena | None) -> None:
+    """Free the slot of a filed batch that is not in it (segment, ended, failed) or not
+    wanted (draining). Only once the batch has left ``in_flight``: a record filed again after
+    an interrupt must not free a slot that a new batch took meanwhile (interrupted before
+    this, the slot stays ASSIGNED with no owner, and ``SlotPool.reconcile`` recovers it)."""
+    if completion.slot != NO_SLOT:
+        arena.pool.reclaim(completion.slot)  # (ASSIGNED: never marked filled)
