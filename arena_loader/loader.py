@@ -143,7 +143,11 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
         self._filler = make_filler(self._datapipe or dataset, self.options, self.sampler,
                                    self.batch_sampler, batch_size, drop_last)
         self._source = ArenaSource(self.slots, pinner=pinner, lease_only=self._device is not None,
-                                   output=output, held_batch_limit=held_batch_limit)
+                                   output=output,
+                                   # With a device the stage counts the batches you hold (the
+                                   # host slot it is still copying from is not one of them).
+                                   held_batch_limit=None if self._device is not None
+                                   else held_batch_limit)
         self._iterators = LiveIterators()
         self._closed = False
         self._pid = os.getpid()
@@ -278,13 +282,16 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
 
         Batches you still hold stay valid: their memory is unmapped when the last one dies.
         """
-        if self._closed:
-            return
+        # No early return: each step is idempotent, so a close() that Ctrl-C cut short is
+        # finished by the next call.
         self._closed = True
         if self._device is not None:
             self._device.detach()
         self._iterators.close_persistent()
-        self._finalizer()
+        # Not through the finalizer, which runs once: a close_all that Ctrl-C cut short must
+        # run again at the next close() (every step of it is idempotent).
+        close_all(self._source, self._iterators.live, self._pid)
+        self._finalizer.detach()
 
     def __enter__(self) -> ArenaLoader:
         return self

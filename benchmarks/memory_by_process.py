@@ -8,9 +8,9 @@ once): image batches (uint8 3x224x224, batch 64, 2 workers), ArenaLoader with th
 Result (2026-11-24, 2-core AMD EPYC; two runs): ArenaLoader main 125-130 MB, workers 59-69
 each, shared memory 55 (the 48 MB slab of 5 preallocated slots + one first-epoch segment);
 torch main 127-146, workers 64-88 each, shared memory 18-27 (the batches alive at once).
-Sampled this way ArenaLoader's total is 0.93-1.15x torch's; the bench's 50 ms sampler gives
-1.02-1.12x. What ArenaLoader holds more of is shared memory: the slab. docs/benchmarks.md,
-"Engine v3, second stage".
+Added up, these per-part peaks are 0.88-1.15x torch's (a sum of peaks, not the peak of the
+sum); the bench's 50 ms sampler of the total gives 1.02-1.12x. What ArenaLoader holds more of
+is shared memory: the slab. docs/benchmarks.md, "Engine v3, second stage".
 """
 
 from __future__ import annotations

@@ -294,7 +294,9 @@ def test_holding_device_batches_grows_and_held_batch_limit_raises_naming_it(num_
     with ArenaLoader(dataset, held_batch_limit=3, **options) as loader:
         iterator = iter(loader)
         held = [next(iterator) for _ in range(3)]
-        with pytest.raises(SlotsExhaustedError, match=r"held_batch_limit=3"):
+        # Raised by the device stage, which counts batches on the GPU (the host side counts
+        # none: the slot it is still copying from is not the user's).
+        with pytest.raises(SlotsExhaustedError, match=r"3 batches on the GPU.*held_batch_limit=3"):
             next(iterator)
         np.testing.assert_array_equal(held[2].copy_to_host()[0], dataset[4])
         del held
@@ -394,3 +396,27 @@ def test_interpreter_exits_cleanly_mid_epoch_on_the_device(num_workers):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stderr == "", result.stderr
+
+
+class _WiderAfterFirst:
+    """Batch 0 (samples 0-1) fits the first batch's slot; later batches are wider, so they go
+    to one-off segments, which a pinned slab cannot copy from: they are staged."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return np.full(8 if i < 2 else 64, i, dtype=np.float32)
+
+
+def test_pinned_slab_with_larger_batches_stages_them(pinned_in_place):
+    """A copy straight from the pinned slab, then copies of larger batches through staging
+    buffers: each lands intact (staging buffers are counted apart from direct copies)."""
+    dataset = _WiderAfterFirst()
+    with ArenaLoader(dataset, batch_size=2, num_workers=0, device="cuda",
+                     pin_memory=True) as loader:
+        got = [batch.copy_to_host() for batch in loader]
+    expected = [np.stack([dataset[i], dataset[i + 1]]) for i in range(0, 8, 2)]
+    assert len(got) == len(expected)
+    for ours, theirs in zip(got, expected):
+        np.testing.assert_array_equal(ours, theirs)

@@ -515,9 +515,10 @@ def _ctrl_c_matrix(num_workers, persistent, threads=1):
     with ArenaLoader(_Indexed(), batch_size=2, num_workers=num_workers, timeout=10,
                      persistent_workers=persistent, worker_threads=threads) as loader:
         for epoch in range(4):
-            iterator, iter_k = None, 1 + 13 * epoch
-            # After the abandoned epoch, iter() drains it: interrupted at every line of that.
+            # After the abandoned epoch, iter() drains it: interrupted at every line of that,
+            # from the first.
             step = 1 if persistent and epoch == 2 else 29
+            iterator, iter_k = None, 1 if step == 1 else 1 + 13 * epoch
             while iterator is None:  # iter() interrupted: the user calls it again
                 iterator, _ = _interrupted(lambda: iter(loader), iter_k)
                 iter_k += step
@@ -547,13 +548,19 @@ def _ctrl_c_matrix(num_workers, persistent, threads=1):
             if snapshot.slab_nbytes is not None and stop_after is None:
                 assert snapshot.free_slots == loader.slots, (epoch, snapshot.slot_states)
         assert k > longest, (k, longest)  # every line of next() was a target at least once
-        for close_k in (3, 9, 17, 40):
-            _, interrupted = _interrupted(loader.close, close_k)
-            if not interrupted:
-                break
-            loader.close()  # called again: it finishes the interrupted close
-            assert wait_until(lambda: not live_children(), timeout_s=5), (close_k,
-                                                                        live_children())
+    for close_k in (3, 9, 17, 40):  # each on a fresh loader whose workers run
+        loader = ArenaLoader(_Indexed(), batch_size=2, num_workers=num_workers, timeout=10,
+                             persistent_workers=persistent, worker_threads=threads)
+        iterator = iter(loader)
+        next(iterator)
+        _, interrupted = _interrupted(loader.close, close_k)
+        if not interrupted:
+            loader.close()
+            break
+        loader.close()  # called again: it finishes the interrupted close
+        del iterator
+        assert wait_until(lambda: not live_children(), timeout_s=5), (close_k,
+                                                                    live_children())
 
 
 @pytest.mark.timeout(120)

@@ -222,3 +222,24 @@ def test_failed_batch_gives_its_slot_back_in_steady_state():
 
         gc.collect()
         assert loader.snapshot().free_slots == loader.slots
+
+
+class _KeyEcho:
+    """dataset[key] is [key], or [-1] for the key None."""
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, key):
+        return np.array([-1 if key is None else key])
+
+
+@pytest.mark.timeout(60)
+def test_a_none_key_reaches_the_dataset_as_with_torch():
+    """batch_size=None and a sampler that yields None: the worker calls dataset[None], as
+    torch's DataLoader does (the batch order pickles that key; no int64 entry is made)."""
+    from arena_loader import ArenaLoader
+
+    with ArenaLoader(_KeyEcho(), batch_size=None, sampler=[0, None, 2], num_workers=2,
+                     output="numpy") as loader:
+        assert [int(batch[0]) for batch in loader] == [0, -1, 2]

@@ -49,7 +49,7 @@ def test_resumed_run_equals_uninterrupted_run(name, tmp_path):
     for stop_after, head in zip(stops, heads):
         assert head == whole[:len(head)], f"stopped after {stop_after}: the run itself differs"
     for stop_after, head, tail in zip(stops, heads, _resume_in_fresh_interpreter(
-            name, states, tmp_path)):
+            name, states, tmp_path), strict=True):
         assert head + tail == whole, (f"{name}, stopped after {stop_after} batches: "
                                       f"resumed {tail} instead of {whole[len(head):]}")
 

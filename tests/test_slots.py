@@ -159,20 +159,24 @@ def test_slab_grows_once_when_a_batch_outgrows_its_slot(num_workers, persistent)
             for batch in loader:
                 snapshot = loader.snapshot()
                 seen.append((batch.copy(), _in_slab(batch, snapshot), snapshot.slot_nbytes))
+                slabs.add((snapshot.slab_address, snapshot.slot_nbytes))
                 del batch
             return seen
 
+        slabs: set = set()
         first = epoch()
         assert first[-1][2] == 4096  # 4 x 128 float64: one page, no headroom
         # (With workers, the first batches may come before the slab is sized: segments.)
         assert [in_slab for _, in_slab, _ in first][num_workers:] == [True, True, False][
             num_workers:]
         largest = max(batch.nbytes for batch, _, _ in first)
+        slabs.clear()
         for _ in range(2):
             again = epoch()
-            for (batch, in_slab, slot_nbytes), (expected, _, _) in zip(again, first):
+            for (batch, in_slab, slot_nbytes), (expected, _, _) in zip(again, first, strict=True):
                 np.testing.assert_array_equal(batch, expected)
                 assert in_slab and slot_nbytes >= largest * 1.25, (slot_nbytes, largest)
+        assert len(slabs) == 1, slabs  # grown once: epochs 2 and 3 use the same slab
 
 
 @pytest.mark.timeout(60)

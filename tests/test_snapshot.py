@@ -42,6 +42,7 @@ def test_snapshot_follows_the_slab_and_the_slots_of_held_batches(num_workers):
         addresses = {batch.__array_interface__["data"][0] for batch in held}
         assert {address - snapshot.slab_address for address in addresses} <= {
             slot * snapshot.slot_nbytes for slot in range(snapshot.slots)}
+        assert len(addresses) == 4  # four batches, four slots
         del held
         gc.collect()
         assert loader.snapshot().free_slots == 5 and loader.snapshot().held_batches == 0
@@ -57,13 +58,16 @@ def test_snapshot_is_a_frozen_copy_and_taking_it_changes_no_batch():
     with ArenaLoader(dataset, batch_size=2, num_workers=2) as loader:
         iterator = iter(loader)
         first = loader.snapshot()
+        in_flight = first.iterators[0].in_flight
         got = []
         for _ in range(len(expected)):
             loader.snapshot()
             got.append(next(iterator).copy())
+        assert next(iterator, None) is None  # the epoch ended: the session is finished now
         with pytest.raises(dataclasses.FrozenInstanceError):
             first.slots = 1  # type: ignore[misc]
         assert first.iterators[0].phase == "running"
+        assert first.iterators[0].in_flight == in_flight and in_flight
         for batch, reference in zip(got, expected, strict=True):
             np.testing.assert_array_equal(batch, reference)
         del iterator

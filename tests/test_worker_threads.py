@@ -104,14 +104,14 @@ def test_rows_are_written_in_place_and_mismatches_collate_as_with_one_thread(mon
     dataset = ImageDataset(32, shape=(4, 4), dtype=np.int16)
     got = _epoch(dataset, worker_mode="thread", worker_threads=4)
     assert calls == []  # every batch written in place
-    for batch, ref in zip(got, _epoch(dataset, worker_mode="thread")):
+    for batch, ref in zip(got, _epoch(dataset, worker_mode="thread"), strict=True):
         assert_batches_equal(batch, ref)
     calls.clear()
     mixed = MixedDataset(32, odd=13)
     got = _epoch(mixed, worker_mode="thread", worker_threads=4)
     assert calls == [list(range(8, 16))]  # only the batch with the float sample
     assert got[1][0].dtype == np.float64 and got[0][0].dtype == np.uint8
-    for batch, ref in zip(got, _epoch(mixed, worker_mode="thread")):
+    for batch, ref in zip(got, _epoch(mixed, worker_mode="thread"), strict=True):
         assert_batches_equal(batch, ref)
 
 

@@ -46,7 +46,7 @@ class SlotUploader:
         self._convert = cuda.torch_converter(gpu) if to_torch else None
         self._auto_torch = auto_torch
         self._staging: list[Any] = []
-        self._copies = 0
+        self._staged = 0  # copies that went through a staging buffer
         self._in_flight: deque[_InFlight] = deque()
 
     def copy(self, leased: LeasedSlot, taken: tuple[int, Any], stream: Any) -> Copied:
@@ -64,7 +64,6 @@ class SlotUploader:
         event = cuda.new_event()
         event.record(stream)
         self._in_flight.append(_InFlight(event, held))
-        self._copies += 1
         lease = self._ring.lease(index)
         convert = self._convert
         if convert is None and leased.plan.torch and self._auto_torch:
@@ -74,11 +73,14 @@ class SlotUploader:
     def _stage(self, source: np.ndarray) -> Any:
         """``source`` copied into a pinned staging buffer."""
         staging = self._staging
-        if len(staging) < STAGING_BUFFERS:
+        # The buffer used two staged copies ago (counted apart from copies straight from a
+        # pinned slot, which would otherwise skip a buffer not made yet): that copy was
+        # retired before this one.
+        which = self._staged % STAGING_BUFFERS
+        self._staged += 1
+        if which == len(staging):
             staging.append(cuda.pinned_bytes(source.nbytes))
-        # The buffer used two copies ago: that copy was retired before this one.
-        which = self._copies % STAGING_BUFFERS
-        if staging[which].nbytes < source.nbytes:  # a larger batch than any before
+        elif staging[which].nbytes < source.nbytes:  # a larger batch than any before
             staging[which] = cuda.pinned_bytes(source.nbytes)
         buffer = staging[which][: source.nbytes]
         np.copyto(buffer, source)

@@ -108,7 +108,7 @@ class OrderRing:
         offset = self._header_nbytes + (worker * self.depth + seq % self.depth) \
             * self.entry_nbytes
         piped = b""
-        if indices is None:
+        if indices is None and kind is not EntryKind.INDICES:  # STREAM, ATTACH, STOP
             payload: Any = b""
         elif type(indices) is np.ndarray:  # int64 slices of the sampler's epoch array
             payload, kind = indices, EntryKind.INDICES
