@@ -35,15 +35,14 @@ class SlotLease:
     When the last view dies, this object dies and a ``weakref.finalize`` returns the slot.
     """
 
-    __slots__ = ("__weakref__", "_bytes", "slot")
+    __slots__ = ("__array_interface__", "__weakref__", "_bytes", "slot")
 
-    def __init__(self, slot: int, slot_bytes: np.ndarray):
+    def __init__(self, slot: int, slab_bytes: np.ndarray, interface: dict):
         self.slot = slot
-        self._bytes = slot_bytes  # keeps the slab mapping alive while any view exists
-
-    @property
-    def __array_interface__(self) -> dict:
-        return self._bytes.__array_interface__
+        self._bytes = slab_bytes  # keeps the slab mapping alive while any view exists
+        # The slot's bytes, computed once per slot by the pool: an attribute, not a property
+        # (numpy reads it on every np.asarray; building it each time cost a microsecond).
+        self.__array_interface__ = interface
 
     def __repr__(self) -> str:
         return f"SlotLease(slot={self.slot})"
@@ -113,6 +112,9 @@ class SlotPool:
         # (Through a weak reference to the pool: a bound method here would be a cycle.)
         self._on_lease_dead = [functools.partial(_lease_died, weakref.ref(self), slot)
                                for slot in range(slots)]
+        self._interfaces = [
+            slab_array[slot * slot_nbytes: (slot + 1) * slot_nbytes].__array_interface__
+            for slot in range(slots)]
 
     def acquire(self) -> int | None:
         """A free slot, now ASSIGNED; None when every slot is in use."""
@@ -154,10 +156,10 @@ class SlotPool:
                 if self._states[slot] is not SlotState.FILLED:
                     self._move(slot, SlotState.FILLED, SlotState.LEASED)  # raises
                 self._states[slot] = SlotState.LEASED
-            start = slot * self.slot_nbytes
-            lease = SlotLease(slot, self._slab_array[start: start + self.slot_nbytes])
+            lease = SlotLease(slot, self._slab_array, self._interfaces[slot])
             # A process forked while the batch lives gets its own copy of the slot's bytes.
-            keep_across_fork(lease, self._slab_address + start, self.slot_nbytes)
+            keep_across_fork(lease, self._slab_address + slot * self.slot_nbytes,
+                             self.slot_nbytes)
             # A plain weak reference kept here (weakref.finalize costs twice as much): its
             # callback returns the slot when the lease dies.
             self._lease_refs[slot] = weakref.ref(lease, self._on_lease_dead[slot])

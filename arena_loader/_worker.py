@@ -310,6 +310,7 @@ def _serve(state: WorkerState, reader: OrderReader, result_fd: int,
                 BatchFailed(entry.idx, entry.slot, worker_id, RemoteError.capture(exc)))
             record = encode(Status.FAILED, entry.idx, entry.slot, bytes(body))
         write_completion(result_fd, record)
+        reader.note_sent(len(record))
 
 
 def _arm_parent_death_signal() -> None:

@@ -243,3 +243,100 @@ def test_a_none_key_reaches_the_dataset_as_with_torch():
     with ArenaLoader(_KeyEcho(), batch_size=None, sampler=[0, None, 2], num_workers=2,
                      output="numpy") as loader:
         assert [int(batch[0]) for batch in loader] == [0, -1, 2]
+
+
+def _pipe_bytes(fd: int) -> bytes:
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, 4096)
+    except BlockingIOError:
+        return b""
+
+
+def test_a_busy_worker_costs_no_doorbell_and_a_sleeping_one_is_woken(ring_pair):
+    """Publishing to a worker that is not waiting writes nothing on its pipe (it finds the
+    entry by the shared counter); a worker waiting for an entry is woken at once."""
+    import threading
+    import time
+
+    ring, reader = ring_pair
+    doorbell_read = reader._doorbell
+    assert ring.publish(1, EntryKind.INDICES, 0, 0, 0, [5])
+    assert _pipe_bytes(doorbell_read) == b""  # no system call for a worker that is busy
+    assert reader.next_entry(0).indices == [5]
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(reader.next_entry(5.0)))
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while not ring._sleeping[1] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    start = time.monotonic()
+    assert ring.publish(1, EntryKind.INDICES, 1, 0, 0, [6])
+    waiter.join(5)
+    assert got and got[0].indices == [6] and time.monotonic() - start < 0.4  # not its timeout
+    assert not ring._sleeping[1]
+
+
+def test_a_missed_wake_up_is_healed_before_the_main_process_waits(ring_pair):
+    """A worker asleep with an entry published and no doorbell (the fence missed, or an
+    interrupt between publishing and ringing): wake_sleepers rings it, and only it."""
+    ring, reader = ring_pair
+    ring._sleeping[1] = 1  # as a worker that went to sleep before the entry was seen
+    ring.published[1] += 0  # (nothing published yet: nobody to wake)
+    ring.wake_sleepers()
+    assert _pipe_bytes(reader._doorbell) == b""
+    ring._sleeping[1] = 0
+    assert ring.publish(1, EntryKind.INDICES, 0, 0, 0, [1])  # not asleep: no doorbell
+    ring._sleeping[1] = 1
+    ring.wake_sleepers()
+    assert _pipe_bytes(reader._doorbell) == b"\1"
+    ring._sleeping[1] = 0
+
+
+def test_a_piped_payload_that_was_never_published_is_skipped(ring_pair):
+    """Large indices travel on the pipe, tagged with their entry's seq, before the entry is
+    published. One written for an entry that an interrupt kept from being published is
+    dropped: the worker reads each entry's own payload (the retry's, or a later entry's)."""
+    import pickle
+
+    from arena_loader._pipeline import order as order_module
+
+    ring, reader = ring_pair
+    many, other = list(range(1000)), list(range(2000, 3000))
+
+    def orphan(seq, indices):
+        payload = pickle.dumps(indices, protocol=5)
+        os.write(ring._doorbells[1], order_module.PIPED_TAG
+                 + order_module._PIPED.pack(seq, len(payload)) + payload)
+
+    orphan(0, many)  # seq 0 interrupted after its payload; retried below, same indices
+    assert ring.publish(1, EntryKind.INDICES, 7, 1, 0, many)  # seq 0
+    orphan(1, ["never"])  # seq 1 interrupted; its batch went elsewhere
+    assert ring.publish(1, EntryKind.INDICES, 8, 2, 0, [3, 4])  # seq 1: small, in the ring
+    assert ring.publish(1, EntryKind.INDICES, 9, 3, 0, other)  # seq 2: piped
+    got = [reader.next_entry(0.1) for _ in range(3)]
+    assert [(e.idx, e.indices) for e in got] == [(7, many), (8, [3, 4]), (9, other)]
+    assert reader.next_entry(0.01) is None
+
+
+def test_a_speculative_read_is_skipped_only_when_nothing_waits():
+    """next() reads the owing worker's pipe without a poll only when the worker's counter
+    shows bytes not read yet; bytes already read (an interrupt left them unparsed) are
+    parsed either way, and a read after a poll is never skipped."""
+    read_fd, write_fd = os.pipe()
+    sent = np.zeros(1, np.int64)
+    reader = CompletionReader([read_fd], sent)
+    first, second = encode(Status.ENDED, 0, -1), encode(Status.ENDED, 1, -1)
+    os.write(write_fd, first)  # written, counter not moved yet: the read is skipped
+    assert reader.fill(0, speculative=True) is False and not reader.arrived
+    assert reader.fill(0) is True and [c.idx for c in reader.arrived] == [0]  # after a poll
+    reader.arrived.clear()
+    sent[0] = len(first)
+    reader._buffers[0] += second  # read before an interrupt, not parsed
+    assert reader.fill(0, speculative=True) is False
+    assert [c.idx for c in reader.arrived] == [1]
+    os.write(write_fd, first)
+    sent[0] += len(first)
+    assert reader.fill(0, speculative=True) is True and len(reader.arrived) == 2
+    os.close(write_fd)
+    os.close(read_fd)

@@ -70,8 +70,12 @@ class CompletionReader:
     wait in ``arrived`` until the session has filed them (it pops each only once filed, and
     filing is idempotent, so an interrupt anywhere loses no record: see ``fill``)."""
 
-    def __init__(self, fds: list[int]):
+    def __init__(self, fds: list[int], sent: Any = None):
         self.fds = list(fds)
+        # Bytes each worker has written (its shared counter, moved after the write) and bytes
+        # read here: equal, a speculative read would find nothing (and costs a system call).
+        self._sent = sent
+        self._received = [0] * len(fds)
         for fd in self.fds:
             os.set_blocking(fd, False)
         self.arrived: deque[Completion] = deque()
@@ -81,21 +85,32 @@ class CompletionReader:
         self._decoders = [PlanDecoder() for _ in fds]
         self._last_plan: list[tuple[bytes, Any]] = [(b"", None)] * len(fds)
 
-    def fill(self, worker: int) -> bool | None:
+    def fill(self, worker: int, speculative: bool = False) -> bool | None:
         """Parse what ``worker``'s pipe holds into ``arrived``: True if it held anything,
         False if nothing (yet), None at EOF (the worker is gone; all it sent is parsed).
+        ``speculative``: not after a poll said so; skipped when the worker's counter says
+        nothing is waiting (a record the counter does not show yet is found by the poll).
 
         A record is appended before the buffer drops its bytes: interrupted in between, it is
         parsed again, and the session files a duplicate as a no-op."""
         buffer = self._buffers[worker]
-        try:
-            buffer += (data := os.read(self.fds[worker], READ_NBYTES))  # one statement
-            got: bool | None = True if data else None
-        except BlockingIOError:
-            got = False
-        if buffer:
+        sent = self._sent
+        got: bool | None = False
+        if not speculative or sent is None or sent[worker] != self._received[worker]:
+            try:
+                buffer += (data := os.read(self.fds[worker], READ_NBYTES))  # one statement
+                # (Interrupted before this, it lags: reads are then never skipped, only wasted.)
+                self._received[worker] += len(data)
+                got = True if data else None
+            except BlockingIOError:
+                pass
+        if buffer:  # (also what an interrupt left unparsed, when the read was skipped)
             self._parse(worker)
         return got
+
+    def stop_counting(self) -> None:
+        """The ring holding the workers' counters is closing: read without them."""
+        self._sent = None
 
     def _parse(self, worker: int) -> None:
         buffer, pos, count = self._buffers[worker], 0, 0

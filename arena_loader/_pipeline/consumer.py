@@ -77,7 +77,8 @@ class Consumer:
                 # Not there yet: take in what the worker that owes it has sent, no poll.
                 owed = order.in_flight.get(order.next_idx)
                 if owed is not None and order.in_order and session.phase is Phase.RUNNING:
-                    session.intake.receive(owed[0])  # (files what an interrupted read left)
+                    # (files what an interrupted read left)
+                    session.intake.receive(owed[0], speculative=True)
                     if handout.take(order):
                         return self._hand_over()
                 if session.phase is Phase.FAILED:

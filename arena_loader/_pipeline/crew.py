@@ -80,7 +80,8 @@ class Crew:
                 group = WorkerGroup(context, setups)
             self.group = group
             self.ring.connect([conn.fileno() for conn in group.task_conns])
-            self.reader = CompletionReader([conn.fileno() for conn in group.result_conns])
+            self.reader = CompletionReader([conn.fileno() for conn in group.result_conns],
+                                           self.ring.sent)
             self._segments = [SegmentReceiver(sock) for sock in group.fd_sockets]
             self._poller = select.poll()
             self._owner: dict[int, tuple[int, bool]] = {}  # fd -> (worker, is its sentinel)
@@ -119,6 +120,12 @@ class Crew:
                 epoch: int = 0, indices: Any = None) -> bool:
         return self._open and self.ring.publish(worker, kind, idx, slot, epoch, indices)
 
+    def wake_sleepers(self) -> None:
+        """Before the main process waits: no worker asleep with entries waiting (a wake-up
+        the fence missed, on a machine with weaker ordering than x86's)."""
+        if self._open and not self.group.closed:
+            self.ring.wake_sleepers()
+
     # -- what workers send -----------------------------------------------------------------
 
     @property
@@ -126,17 +133,19 @@ class Crew:
         """Records parsed and not yet filed (the session pops each once filed)."""
         return self.reader.arrived
 
-    def fill(self, worker: int) -> bool | None:
+    def fill(self, worker: int, speculative: bool = False) -> bool | None:
         """Parse what ``worker`` has sent into ``arrived`` (see CompletionReader.fill)."""
         # (A stopped group has closed the pipes: their numbers may name other files now.)
-        return self.reader.fill(worker) if self._open and not self.group.closed else False
+        return self.reader.fill(worker, speculative) \
+            if self._open and not self.group.closed else False
 
     def poll(self, timeout_s: float) -> list[tuple[int, bool]]:
         """Wait up to ``timeout_s`` for a record, a worker's exit or the waker: the
         (worker or WAKER, is a sentinel) of each that is ready. Called without the session's
         lock; a closed crew's descriptors read as ready at once."""
-        events = self._poller.poll(max(0, int(timeout_s * 1000))) \
-            if self._open and not self.group.closed else ()
+        if not self._open or self.group.closed:
+            return []
+        events = self._poller.poll(max(0, int(timeout_s * 1000)))
         owner = self._owner
         return [owner[fd] for fd, _ in events if fd in owner]
 
@@ -180,6 +189,7 @@ class Crew:
             return
         self._open = False
         self.reader.arrived.clear()
+        self.reader.stop_counting()  # (its view of the ring's counters would keep it mapped)
         self.ring.close()
         for segments in self._segments:
             segments.close()

@@ -77,6 +77,8 @@ class Intake:
         with session.lock:
             session.check_open()
             crew = session.crew
+            if crew is not None:
+                crew.wake_sleepers()
         ready = crew.poll(timeout_s) if crew is not None else []
         with session.lock:
             session.check_open()
@@ -91,10 +93,11 @@ class Intake:
                 else:
                     self.receive(worker)
 
-    def receive(self, worker: int) -> bool:
-        """File what ``worker`` has sent; True if anything came."""
+    def receive(self, worker: int, speculative: bool = False) -> bool:
+        """File what ``worker`` has sent; True if anything came (``speculative``: no poll
+        said so, see ``CompletionReader.fill``)."""
         session = self.session
-        got = session.crew.fill(worker) if session.crew is not None else False
+        got = session.crew.fill(worker, speculative) if session.crew is not None else False
         self.file_arrived()
         if got is None:
             self.crash(worker)

@@ -1,18 +1,25 @@
 """The epoch's batch order, published to workers through one shared-memory ring.
 
 Each worker has ``depth`` fixed-size entries. The main process writes the entry for a batch
-(its ``idx``, the ``slot`` to fill, the epoch and the sample ``indices``) and then one
-doorbell byte on that worker's pipe; the worker reads doorbells in bulk and entries in order.
-No task message is pickled: a list of int indices is stored as int64, anything else (keys
-that are not ints, ``batch_size=None``) as a pickle in the entry, or, when it does not fit,
-after the doorbell byte on the pipe. Control entries (``ATTACH``: map the sized slab;
-``STOP``) travel the same way, so a worker waits on one descriptor only.
+(its ``idx``, the ``slot`` to fill, the epoch and the sample ``indices``) and then moves that
+worker's ``published`` counter in the ring's header; a worker that has taken every published
+entry says it is going to sleep (its ``sleeping`` flag, also in the header) and waits on its
+doorbell pipe, and only then does publishing write a doorbell byte. A busy worker costs the
+main process no system call per batch. No task message is pickled: a list of int indices is
+stored as int64, anything else (keys that are not ints, ``batch_size=None``) as a pickle in the
+entry, or, when it does not fit, on the pipe before the entry is published. Control entries
+(``ATTACH``: map the sized slab; ``STOP``) travel the same way.
 
 Position ``seq % depth`` of a worker's ring is reused only after the worker has taken entry
 ``seq - depth``: each worker publishes how many entries it has taken in a counter of its own
-in the ring's header (an aligned int64 store), and the main process never writes past it.
-Memory ordering: the entry is written before the doorbell ``write`` and read after the
-doorbell ``read``; both are system calls, so each side sees the other's bytes complete.
+(an aligned int64 store), and the main process never writes past it.
+
+Memory ordering: an entry is written before ``published`` moves past it, and read after the
+worker has seen ``published`` move (stores are seen in order on x86; on other machines the
+entry's own ``seq`` is checked and re-read). Missed wake-ups: each side stores its own flag or
+counter, passes a full fence (``fence()``, an atomic read-modify-write), then reads the
+other's, so either the publisher sees ``sleeping`` or the worker sees the entry. Where the
+fence is weaker, the main process heals a missed wake-up before it waits (``wake_sleepers``).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import os
 import pickle
 import select
 import struct
+import threading
+import time
 import weakref
 from array import array
 from typing import Any
@@ -34,9 +43,41 @@ from .._slab import SlabHandle, map_shared, open_shared, size_shared
 ORDER_TAG = "order_"  # in the ring's /dev/shm name, beside the slab's
 # seq (the entry's number in this worker's ring), idx, slot, epoch, kind, payload bytes
 ENTRY = struct.Struct("<qqiiBxxxI")
-_HEADER_STRIDE = 64  # each worker's `taken` counter on a cache line of its own
-_PIPE_LENGTH = struct.Struct("<I")
+# Per worker, int64 counters on cache lines of their own: `taken` (written by the worker),
+# `sleeping` (the worker), `published` (the main process) and `sent` (the worker: bytes of
+# completion records written to its pipe, so the main process reads only when some wait).
+_HEADER_STRIDE = 256
+_TAKEN, _SLEEPING, _PUBLISHED, _SENT = 0, 8, 16, 24  # in int64s from the worker's header
+_PIPED = struct.Struct("<qI")  # after PIPED_TAG on the pipe: the entry's seq, payload bytes
 DOORBELL = b"\1"
+PIPED_TAG = b"\2"  # a pickled payload follows on the pipe (_PIPED, then its bytes)
+_FENCE = threading.Lock()
+
+
+def _new_fence() -> None:
+    global _FENCE
+    _FENCE = threading.Lock()  # a fork while another thread held it: the child's is free
+
+
+os.register_at_fork(after_in_child=_new_fence)
+
+
+def fence() -> None:
+    """A full memory fence: taking a free lock is an atomic read-modify-write (``lock``-prefixed
+    on x86), which no load after it passes a store before it. Never blocks: held (a finalizer
+    or signal handler publishing inside a publish, or another thread), this one is skipped,
+    and the wake-up it guards is healed by ``OrderRing.wake_sleepers``. (try/finally: an
+    interrupt cannot leave it held.)"""
+    if _FENCE.acquire(False):
+        try:
+            pass
+        finally:
+            _FENCE.release()
+
+
+def _counters(mapping: Any, workers: int, which: int) -> np.ndarray:
+    stride = _HEADER_STRIDE // 8
+    return np.frombuffer(mapping, np.int64, workers * stride)[which::stride]
 
 
 class EntryKind(enum.IntEnum):
@@ -78,10 +119,13 @@ class OrderRing:
             raise
         self.mapping = np.frombuffer(self._mmap, np.uint8)  # thread workers read it directly
         self._buffer = memoryview(self.mapping)
-        self._taken = np.frombuffer(self.mapping, np.int64, workers * 8)[::8]
-        # Per worker: entries published so far (the next one's seq). Read, never written,
-        # by others: an interrupted publish is published iff this moved past its seq.
-        self.published = [0] * workers
+        self._taken = _counters(self.mapping, workers, _TAKEN)
+        self._sleeping = _counters(self.mapping, workers, _SLEEPING)
+        # Per worker: entries published so far (the next one's seq), in the shared header
+        # (workers read it). Read, never written, by others: an interrupted publish is
+        # published iff this moved past its seq (one store).
+        self.published = _counters(self.mapping, workers, _PUBLISHED)
+        self.sent = _counters(self.mapping, workers, _SENT)  # (CompletionReader reads it)
         self._doorbells: list[int] = [-1] * workers
 
     def handle(self) -> SlabHandle:
@@ -96,15 +140,16 @@ class OrderRing:
         self._doorbells = list(doorbell_fds)
 
     def has_room(self, worker: int) -> bool:
-        return self.published[worker] - int(self._taken[worker]) < self.depth
+        return self.published[worker] - self._taken[worker] < self.depth
 
     def publish(self, worker: int, kind: EntryKind, idx: int = 0, slot: int = 0,
                 epoch: int = 0, indices: Any = None) -> bool:
-        """Write one entry for ``worker`` and ring its doorbell; False when its ring is full
-        or its pipe is (it is not reading: stopped or stuck)."""
-        if not self.has_room(worker):
+        """Write one entry for ``worker`` and, if it sleeps, ring its doorbell; False when its
+        ring is full or its pipe is closed (it is gone)."""
+        published = self.published
+        seq = int(published[worker])
+        if seq - self._taken[worker] >= self.depth:
             return False
-        seq = self.published[worker]
         offset = self._header_nbytes + (worker * self.depth + seq % self.depth) \
             * self.entry_nbytes
         piped = b""
@@ -123,23 +168,40 @@ class OrderRing:
         if nbytes > self.entry_nbytes - ENTRY.size:
             if kind == EntryKind.INDICES:
                 payload = pickle.dumps(listed(indices), protocol=5)
-            piped, kind, nbytes = _PIPE_LENGTH.pack(len(payload)) + payload, EntryKind.PIPED, 0
+            piped = PIPED_TAG + _PIPED.pack(seq, len(payload)) + payload
+            kind, nbytes = EntryKind.PIPED, 0
         else:
             start = offset + ENTRY.size
             self._buffer[start: start + nbytes] = memoryview(payload).cast("B")
         ENTRY.pack_into(self._buffer, offset, seq, idx, slot, epoch, kind, nbytes)
         doorbell = self._doorbells[worker]
+        if piped:  # on the pipe before the entry is published: the worker reads it then.
+            # (Written and not published, e.g. Ctrl-C between: the worker drops it by its seq.)
+            try:
+                _write_all(doorbell, piped)
+            except OSError:  # full with nothing written (not reading), or closed (gone)
+                return False
         try:
-            if piped:
-                _write_all(doorbell, DOORBELL + piped)
-                self.published[worker] = seq + 1
-            else:
-                # One statement: once the byte is written the entry counts as published,
-                # whatever interrupts next (the caller reads ``published`` to know).
-                self.published[worker] = seq + os.write(doorbell, DOORBELL)
-        except (BlockingIOError, BrokenPipeError, OSError):
+            published[worker] = seq + 1  # published: one store, whatever interrupts next
+            fence()
+            if self._sleeping[worker]:
+                os.write(doorbell, DOORBELL)
+        except BlockingIOError:
+            pass  # the pipe is full of doorbells: the worker wakes anyway
+        except OSError:  # BrokenPipeError: the worker is gone
             return False
         return True
+
+    def wake_sleepers(self) -> None:
+        """Ring every worker that sleeps with entries waiting (a wake-up missed where the fence
+        is weaker than x86's); the main process calls this before it waits."""
+        published, taken, sleeping = self.published, self._taken, self._sleeping
+        for worker in range(self.workers):
+            if sleeping[worker] and taken[worker] < published[worker]:
+                try:
+                    os.write(self._doorbells[worker], DOORBELL)
+                except OSError:
+                    pass  # full (it wakes anyway) or closed (its exit is reported)
 
     def close(self) -> None:
         """Idempotent. Workers map the ring themselves; this process's mapping goes now."""
@@ -148,7 +210,8 @@ class OrderRing:
         self._fd = -1
         self._fd_closer()
         self._buffer.release()
-        self._taken = self.mapping = None  # type: ignore[assignment]
+        self._taken = self._sleeping = self.published = self.sent = None  # type: ignore
+        self.mapping = None  # type: ignore[assignment]
         try:
             self._mmap.close()
         except BufferError:
@@ -160,15 +223,20 @@ _WHAT = "the batch-order ring"
 
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
-    while view:
-        try:
-            written = os.write(fd, view)
-        except BlockingIOError:
-            if len(view) == len(data):
-                raise  # nothing written: the caller may give up cleanly
-            select.select([], [fd], [], 1.0)  # a piped payload midway: finish it
-            continue
-        view = view[written:]
+    try:
+        while view:
+            try:
+                written = os.write(fd, view)
+            except BlockingIOError:
+                if len(view) == len(data):
+                    raise  # nothing written: the caller may give up cleanly
+                select.select([], [fd], [], 1.0)  # a piped payload midway: finish it
+                continue
+            view = view[written:]
+    except KeyboardInterrupt:
+        if 0 < len(view) < len(data):  # half a message would put the pipe out of step
+            _write_all(fd, view.tobytes())
+        raise
 
 
 class Entry:
@@ -190,23 +258,24 @@ class OrderReader:
         self._doorbell = doorbell_fd
         os.set_blocking(doorbell_fd, False)
         self._buffer = memoryview(mapping).cast("B")
-        self._taken = np.frombuffer(mapping, np.int64, workers * 8)[::8]
+        self._taken = _counters(mapping, workers, _TAKEN)
+        self._sleeping = _counters(mapping, workers, _SLEEPING)
+        self._published = _counters(mapping, workers, _PUBLISHED)
+        self._sent = _counters(mapping, workers, _SENT)
         self._base = workers * _HEADER_STRIDE + worker * depth * entry_nbytes
         self._seq = 0
-        self._bell = bytearray()  # doorbell bytes (and piped payloads) read ahead
+        self._bell = bytearray()  # what the pipe held: doorbells and piped payloads
 
     def next_entry(self, timeout_s: float) -> Entry | None:
-        """The next entry, waiting up to ``timeout_s`` for its doorbell; None on timeout.
-        EOFError when the main process closed the pipe."""
-        if not self._bell and not self._fill(timeout_s):
-            return None
-        del self._bell[:1]
+        """The next entry, waiting up to ``timeout_s`` for it; None on timeout. EOFError when
+        the main process closed the pipe."""
         seq = self._seq
+        if seq >= self._published[self._worker] and not self._sleep(timeout_s):
+            return None
         offset = self._base + (seq % self._depth) * self._entry_nbytes
         got_seq, idx, slot, epoch, kind, nbytes = ENTRY.unpack_from(self._buffer, offset)
         if got_seq != seq:
-            raise RuntimeError(f"arena_loader worker {self._worker} expected order entry {seq} "
-                               f"and found {got_seq} (arena_loader bug: please report it)")
+            got_seq, idx, slot, epoch, kind, nbytes = self._reread(offset, seq)
         start = offset + ENTRY.size
         if kind == EntryKind.INDICES:
             ints = array("q")
@@ -215,35 +284,80 @@ class OrderReader:
         elif kind == EntryKind.PICKLED:
             indices = pickle.loads(self._buffer[start: start + nbytes])
         elif kind == EntryKind.PIPED:
-            indices = pickle.loads(self._read_piped())
+            indices = pickle.loads(self._read_piped(seq))
         else:
             indices = None
         self._seq = seq + 1
         self._taken[self._worker] = seq + 1  # the position may be written again
         return Entry(_KINDS[kind], idx, slot, epoch, indices)
 
-    def _fill(self, timeout_s: float) -> bool:
+    def _sleep(self, timeout_s: float) -> bool:
+        """Nothing published: say so (``sleeping``), look again past a fence, and wait on the
+        doorbell. True once an entry is published; False after ``timeout_s``."""
+        worker, published, seq = self._worker, self._published, self._seq
+        self._sleeping[worker] = 1
+        try:
+            fence()
+            deadline = time.monotonic() + timeout_s
+            while seq >= published[worker]:
+                wait_s = deadline - time.monotonic()
+                if wait_s <= 0 or not select.select([self._doorbell], [], [], wait_s)[0]:
+                    return seq < published[worker]
+                self._read_pipe()
+            return True
+        finally:
+            self._sleeping[worker] = 0
+
+    def _reread(self, offset: int, seq: int) -> tuple:
+        """The entry's bytes were not all seen yet (a machine that reorders stores): read it
+        again for a while before calling it a bug."""
+        for _ in range(1000):
+            time.sleep(0.0001)
+            entry = ENTRY.unpack_from(self._buffer, offset)
+            if entry[0] == seq:
+                return entry
+        raise RuntimeError(f"arena_loader worker {self._worker} expected order entry {seq} "
+                           f"and found {entry[0]} (arena_loader bug: please report it)")
+
+    def _read_pipe(self) -> None:
+        """Take what the pipe holds: doorbells are dropped, piped payloads kept in order."""
         try:
             data = os.read(self._doorbell, 65536)
         except BlockingIOError:
-            if not select.select([self._doorbell], [], [], timeout_s)[0]:
-                return False
-            data = os.read(self._doorbell, 65536)
+            return
         if not data:
             raise EOFError("the main process closed the order pipe")
-        self._bell += data
-        return True
+        bell = self._bell
+        bell += data
+        if bell[:1] == DOORBELL:  # (a payload's own bytes are never stripped: only leading)
+            del bell[: len(bell) - len(bell.lstrip(DOORBELL))]
 
-    def _read_piped(self) -> bytes:
-        while len(self._bell) < _PIPE_LENGTH.size:
-            self._fill(None)  # type: ignore[arg-type]
-        (length,) = _PIPE_LENGTH.unpack_from(self._bell)
-        while len(self._bell) < _PIPE_LENGTH.size + length:
-            self._fill(None)  # type: ignore[arg-type]
-        payload = bytes(self._bell[_PIPE_LENGTH.size: _PIPE_LENGTH.size + length])
-        del self._bell[: _PIPE_LENGTH.size + length]
-        return payload
+    def _read_piped(self, seq: int) -> bytes:
+        """The payload of PIPED entry ``seq``: on the pipe (after doorbells, maybe, and after
+        payloads of entries that were never published, which are dropped) since before the
+        entry was published."""
+        bell, head = self._bell, 1 + _PIPED.size
+        while True:
+            if bell[:1] == DOORBELL:
+                del bell[: len(bell) - len(bell.lstrip(DOORBELL))]
+            if len(bell) >= head:
+                got_seq, length = _PIPED.unpack_from(bell, 1)
+                if bell[:1] != PIPED_TAG or got_seq > seq:
+                    raise RuntimeError(f"arena_loader worker {self._worker}: the order pipe "
+                                       "is out of step (arena_loader bug: please report it)")
+                if len(bell) >= head + length:
+                    payload = bytes(bell[head: head + length])
+                    del bell[: head + length]
+                    if got_seq == seq:
+                        return payload
+                    continue  # written for an entry that was never published
+            select.select([self._doorbell], [], [], 1.0)
+            self._read_pipe()
+
+    def note_sent(self, nbytes: int) -> None:
+        """``nbytes`` of completion records are on the pipe (written before this)."""
+        self._sent[self._worker] += nbytes
 
     def close(self) -> None:
-        self._taken = None  # type: ignore[assignment]
+        self._taken = self._sleeping = self._published = self._sent = None  # type: ignore
         self._buffer.release()
