@@ -396,21 +396,26 @@ class NodesLoader:
         return iter(self._loader)
 
     def close(self) -> None:
-        # torchdata 0.11 has no public close: stop the prefetch thread, then the mapper's
-        # threads and workers (what their __del__ does, run now).
-        for iterator in (getattr(self._prefetcher, "_it", None),
-                         getattr(getattr(self._node, "_it", None), "_it", None)):
-            if iterator is None:
-                continue
-            iterator._shutdown()
-            # A process worker closed mid-epoch can hang at exit flushing its result queue
-            # (the queue's feeder thread waits on a pipe nobody reads): end it.
-            for worker in getattr(iterator, "_workers", ()):
+        # torchdata 0.11 has no public close: what the iterators' __del__ does (_shutdown),
+        # run now, after the mapper's process workers have ended. Stopped mid-epoch, a
+        # worker finishes the tasks already queued, then hangs at exit flushing its result
+        # queue into a pipe nobody reads any more (torchdata's _shutdown waits 0.5 s for
+        # each, then leaves it). So: stop the stages, let the sort thread, the pipe's only
+        # reader, leave (within its 0.1 s poll), then end the workers.
+        prefetch = getattr(self._prefetcher, "_it", None)
+        mapper = getattr(getattr(self._node, "_it", None), "_it", None)
+        if mapper is not None:
+            mapper._stop.set()
+            mapper._mp_stop.set()
+            if mapper._sort_thread.is_alive():
+                mapper._sort_thread.join()
+            for worker in mapper._workers:
                 if isinstance(worker, mp.process.BaseProcess) and worker.is_alive():
-                    worker.join(timeout=1.0)
-                    if worker.is_alive():
-                        worker.kill()
-                        worker.join()
+                    worker.kill()
+                    worker.join()
+        for iterator in (prefetch, mapper):
+            if iterator is not None:
+                iterator._shutdown()
 
 
 # --- torch ----------------------------------------------------------------------------------

