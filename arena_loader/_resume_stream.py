@@ -94,8 +94,8 @@ class EpochPosition:
     def handed(self, worker: int, state: bytes | None) -> None:
         """A batch (or its error) of ``worker`` went to the consumer; ``state``: its replica's
         state after it (None: none taken)."""
-        self.next_idx += 1
-        self.yielded += 1
+        # One statement (Handout.hand_over reads ``yielded`` to know whether it ran).
+        self.next_idx, self.yielded = self.next_idx + 1, self.yielded + 1
         workers = self.workers
         if workers is not None:
             self.last_worker = worker

@@ -31,7 +31,7 @@ class Consumer:
         with session.consumer_lock:
             try:
                 return self._next_batch()
-            except KeyboardInterrupt:
+            except BaseException:
                 with session.lock:
                     session.handout.put_back(session.order)  # taken, not handed over
                 raise
@@ -50,19 +50,19 @@ class Consumer:
             arena = session.claim.arena
             if arena is not None and session.source.held_batch_limit is not None:
                 session.source.check_limit(arena)
-        batch = None
-        try:
-            batch = self._wait_for_batch()
-            # The window has room for the batch just taken: send the next one now, as torch
-            # does, so workers go on while the training step runs.
-            session.fill_window()
-            return batch
-        except BaseException:
-            if batch is not None:
-                session.handout.stash = batch  # handed out by the next next()
-            raise
+        self._wait_for_batch()  # the next batch is taken (an interrupt puts it back)
+        # The window has room for the batch just taken: send the next one now, as torch does
+        # (before the batch is built, so an interrupt in the sampler leaves it untaken and the
+        # position where it was), and workers go on while the training step runs.
+        session.fill_window()
+        with session.lock:
+            window, arena = session.window, session.claim.arena
+            if window.held_overflow:  # this batch went to a segment: say why, once per loader
+                window.held_overflow = False
+                session.source.note_overflow(arena)
+            return session.handout.hand_over(session.source, arena)
 
-    def _wait_for_batch(self) -> Any:
+    def _wait_for_batch(self) -> None:
         session = self.session
         timeout = session.options.timeout
         deadline = time.monotonic() + timeout if timeout > 0 else None
@@ -72,15 +72,15 @@ class Consumer:
                 if session.ended:
                     session.check_open()
                 order, handout = session.order, session.handout
-                if handout.take(order):
-                    return self._hand_over()
+                if handout.taken is not None or handout.take(order):
+                    return
                 # Not there yet: take in what the worker that owes it has sent, no poll.
                 owed = order.in_flight.get(order.next_idx)
                 if owed is not None and order.in_order and session.phase is Phase.RUNNING:
                     # (files what an interrupted read left)
                     session.intake.receive(owed[0], speculative=True)
                     if handout.take(order):
-                        return self._hand_over()
+                        return
                 if session.phase is Phase.FAILED:
                     session.release_arena()  # a broken session keeps no slot of the loader's
                     raise fresh_copy(session.fatal)
@@ -107,11 +107,3 @@ class Consumer:
                 continue
             session.fill_window()  # a slot freed since, or a draw left pending
             session.intake.wait(wait_s)
-
-    def _hand_over(self) -> Any:
-        session = self.session
-        window, arena = session.window, session.claim.arena
-        if window.held_overflow:  # this batch went to a segment: say why, once per loader
-            window.held_overflow = False
-            session.source.note_overflow(arena)
-        return session.handout.hand_over(session.source, arena)

@@ -54,6 +54,7 @@ class Handout:
         batch is stashed for the next next(), an unbuilt one stays taken."""
         ready = self.taken
         batch = None
+        counted = self.position.yielded  # moves when the batch is counted as handed out
         try:
             if ready.status == FAILED:
                 self.taken = None  # handed out: raised on the next line
@@ -63,11 +64,15 @@ class Handout:
             in_slot = ready.storage is None
             batch = source.deliver(arena, ready.slot if in_slot else None, ready.storage,
                                    ready.plan, ready.idx, ready.indices)
-            self.taken = None
+            # Counted, then no longer taken: interrupted between, the batch is stashed and
+            # handed out by the next next() as counted already (state_dict stays exact).
             self.position.handed(ready.worker, ready.state)
+            self.taken = None
             return batch
         except KeyboardInterrupt:
             if batch is not None:
+                if self.position.yielded == counted:  # built, not yet counted
+                    self.position.handed(ready.worker, ready.state)
                 self.stash, self.taken = batch, None
             elif ready.storage is None and ready.status == LOADED and \
                     arena.pool.state(ready.slot) is SlotState.LEASED:
