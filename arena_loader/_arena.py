@@ -4,7 +4,7 @@ holds outside it (docs/design.md, "Slot budget")."""
 
 from __future__ import annotations
 
-import gc
+import functools
 import os
 import threading
 import warnings
@@ -18,6 +18,7 @@ import numpy as np
 
 from . import _forksafe
 from ._layout import KIND_TORCH_RAW, FieldPlacement, Plan
+from ._leases import HeldLimit
 from ._messages import listed
 from ._output import make_converter, torch_raw_view
 from ._pool import SlotPool, SlotState
@@ -143,6 +144,8 @@ class ArenaSource:
                  output: str | None = None, held_batch_limit: int | None = None):
         self.slots = slots
         self.held_batch_limit = held_batch_limit
+        self._limit = HeldLimit(held_batch_limit,
+                                keep=" (keep copies with np.array(x) / x.clone())")
         self._pinner = pinner
         self._lease_only = lease_only
         self._output = output
@@ -236,28 +239,19 @@ class ArenaSource:
 
     def held(self, arena: Arena | None) -> int:
         """Batches the consumer holds: leased slots plus batches in segments."""
-        leased = arena.pool.counts()[SlotState.LEASED] if arena is not None else 0
+        leased = arena.pool.held() if arena is not None else 0
         return leased + self._segments_given - len(self._segments_released)
 
     def over_limit(self, arena: Arena | None) -> bool:
-        limit = self.held_batch_limit
-        return limit is not None and self.held(arena) >= limit
+        return self._limit.reached(functools.partial(self.held, arena))
 
     def limit_error(self, arena: Arena | None) -> SlotsExhaustedError:
-        held = self.held(arena)
-        return SlotsExhaustedError(
-            f"your code holds {held} batches from this loader, the held_batch_limit="
-            f"{self.held_batch_limit} you set, so no next batch is made; drop references to old "
-            "batches (keep copies with np.array(x) / x.clone()), or raise or remove "
-            "held_batch_limit")
+        return self._limit.error(self.held(arena))
 
     def check_limit(self, arena: Arena | None) -> None:
         """At next(): a SlotsExhaustedError while the consumer holds ``held_batch_limit``
         batches (after collecting garbage once: views in reference cycles)."""
-        if self.over_limit(arena):
-            gc.collect()
-            if self.over_limit(arena):
-                raise self.limit_error(arena)
+        self._limit.check(functools.partial(self.held, arena))
 
     def note_overflow(self, arena: Arena | None) -> None:
         """A batch goes to a segment because every slot is held: warn, once per loader."""

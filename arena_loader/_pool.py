@@ -3,36 +3,28 @@
 ``FREE -> ASSIGNED`` (a task names it) ``-> FILLED`` (its worker reported it) ``-> LEASED``
 (handed to the consumer) ``-> FREE`` once every view of the batch has been garbage-collected.
 A slot whose task failed or was abandoned goes ``ASSIGNED/FILLED -> FREE`` by ``reclaim``.
-Any other transition is a bug and raises (docs/design.md, "Slot lifecycle").
+Any other transition is a bug and raises (docs/design.md, "Slot lifecycle"). The states,
+the free list and the release of dead leases are the lease ring's (``_leases.LeaseRing``).
 """
 
 from __future__ import annotations
 
-import enum
-import functools
-import gc
 import os
 import threading
-import weakref
-from collections import deque
 
 import numpy as np
 
 from ._forksafe import keep_across_fork
+from ._leases import LeaseRing, LeaseState
 from .errors import LoaderClosedError
 
-
-class SlotState(enum.Enum):
-    FREE = "free"
-    ASSIGNED = "assigned"
-    FILLED = "filled"
-    LEASED = "leased"
+SlotState = LeaseState  # a slot's states are the lease ring's
 
 
 class SlotLease:
     """The consumer's claim on one slot: the ``.base`` of every array view of a batch.
 
-    When the last view dies, this object dies and a ``weakref.finalize`` returns the slot.
+    When the last view dies, this object dies and its pool's weak reference returns the slot.
     """
 
     __slots__ = ("__array_interface__", "__weakref__", "_bytes", "slot")
@@ -91,27 +83,18 @@ class Waker:
                 os.close(read_fd)
 
 
-class SlotPool:
-    """Owns the slot states of one slab. Thread-safe; ``release`` is lock-free for finalizers."""
+class SlotPool(LeaseRing):
+    """Owns the slot states of one slab. Thread-safe; a lease's death is lock-free."""
+
+    _kind = "slot"
 
     def __init__(self, slab_array: np.ndarray, slot_nbytes: int, slots: int):
+        super().__init__(slots)
         self._slab_array = slab_array
         self._slab_address = slab_array.ctypes.data
         self.slot_nbytes = slot_nbytes
-        self._states = [SlotState.FREE] * slots
-        self._free: deque[int] = deque(range(slots))
-        # Appended to by finalizers in whatever thread drops the last view; deque.append is
-        # atomic, so releasing a slot never takes a lock that the same thread might hold.
-        self._released: deque[int] = deque()
         self._lock = threading.Lock()
         self.waker: Waker | None = None  # set by whoever waits for free slots
-        # Set while a waiter found no free slot: only then does a release write to the waker.
-        self._wanted = False
-        # The weak reference to each LEASED slot's lease, and the callback per slot.
-        self._lease_refs: dict[int, weakref.ref] = {}
-        # (Through a weak reference to the pool: a bound method here would be a cycle.)
-        self._on_lease_dead = [functools.partial(_lease_died, weakref.ref(self), slot)
-                               for slot in range(slots)]
         self._interfaces = [
             slab_array[slot * slot_nbytes: (slot + 1) * slot_nbytes].__array_interface__
             for slot in range(slots)]
@@ -160,12 +143,10 @@ class SlotPool:
             # A process forked while the batch lives gets its own copy of the slot's bytes.
             keep_across_fork(lease, self._slab_address + slot * self.slot_nbytes,
                              self.slot_nbytes)
-            # A plain weak reference kept here (weakref.finalize costs twice as much): its
-            # callback returns the slot when the lease dies.
-            self._lease_refs[slot] = weakref.ref(lease, self._on_lease_dead[slot])
+            self._track(slot, lease)  # its death returns the slot
             return lease
         except BaseException:  # Ctrl-C before the lease was handed back: undo it whole
-            self._lease_refs.pop(slot, None)
+            self._untrack(slot)
             with self._lock:  # by state, not a flag: Ctrl-C may land right after the move
                 if self._states[slot] is SlotState.LEASED:
                     self._states[slot] = SlotState.FILLED
@@ -173,14 +154,13 @@ class SlotPool:
 
     def unlease(self, lease: SlotLease) -> None:
         """Undo ``lease`` (the batch was never handed out): its slot is FILLED again."""
-        ref = self._lease_refs.get(lease.slot)
-        if ref is not None and ref() is lease:
+        if self.tracks(lease.slot, lease):
             self.take_back(lease.slot)
 
     def take_back(self, slot: int) -> None:
         """Undo the lease of ``slot`` whose batch was never handed out (the lease object may
         still exist, held by an interrupted frame: its death no longer frees the slot)."""
-        if self._lease_refs.pop(slot, None) is not None:  # the reference dies: no callback
+        if self._untrack(slot):
             with self._lock:
                 self._move(slot, SlotState.LEASED, SlotState.FILLED)
 
@@ -212,6 +192,12 @@ class SlotPool:
                 result[state] += 1
             return result
 
+    def held(self) -> int:
+        """LEASED slots: the batches the consumer holds in the slab."""
+        with self._lock:
+            self._collect_released()
+            return super().held()
+
     def states(self) -> list[SlotState]:
         """Each slot's state, by slot number."""
         with self._lock:
@@ -222,27 +208,6 @@ class SlotPool:
         with self._lock:
             self._collect_released()
             return self._states[slot]
-
-    def _lease_died(self, slot: int, ref: weakref.ref) -> None:
-        if self._lease_refs.get(slot) is ref:
-            del self._lease_refs[slot]
-            self._released.append(slot)  # (as _release: one call less per batch)
-            waker = self.waker
-            if waker is not None and self._wanted:
-                waker.wake()
-
-    def _collect_released(self) -> None:
-        # Each step may be redone: a Ctrl-C between two leaves the slot at the head of
-        # _released (moved again as a no-op) or FREE and unlisted (reconcile() lists it).
-        released, free, states = self._released, self._free, self._states
-        while released:
-            slot = released[0]
-            if states[slot] is SlotState.LEASED:
-                states[slot] = SlotState.FREE
-                free.append(slot)
-            released.popleft()
-        while free and states[free[0]] is not SlotState.FREE:
-            free.popleft()  # moved to ASSIGNED by an acquire that Ctrl-C cut short
 
     def reconcile(self, owned: set[int]) -> int:
         """Free every ASSIGNED or FILLED slot not in ``owned`` (slots whose batch the caller
@@ -259,28 +224,3 @@ class SlotPool:
                 self._states[slot] = SlotState.FREE
             self._free.extend(recovered)
             return len(recovered)
-
-    def _move(self, slot: int, expected: SlotState, new: SlotState) -> None:
-        if self._states[slot] is not expected:
-            raise RuntimeError(
-                f"slot {slot} is {self._states[slot].value}, expected {expected.value} "
-                f"before becoming {new.value} (arena_loader bug: please report it)"
-            )
-        self._states[slot] = new
-
-
-def _lease_died(pool_ref: weakref.ref, slot: int, ref: weakref.ref) -> None:
-    pool = pool_ref()
-    if pool is not None:
-        pool._lease_died(slot, ref)
-
-
-def collect_unlocked(cv: threading.Condition) -> None:
-    """Run the garbage collector with ``cv`` (held by the caller) released: views caught in
-    reference cycles give their slot or buffer back only then, and their finalizers may need
-    locks that the waiting side holds."""
-    cv.release()
-    try:
-        gc.collect()
-    finally:
-        cv.acquire()

@@ -336,8 +336,8 @@ class SegmentReceiver:
             tag = _FD_TAG.unpack(data)[0] if len(data) == _FD_TAG.size else None
             if tag is not None and tag > idx:
                 return
-            for fd in fds:
-                os.close(fd)
+            while fds:  # dropped in the statement that closes it: an interrupted forget
+                os.close(fds.pop())  # never closes a descriptor twice
             self.received.popleft()
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
 
 from arena_loader import ArenaLoader, LoaderClosedError, SlotsExhaustedError
 from arena_loader._device import cuda as device_cuda
+from arena_loader._device.ring import DeviceRing
 
 from .conftest import our_threads, wait_until
 from .datasets import (
@@ -29,6 +31,7 @@ from .datasets import (
     NestedDataset,
     RaisingDataset,
     ShardedStream,
+    SlowDataset,
     assert_batches_equal,
     host_copy,
     host_epoch,
@@ -278,6 +281,83 @@ def test_released_buffers_are_reused_behind_a_fence_on_the_consumer_stream(gated
     assert fences and all(event.recorded_on == [0] for event in fences)
     assert any(not isinstance(stream, int) for fence in fences for stream in fence.waited_on), \
         "no copy waited on a fence before reusing a buffer"
+
+
+def test_device_lease_death_returns_its_buffer_behind_a_fence():
+    """The ring alone: a buffer comes back exactly when its lease dies (not while any view
+    of it lives), FREE behind the fence recorded then, and is the one taken next."""
+    ring = DeviceRing(2)
+    index, fence = ring.take(64)
+    assert fence is None
+    lease = ring.lease(index)
+    ring.hand_out(index)
+    view = device_cuda.owned_array(lease)
+    del lease
+    gc.collect()
+    assert ring.held() == 1 and ring.fence_released(0) == 0  # the view keeps the lease
+    second, _ = ring.take(64)
+    assert second != index and ring.take(64) is None  # the limit: nothing free
+    del view
+    gc.collect()
+    assert ring.fence_released(0) == 1 and ring.held() == 0
+    again, fence = ring.take(64)
+    assert again == index and fence is not None, "a dead lease did not return its buffer"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dropped_device_batch_frees_its_buffer_while_the_next_one_loads(num_workers):
+    """The device thread keeps no reference to a batch it queued: dropped by the consumer
+    while the thread waits for the next host batch, its buffer comes back (with
+    held_batch_limit=1, each next() after dropping the last batch succeeds)."""
+    dataset = SlowDataset(16, slow_indices=range(16), delay_s=0.05, shape=(4,))
+    options = dict(batch_size=2, num_workers=num_workers, held_batch_limit=1, device="cuda",
+                   prefetch_factor=1 if num_workers else None)
+    firsts = []
+    with ArenaLoader(dataset, **options) as loader:
+        iterator = iter(loader)
+        for _ in range(8):
+            batch = next(iterator)  # the thread is loading the next one (0.1 s)
+            firsts.append(int(batch.copy_to_host()[0][0]))
+            del batch
+        assert sum(1 for _ in iterator) == 0
+    assert firsts == [dataset[i][0] for i in range(0, 16, 2)]
+
+
+def take_until_refused(iterator, held: list, taken: list) -> str:
+    """Keep every batch in ``held`` (its first value in ``taken``) until next() raises
+    SlotsExhaustedError; the number of held batches the error names."""
+    while True:
+        try:
+            held.append(next(iterator))  # (no local: the error's traceback would keep it)
+        except SlotsExhaustedError as error:
+            return re.search(r"holds (\d+) batches", str(error)).group(1)
+        taken.append(int(host_copy(held[-1])[0][0]))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_host_and_device_count_held_batches_alike_for_held_batch_limit(num_workers):
+    """held_batch_limit=3 means the same on the host and on the GPU: three batches held, the
+    next next() raises naming 3; each batch dropped (or only in a reference cycle) lets
+    exactly one more come; nothing is lost. Batches queued or being copied are not held."""
+    dataset = ImageDataset(40, shape=(4,))
+    counts = {}
+    for device in (None, "cuda"):
+        with ArenaLoader(dataset, batch_size=2, num_workers=num_workers, held_batch_limit=3,
+                         device=device) as loader:
+            iterator = iter(loader)
+            held, taken = [], []
+            refused = [(take_until_refused(iterator, held, taken), len(held))]
+            del held[0]
+            refused.append((take_until_refused(iterator, held, taken), len(held)))
+            cycle = [held.pop()]
+            cycle.append(cycle)  # held only by a garbage cycle: collected before raising
+            del cycle
+            refused.append((take_until_refused(iterator, held, taken), len(held)))
+            held.clear()
+            taken.extend(int(host_copy(batch)[0][0]) for batch in iterator)
+            counts[device] = refused
+            assert taken == [dataset[i][0] for i in range(0, 40, 2)], device
+    assert counts[None] == counts["cuda"] == [("3", 3)] * 3, counts
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])

@@ -6,7 +6,8 @@ copies".
 
 - ``cuda``: every ``numba.cuda`` call (devices, streams, events, buffers, device arrays).
 - ``pinning``: ``HostPinner`` page-locks each slab in place.
-- ``ring``: device buffers leased to the consumer (``DeviceRing``, ``DeviceLease``).
+- ``ring``: device buffers leased to the consumer (``DeviceRing``, a ``_leases.LeaseRing``;
+  ``DeviceLease``).
 - ``upload``: one copy of a leased host slot into a device buffer (``SlotUploader``).
 - ``stage``: the ``arena_loader-device`` thread and the consumer's ``next()`` (``DeviceStage``).
 - ``iterator``: ``DeviceCopier`` and the ``DeviceIterator`` it gives the loader.

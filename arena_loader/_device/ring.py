@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import weakref
-from collections import deque
+import itertools
 from typing import Any
 
+from .._leases import ASSIGNED, FILLED, FREE, LEASED, LeaseRing
 from . import cuda
 
 
 class DeviceLease:
     """The consumer's claim on one device buffer: the owner of every device view of a batch.
 
-    When the last view (or torch tensor over one) dies, a ``weakref.finalize`` returns the
-    buffer to its ring.
+    When the last view (or torch tensor over one) dies, this object dies and its ring's weak
+    reference returns the buffer.
     """
 
     __slots__ = ("__weakref__", "_buffer", "index")
@@ -34,29 +34,34 @@ class DeviceLease:
         return f"DeviceLease(buffer={self.index})"
 
 
-class DeviceRing:
+class DeviceRing(LeaseRing):
     """Device buffers, one batch each, allocated on demand up to ``limit``, and beyond it
     while the consumer holds the others (``take(grow=True)``: GPU memory grows with the
     batches kept, as in torch).
 
-    A buffer is FREE, in use (copied into, queued, or held by the consumer), or released (its
-    lease died). Released buffers become FREE at the consumer's next ``next()``, together with a
-    fence event recorded on the consumer's stream there: work the consumer queued on a batch
-    was queued before it dropped the batch, so a copy into the buffer waits on that fence.
-    Guarded by the stage's condition, except the leases' finalizers, which only append to
-    ``_released`` (lock-free: they run in whatever thread drops the last view).
+    A buffer is FREE, ASSIGNED (taken by the device thread, being copied into), FILLED (its
+    lease made: the batch is queued for the consumer), LEASED (the consumer took it), then
+    released (its lease died). Released buffers become FREE at the consumer's next ``next()``,
+    together with a fence event recorded on the consumer's stream there: work the consumer
+    queued on a batch was queued before it dropped the batch, so a copy into the buffer waits
+    on that fence. Guarded by the stage's condition, except the device thread's ``lease``
+    (of a buffer it alone has taken) and the leases' deaths (lock-free, ``LeaseRing``).
     """
 
     def __init__(self, limit: int):
+        super().__init__()
         self.limit = limit
         self._buffers: list[Any] = []
-        self._free: deque[tuple[int, Any]] = deque()  # (index, fence event or None)
-        self._released: deque[int] = deque()
+        self._fences: list[Any] = []  # per buffer: the fence of its last release, or None
 
     def take(self, nbytes: int, grow: bool = False) -> tuple[int, Any] | None:
-        """A free buffer (allocating one if allowed) and its fence; None if none can be had."""
+        """A free buffer (allocating one if allowed), now ASSIGNED, and its fence; None if
+        none can be had."""
         if self._free:
-            index, fence = self._free.popleft()
+            index = self._free[0]
+            self._move(index, FREE, ASSIGNED)
+            self._free.popleft()
+            fence = self._fences[index]
             if self._buffers[index].nbytes < nbytes:  # a larger batch than this buffer holds
                 if fence is not None:
                     fence.synchronize()  # the consumer's reads of it are done: replace it
@@ -64,18 +69,25 @@ class DeviceRing:
                 fence = None
             return index, fence
         if len(self._buffers) < self.limit or grow:
-            self._buffers.append(cuda.device_bytes(nbytes))
-            return len(self._buffers) - 1, None
+            buffer = cuda.device_bytes(nbytes)
+            self._buffers.append(buffer)
+            self._fences.append(None)
+            return self._add(ASSIGNED), None
         return None
 
     def buffer(self, index: int) -> Any:
         return self._buffers[index]
 
     def lease(self, index: int) -> DeviceLease:
+        """The lease of an ASSIGNED buffer, now FILLED (its batch queued for the consumer)."""
         lease = DeviceLease(index, self._buffers[index])
-        finalizer = weakref.finalize(lease, self._released.append, index)
-        finalizer.atexit = False
+        self._move(index, ASSIGNED, FILLED)
+        self._track(index, lease)
         return lease
+
+    def hand_out(self, index: int) -> None:
+        """The consumer took the batch of buffer ``index``: it is held (LEASED)."""
+        self._move(index, FILLED, LEASED)
 
     def fence_released(self, stream: Any) -> int:
         """Make released buffers FREE behind a fence on the consumer's ``stream``."""
@@ -83,12 +95,7 @@ class DeviceRing:
             return 0
         fence = cuda.new_event()
         fence.record(stream)
-        moved = 0
-        while self._released:
-            self._free.append((self._released.popleft(), fence))
-            moved += 1
+        moved = self._collect_released()  # appended to the free list's end
+        for index in itertools.islice(self._free, len(self._free) - moved, None):
+            self._fences[index] = fence
         return moved
-
-    @property
-    def held(self) -> int:
-        return len(self._buffers) - len(self._free)

@@ -4,6 +4,7 @@ copies")."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -12,8 +13,8 @@ from typing import Any
 
 from .._arena import LeasedSlot
 from .._inprocess import InProcessIterator
-from .._pool import collect_unlocked
-from ..errors import LoaderClosedError, SlotsExhaustedError
+from .._leases import HeldLimit, collect_unlocked
+from ..errors import LoaderClosedError
 from . import cuda
 from .ring import DeviceRing
 from .upload import Copied, SlotUploader
@@ -52,8 +53,7 @@ class DeviceStage:
         self._host = host
         self._gpu = gpu
         self._slots = slots
-        self._held_limit = held_limit
-        self._in_copy = 0  # buffers the thread took and has not queued yet (not held)
+        self._limit = HeldLimit(held_limit, " on the GPU", " (copy one if you need to keep it)")
         self._owns_host = owns_host
         self._cv = threading.Condition()
         self._ready: deque[Copied | Raised | Ended] = deque()
@@ -113,7 +113,10 @@ class DeviceStage:
                 # At most one copy outstanding while the next host batch is fetched: the
                 # previous one is waited for, and its host slot goes back.
                 self._uploader.retire(keep=1)
-                if not self._publish(copied):
+                # No reference stays here once published: the consumer's drop of the batch
+                # must return its buffer while this thread loads the next one.
+                published, copied = self._publish(copied), None
+                if not published:
                     return
         finally:
             self._uploader.close()
@@ -148,7 +151,6 @@ class DeviceStage:
                 taken = self._ring.take(nbytes,
                                         grow=len(self._ready) < max(1, self._slots - 1))
                 if taken is not None:
-                    self._in_copy += 1  # taken by this thread until published
                     return taken
                 self._cv.notify_all()  # a consumer waiting in next() may have to raise
                 self._cv.wait(POLL_S)
@@ -162,8 +164,6 @@ class DeviceStage:
             if self._stop:
                 return False
             self._ready.append(item)
-            if isinstance(item, Copied):
-                self._in_copy -= 1
             self._cv.notify_all()
             return True
 
@@ -193,19 +193,16 @@ class DeviceStage:
         raise StopIteration
 
     def _take(self, stream: Any) -> Copied | Raised | Ended:
-        collected = False
         with self._cv:
+            # (Checked once: while this next() waits, the consumer can only hold fewer.)
+            self._limit.check(functools.partial(self._held, stream),
+                              functools.partial(collect_unlocked, self._cv))
             while True:
-                if self._ring.fence_released(stream):
-                    self._cv.notify_all()
-                if self._held_limit is not None and self._held() >= self._held_limit:
-                    if collected:
-                        raise self._exhausted_error()
-                    collect_unlocked(self._cv)
-                    collected = True
-                    continue
+                self._fence(stream)
                 if self._ready:
                     item = self._ready[0]
+                    if isinstance(item, Copied):
+                        self._ring.hand_out(item.index)  # the consumer's now: held
                     if not (isinstance(item, Raised) and item.fatal):
                         self._ready.popleft()  # a fatal error is raised again by every next()
                     self._cv.notify_all()
@@ -220,16 +217,15 @@ class DeviceStage:
                 if not self._cv.wait(POLL_S) and not self._thread.is_alive():
                     raise RuntimeError("the arena_loader device thread stopped unexpectedly")
 
-    def _held(self) -> int:
-        """Device batches the consumer holds: buffers in use and not queued for it."""
-        return self._ring.held - len(self._ready) - self._in_copy
+    def _fence(self, stream: Any) -> None:
+        """Released buffers become free (behind a fence on ``stream``): the thread may wait."""
+        if self._ring.fence_released(stream):
+            self._cv.notify_all()
 
-    def _exhausted_error(self) -> SlotsExhaustedError:
-        return SlotsExhaustedError(
-            f"your code holds {self._held()} batches on the GPU from this loader, the "
-            f"held_batch_limit={self._held_limit} you set, so no next batch is made; drop "
-            "references to old batches (copy one if you need to keep it), or raise or remove "
-            "held_batch_limit")
+    def _held(self, stream: Any) -> int:
+        """Device batches the consumer holds: buffers it took whose lease lives."""
+        self._fence(stream)
+        return self._ring.held()
 
     # -- teardown -------------------------------------------------------------------------
 

@@ -19,10 +19,12 @@ STAGING_BUFFERS = 2
 
 @dataclass(frozen=True, eq=False)
 class Copied:
-    """A batch queued for copying into a device buffer; ``event`` completes with the copy."""
+    """A batch queued for copying into device buffer ``index``; ``event`` completes with the
+    copy."""
 
     batch: Any
     event: Any
+    index: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,7 +70,7 @@ class SlotUploader:
         convert = self._convert
         if convert is None and leased.plan.torch and self._auto_torch:
             convert = cuda.torch_converter(self._gpu)  # output=None: a torch dataset's batches
-        return Copied(leased.assemble(cuda.owned_array(lease), convert), event)
+        return Copied(leased.assemble(cuda.owned_array(lease), convert), event, index)
 
     def _stage(self, source: np.ndarray) -> Any:
         """``source`` copied into a pinned staging buffer."""
