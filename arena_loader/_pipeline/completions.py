@@ -102,8 +102,9 @@ class CompletionReader:
                 # (Interrupted before this, it lags: reads are then never skipped, only wasted.)
                 self._received[worker] += len(data)
                 got = True if data else None
-            except BlockingIOError:
-                pass
+            except BlockingIOError:  # all it wrote is read: resynchronise a count that lags
+                if sent is not None:
+                    self._received[worker] = int(sent[worker])
         if buffer:  # (also what an interrupt left unparsed, when the read was skipped)
             self._parse(worker)
         return got
