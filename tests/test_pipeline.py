@@ -282,8 +282,7 @@ def test_a_missed_wake_up_is_healed_before_the_main_process_waits(ring_pair):
     interrupt between publishing and ringing): wake_sleepers rings it, and only it."""
     ring, reader = ring_pair
     ring._sleeping[1] = 1  # as a worker that went to sleep before the entry was seen
-    ring.published[1] += 0  # (nothing published yet: nobody to wake)
-    ring.wake_sleepers()
+    ring.wake_sleepers()  # nothing published yet: nobody to wake
     assert _pipe_bytes(reader._doorbell) == b""
     ring._sleeping[1] = 0
     assert ring.publish(1, EntryKind.INDICES, 0, 0, 0, [1])  # not asleep: no doorbell

@@ -146,10 +146,10 @@ class OrderRing:
                 epoch: int = 0, indices: Any = None) -> bool:
         """Write one entry for ``worker`` and, if it sleeps, ring its doorbell; False when its
         ring is full or its pipe is closed (it is gone)."""
+        if not self.has_room(worker):
+            return False
         published = self.published
         seq = int(published[worker])
-        if seq - self._taken[worker] >= self.depth:
-            return False
         offset = self._header_nbytes + (worker * self.depth + seq % self.depth) \
             * self.entry_nbytes
         piped = b""
@@ -237,6 +237,13 @@ def _write_all(fd: int, data: bytes) -> None:
         if 0 < len(view) < len(data):  # half a message would put the pipe out of step
             _write_all(fd, view.tobytes())
         raise
+
+
+def _drop_doorbells(bell: bytearray) -> None:
+    """Drop the doorbell bytes at the head of what the pipe held (only there: a piped
+    payload's own bytes are never touched)."""
+    if bell[:1] == DOORBELL:
+        del bell[: len(bell) - len(bell.lstrip(DOORBELL))]
 
 
 class Entry:
@@ -329,8 +336,7 @@ class OrderReader:
             raise EOFError("the main process closed the order pipe")
         bell = self._bell
         bell += data
-        if bell[:1] == DOORBELL:  # (a payload's own bytes are never stripped: only leading)
-            del bell[: len(bell) - len(bell.lstrip(DOORBELL))]
+        _drop_doorbells(bell)
 
     def _read_piped(self, seq: int) -> bytes:
         """The payload of PIPED entry ``seq``: on the pipe (after doorbells, maybe, and after
@@ -338,8 +344,7 @@ class OrderReader:
         entry was published."""
         bell, head = self._bell, 1 + _PIPED.size
         while True:
-            if bell[:1] == DOORBELL:
-                del bell[: len(bell) - len(bell.lstrip(DOORBELL))]
+            _drop_doorbells(bell)
             if len(bell) >= head:
                 got_seq, length = _PIPED.unpack_from(bell, 1)
                 if bell[:1] != PIPED_TAG or got_seq > seq:
