@@ -132,10 +132,29 @@ def test_the_structure_is_sent_once_per_encoder():
     assert decoder.decode(first).plan.spec == decoder.decode(second).plan.spec
 
 
-def test_unequal_sample_shapes_name_the_sample_field_and_the_fix():
-    with pytest.raises(LayoutError, match=r"sample 7: field sample\['x'\] has shape \[3\] but "
-                                          r"sample 5 has \[2\].*collate_fn"):
-        prepare_samples([{"x": np.zeros(2)}, {"x": np.zeros(3)}], [5, 7])
+def plan_and_write(samples, indices):
+    """Plan ``samples`` and write them: for rows of one array dtype the write is where
+    numpy checks every row's shape (in C), so either step may raise the batch's error."""
+    prepared = prepare_samples(samples, indices)
+    prepared.write(np.zeros(prepared.nbytes, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("rows", [
+    [np.zeros(2), np.zeros(3)],  # longer
+    [np.zeros(2), np.zeros(1)],  # shorter
+    [np.zeros(2), np.zeros((1, 2))],  # one more dimension, as many elements
+    [np.zeros((3, 2)), np.zeros((2, 3))],  # as many elements, other shape
+    [np.zeros(2), np.zeros(2), np.zeros(4), np.zeros(0)],  # lengths that add up
+])
+def test_unequal_sample_shapes_name_the_sample_field_and_the_fix(rows):
+    shape = list(rows[0].shape)
+    odd = next(k for k, r in enumerate(rows) if r.shape != rows[0].shape)
+    indices = [5 + 2 * k for k in range(len(rows))]
+    with pytest.raises(LayoutError, match=rf"sample {indices[odd]}: field sample\['x'\] has shape "
+                                          rf"\[.*\] but sample 5 has \{shape}.*collate_fn"):
+        plan_and_write([{"x": r} for r in rows], indices)
+    with pytest.raises(LayoutError, match=rf"sample {indices[odd]}: field sample has shape "):
+        plan_and_write(rows, indices)  # samples that are one array: the fastest path
 
 
 def test_structure_mismatch_is_named():
@@ -145,7 +164,7 @@ def test_structure_mismatch_is_named():
 
 def test_none_and_object_arrays_are_layout_errors():
     with pytest.raises(LayoutError, match=r"dataset\[4\] returned None"):
-        prepare_samples([np.zeros(1), None], [3, 4])
+        plan_and_write([np.zeros(1), None], [3, 4])
     with pytest.raises(LayoutError, match="object-dtype"):
         prepare_samples([np.array([1, "a"], dtype=object)], [0])
 

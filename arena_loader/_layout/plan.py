@@ -159,20 +159,16 @@ class Prepared:
 
 
 class EqualRows(list):
-    """Rows of one dtype and one length, whose other dimensions the write checks (in
-    C, as it copies): the per-row shape walk is done only if that check fails."""
+    """Rows whose dtypes promote to the first row's: the write checks (in C, as it copies)
+    that every row has the first row's shape; the per-row walk runs only if that fails."""
 
     __slots__ = ("explain",)  # a call that raises the named error when the write fails
 
 
 def write_equal_rows(storage: np.ndarray, rows: EqualRows, field: FieldPlacement) -> None:
-    shape = field.shape
-    out = np.ndarray((shape[0] * shape[1], *shape[2:]), field.dtype, storage, field.offset)
-    try:  # axis 0 into an out of the batch's shape: numpy checks every row's other dims
-        try:
-            np.concatenate(rows, axis=0, out=out, casting="no")
-        except TypeError:  # a row of a dtype that promotes to the field's (int8 among int16)
-            np.concatenate(rows, axis=0, out=out, casting="safe")
+    out = np.ndarray(field.shape, field.dtype, storage, field.offset)
+    try:  # numpy reads the rows as one array of the batch's shape: a row of any other
+        out[...] = rows  # shape (or a non-array) fails; dtypes only promote (checked)
     except (ValueError, TypeError):
         rows.explain()  # raises the error that names the sample and the fix
         raise

@@ -76,13 +76,13 @@ def _column(values: list, path: str, indices: Sequence[Any],
             fast: bool = True) -> tuple[list, FieldPlacement]:
     """The rows of one field as numpy values, and its dtype, shape and kind (offset 0)."""
     first = values[0]
-    # The hottest path: arrays of at least one dimension and one length, whose dtypes
-    # promote to the first one's (numpy's promotion then agrees with torch's); their other
-    # dimensions are checked by the write itself (write_equal_rows), in C.
+    # The hottest path: arrays of at least one dimension whose dtypes promote to the first
+    # one's (numpy's promotion then agrees with torch's); every row's shape is checked by the
+    # write itself (write_equal_rows), in C, and a row that fails it gets the full walk.
     if fast and type(first) is np.ndarray and first.ndim and not first.dtype.hasobject:
         try:
-            equal = len(set(map(len, values))) == 1 and np.result_type(*values) == first.dtype
-        except (TypeError, ValueError):  # a row without len() or a dtype: the full walk
+            equal = np.result_type(*values) == first.dtype
+        except (TypeError, ValueError):  # a row that is no array nor scalar: the full walk
             equal = False
         if equal:
             rows = EqualRows(values)
