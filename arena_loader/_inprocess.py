@@ -40,7 +40,10 @@ class InProcessIterator:
         self._count = plan.first_idx  # batches made (and skipped): names a batch in errors
         self._lock = threading.Lock()
         self._slabless = False
-        self._stash: Any = None  # a batch built for a next() that Ctrl-C interrupted
+        # What next()'s last line pops (empty, or one item): the batch built, or with
+        # ``_failed`` its error, raised by the pop (so Ctrl-C neither loses nor repeats it).
+        self._stash: list = []
+        self._failed = False
 
     def __iter__(self) -> InProcessIterator:
         return self
@@ -52,12 +55,15 @@ class InProcessIterator:
         # DataLoader iterator may be): without the lock two threads could take the same
         # pending batch.
         with self._lock:
-            return self._next()
+            self._next()
+            if self._failed:
+                raise self._stash.pop()
+            return self._stash.pop()
 
-    def _next(self) -> Any:
-        if self._stash is not None:  # built by a next() that Ctrl-C interrupted: it is next
-            batch, self._stash = self._stash, None
-            return batch
+    def _next(self) -> None:
+        """Leave the next batch (or its error) in ``_stash``."""
+        if self._stash:  # built by a next() that Ctrl-C interrupted: it is next
+            return
         if self._done:
             raise StopIteration
         if self._arena is not None:
@@ -76,15 +82,15 @@ class InProcessIterator:
         if fetched is None:
             try:
                 fetched = filler.fetch(indices)
-            except Exception:  # that batch's error; the next next() goes on (Ctrl-C: retried)
-                self._pending = None
-                raise
+            except Exception as exc:  # that batch's error; the next next() goes on
+                self._stash, self._failed, self._pending = [exc], True, None
+                return  # (Ctrl-C: retried)
             self._pending = (indices, fetched)
         try:
             prepared = filler.prepare(fetched, indices)
-        except Exception:
-            self._pending = None
-            raise
+        except Exception as exc:
+            self._stash, self._failed, self._pending = [exc], True, None
+            return
         source = self._source
         if self._arena is None and not self._slabless:
             # Claimed at the first batch, whose size sets the slot budget; with no room in
@@ -97,6 +103,7 @@ class InProcessIterator:
                 self._finalizer = weakref.finalize(self, source.unclaim, self._arena)
         arena = self._arena
         slot = batch = None
+        counted = self._epoch_position.yielded  # moves when the batch is counted
         try:
             fits = arena is not None and prepared.nbytes <= arena.slot_nbytes
             if arena is not None and not fits:
@@ -111,19 +118,26 @@ class InProcessIterator:
                 arena.pool.mark_filled(slot)
             batch = source.deliver(arena, slot, storage if slot is None else None,
                                    prepared.plan, self._count, indices)
-            self._pending, self._count = None, self._count + 1
             self._epoch_position.handed(0, self._stream_state)
-            return batch
+            # Counted, then stashed and no longer pending (one statement): interrupted before,
+            # the handler below does it (counting only if that did not run).
+            self._stash, self._failed, self._pending, self._count = (
+                [batch], False, None, self._count + 1)
         except BaseException as exc:
             if batch is not None:  # Ctrl-C after the batch was built: the next next()'s
-                self._stash, self._pending, self._count = batch, None, self._count + 1
-                self._epoch_position.handed(0, self._stream_state)
-            elif slot is not None and arena.pool.state(slot) in (SlotState.ASSIGNED,
-                                                                 SlotState.FILLED):
+                if self._pending is not None:
+                    if self._epoch_position.yielded == counted:
+                        self._epoch_position.handed(0, self._stream_state)
+                    self._stash, self._failed, self._pending, self._count = (
+                        [batch], False, None, self._count + 1)
+                raise
+            if slot is not None and arena.pool.state(slot) in (SlotState.ASSIGNED,
+                                                               SlotState.FILLED):
                 arena.pool.reclaim(slot)  # rewritten from the kept batch next time
-            if not isinstance(exc, KeyboardInterrupt) and batch is None:
-                self._pending = None  # that batch's error (a write error): it is consumed
-            raise
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            # that batch's error (a write error): it is consumed, raised by the pop
+            self._stash, self._failed, self._pending = [exc], True, None
 
     def _take(self) -> tuple[Any, Fetched | None]:
         filler = self._filler

@@ -4,8 +4,8 @@ what the rings count as held (docs/design.md, "Slot lifecycle" and "Device copie
 
 ``SlotPool`` (host slots) and ``DeviceRing`` (device buffers) are both a ``LeaseRing``: each
 index is in one ``LeaseState``, moved by checked transitions; a free list; a weak reference
-to each live lease, whose callback appends its index to a lock-free release queue; the
-count of LEASED indices, which is what the consumer holds.
+to each live lease, whose callback records its index in a release table (a C-level call:
+no interrupt can cut it short); the count of LEASED indices, which is what the consumer holds.
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ class LeaseRing:
 
     ``FREE -> ASSIGNED -> FILLED -> LEASED -> FREE``: the owner makes the first moves (with
     ``_move``, which raises on any other, or with inline checks on its hot path), ``_track``
-    ties an index to its lease object, and when the lease dies its index is appended to
-    ``_released`` (by a weak reference's callback, in whatever thread drops the last view:
-    ``deque.append`` is atomic, so a release takes no lock the dropping thread might hold).
+    ties an index to its lease object, and when the lease dies its index is recorded in
+    ``_released`` (index -> the dead lease's weak reference) by the weak reference's callback,
+    in whatever thread drops the last view. That callback is ``dict.__setitem__`` itself,
+    bound to the index: it takes no lock the dropping thread might hold, and a Ctrl-C cannot
+    land inside it (one in a Python callback would be swallowed with the slot still LEASED).
     ``_collect_released`` then makes those indices FREE. Not thread-safe otherwise: the owner
     guards it (``SlotPool``'s lock, ``DeviceStage``'s condition).
     """
@@ -47,20 +49,21 @@ class LeaseRing:
     def __init__(self, count: int = 0):
         self._states = [FREE] * count
         self._free: deque[int] = deque(range(count))
-        self._released: deque[int] = deque()
-        # The weak reference to each LEASED index's lease, and the callback per index
-        # (through a weak reference to the ring: a bound method here would be a cycle).
+        self._released: dict[int, weakref.ref] = {}
+        # The weak reference to each LEASED index's lease, and the callback per index.
         self._refs: dict[int, weakref.ref] = {}
-        self._on_death = [functools.partial(_lease_died, weakref.ref(self), index)
+        self._on_death = [functools.partial(self._released.__setitem__, index)
                           for index in range(count)]
         self.waker: Any = None  # its wake() is called by a release while _wanted is set
-        # Set while a waiter found no free index: only then does a release wake it.
+        # Set while a waiter found no free index: only then does a release wake it, through
+        # a second weak reference to each lease then alive (``_want``).
         self._wanted = False
+        self._wake_refs: list[weakref.ref] = []
 
     def _add(self, state: LeaseState) -> int:
         """A new index (buffers made on demand), in ``state``."""
         index = len(self._states)
-        self._on_death.append(functools.partial(_lease_died, weakref.ref(self), index))
+        self._on_death.append(functools.partial(self._released.__setitem__, index))
         self._states.append(state)
         return index
 
@@ -79,27 +82,36 @@ class LeaseRing:
         ref = self._refs.get(index)
         return ref is not None and ref() is lease
 
-    def _lease_died(self, index: int, ref: weakref.ref) -> None:
-        if self._refs.get(index) is ref:
-            del self._refs[index]
-            self._released.append(index)
-            waker = self.waker
-            if waker is not None and self._wanted:
-                waker.wake()
+    def _want(self, wanted: bool) -> None:
+        """A waiter found no free index (``wanted``), or has one now: while it waits, the
+        death of any lease alive now wakes it (a lost wake-up costs it one poll interval)."""
+        self._wanted = wanted
+        if not wanted:
+            self._wake_refs.clear()
+        elif self.waker is not None and not self._wake_refs:
+            wake = functools.partial(_wake, self.waker)
+            self._wake_refs = [weakref.ref(lease, wake) for lease in
+                               (ref() for ref in list(self._refs.values())) if lease is not None]
 
     def _collect_released(self) -> int:
         """Released LEASED indices become FREE (appended to the free list); returns how many."""
-        # Each step may be redone: a Ctrl-C between two leaves the index at the head of
-        # _released (moved again as a no-op) or FREE and unlisted (SlotPool.reconcile lists it).
-        released, free, states = self._released, self._free, self._states
+        # Each step may be redone: a Ctrl-C between two leaves the index in _released (moved
+        # again as a no-op: its lease is no longer the tracked one, or the state not LEASED)
+        # or FREE and unlisted (SlotPool.reconcile lists it).
+        released, free, states, refs = self._released, self._free, self._states, self._refs
         moved = 0
         while released:
-            index = released[0]
-            if states[index] is LEASED:
-                states[index] = FREE
-                free.append(index)
-                moved += 1
-            released.popleft()
+            index = next(iter(released))
+            ref = released[index]
+            if refs.get(index) is ref:  # (an untracked or re-leased index: a stale record)
+                if states[index] is LEASED:
+                    states[index] = FREE
+                    free.append(index)
+                    moved += 1
+                del refs[index]
+            # Only this record: a newer one for the index (its next lease died since) stays.
+            if released.get(index) is ref:
+                del released[index]
         while free and states[free[0]] is not FREE:
             free.popleft()  # moved to ASSIGNED by a take that Ctrl-C cut short
         return moved
@@ -119,10 +131,8 @@ class LeaseRing:
     _kind = "buffer"  # how errors name an index
 
 
-def _lease_died(ring_ref: weakref.ref, index: int, ref: weakref.ref) -> None:
-    ring = ring_ref()
-    if ring is not None:
-        ring._lease_died(index, ref)
+def _wake(waker: Any, ref: weakref.ref) -> None:
+    waker.wake()
 
 
 class HeldLimit:

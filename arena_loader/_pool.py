@@ -108,11 +108,12 @@ class SlotPool(LeaseRing):
             if not free:
                 # Flag first, then look again: a release that appended after the first look
                 # either shows up now or sees the flag and wakes the waiter.
-                self._wanted = True
+                self._want(True)
                 self._collect_released()
                 if not self._free:
                     return None
-            self._wanted = False
+            if self._wanted:
+                self._want(False)
             slot = self._free[0]
             # Moved, then dropped from the free list: interrupted between, the next acquire
             # skips it (_collect_released); a caller interrupted before it records the slot

@@ -498,13 +498,17 @@ def test_ctrl_c_at_any_line_of_next_iter_and_close_loses_nothing(num_workers, pe
     it; close() called again after an interrupted one leaves no worker alive. Run in a fresh
     interpreter: descriptors an interrupt leaves to the garbage collector must not reach the
     next tests' workers. ``threads``: worker_threads, each worker's threads sharing a batch."""
+    _in_fresh_interpreter(f"_ctrl_c_matrix({num_workers}, {persistent}, {threads})", 140)
+
+
+def _in_fresh_interpreter(call: str, timeout_s: float) -> None:
+    """Run ``call`` (a function of this module) in a new interpreter; it must return."""
     import subprocess
 
     result = subprocess.run(
-        [sys.executable, "-c", "import sys; from tests.test_faults import _ctrl_c_matrix; "
-         f"_ctrl_c_matrix({num_workers}, {persistent}, {threads}); print('matrix ok')"],
+        [sys.executable, "-c", f"import tests.test_faults as t; t.{call}; print('matrix ok')"],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        capture_output=True, text=True, timeout=140)
+        capture_output=True, text=True, timeout=timeout_s)
     assert result.returncode == 0 and "matrix ok" in result.stdout, result.stderr[-3000:]
 
 
@@ -592,3 +596,56 @@ def test_ctrl_c_at_any_line_of_next_loses_no_batch(num_workers):
                 tracer.count, tracer.armed = 0, True
             del batch, iterator
         assert got == expected, (k, interrupts, got)
+
+
+class _FailsAt13(_Indexed):
+    def __getitem__(self, i):
+        if i == 13:
+            raise ValueError("sample 13 is broken")
+        return np.full(2, i, dtype=np.int64)
+
+
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_ctrl_c_at_any_line_of_next_loses_no_batch_error(num_workers):
+    """Every next() interrupted once at its k-th line of arena_loader code, for every k up to
+    past the longest next(), while one batch fails (sample 13): each epoch still yields every
+    other batch once, in order, and the failed batch's error exactly once, in its place
+    (an interrupt while the error is on its way out must not swallow it; nor one while a
+    batch stashed by an earlier interrupt is handed out). Fresh interpreter, as above."""
+    _in_fresh_interpreter(f"_ctrl_c_error_matrix({num_workers})", 160)
+
+
+def _ctrl_c_error_matrix(num_workers):
+    expected = [i if i != 12 else "ValueError" for i in range(0, 40, 2)]
+    longest, k = 0, 0
+    with ArenaLoader(_FailsAt13(), batch_size=2, num_workers=num_workers, timeout=10,
+                     persistent_workers=num_workers > 0) as loader:
+        while k <= longest + 3:
+            k += 1
+            tracer = _InterruptAt(k)
+            got, iterator = [], iter(loader)
+            while True:
+                sys.settrace(tracer)
+                try:
+                    batch = next(iterator)
+                    outcome = int(batch[0, 0])
+                    del batch
+                except KeyboardInterrupt:
+                    continue  # the user goes on; the next call runs uninterrupted
+                except StopIteration:
+                    break
+                except ValueError as exc:
+                    assert "sample 13 is broken" in str(exc), exc
+                    outcome = "ValueError"
+                finally:
+                    sys.settrace(None)
+                longest = max(longest, tracer.count)
+                got.append(outcome)
+                tracer.count, tracer.armed = 0, True
+            assert got == expected, (k, got)
+            del iterator
+            gc.collect()
+            snapshot = loader.snapshot()
+            if snapshot.slab_nbytes is not None:
+                assert snapshot.free_slots == loader.slots, (k, snapshot.slot_states)

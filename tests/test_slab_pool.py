@@ -118,3 +118,53 @@ def test_pool_hands_out_each_slot_once_until_released():
     assert {first, second} == {0, 1} and pool.acquire() is None
     pool.reclaim(second)
     assert pool.acquire() == second
+
+
+def _leased_pool(slots):
+    pool = SlotPool(np.zeros(slots * 64, np.uint8), 64, slots)
+    leases = []
+    for _ in range(slots):
+        slot = pool.acquire()
+        pool.mark_filled(slot)
+        leases.append(pool.lease(slot))
+    return pool, leases
+
+
+def test_a_lease_dropped_while_a_waiter_wants_a_slot_wakes_it():
+    """acquire() found every slot held: the death of any of those leases wakes the waiter
+    (the session's next() waits on that waker), once it is wanted only."""
+    class Waker:
+        wakes = 0
+
+        def wake(self):
+            Waker.wakes += 1
+
+    pool, leases = _leased_pool(2)
+    pool.waker = Waker()
+    del leases[0]
+    assert Waker.wakes == 0  # nobody waits: no wake-up
+    assert pool.acquire() == 0 and pool.acquire() is None  # now one waits
+    del leases[0]
+    assert Waker.wakes == 1 and pool.acquire() == 1
+    pool.reclaim(0)
+    assert Waker.wakes == 1  # satisfied: no longer wanted
+
+
+def test_a_ctrl_c_while_a_lease_dies_cannot_strand_its_slot():
+    """The release runs no Python code that an interrupt could cut short (a
+    KeyboardInterrupt in a weak reference's callback is swallowed, the slot left LEASED)."""
+    import sys
+
+    pool, leases = _leased_pool(1)
+
+    def interrupt(frame, event, arg):
+        if event == "call" and "arena_loader" in frame.f_code.co_filename:
+            raise KeyboardInterrupt
+        return None
+
+    sys.settrace(interrupt)
+    try:
+        leases.clear()  # the lease dies here, under a trace that interrupts any call
+    finally:
+        sys.settrace(None)
+    assert pool.state(0) is SlotState.FREE

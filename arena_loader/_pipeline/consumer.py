@@ -30,19 +30,25 @@ class Consumer:
             raise forked_iterator_error(session.pid)
         with session.consumer_lock:
             try:
-                return self._next_batch()
+                self._next_batch()
             except BaseException:
                 with session.lock:
                     session.handout.put_back(session.order)  # taken, not handed over
                 raise
+            handout = session.handout
+            # The last lines: the pop leaves the stash in the statement that returns or raises
+            # (an interrupt before it leaves the batch, or its error, for the next next()).
+            if handout.failed:
+                raise handout.stash.pop()
+            return handout.stash.pop()
 
-    def _next_batch(self) -> Any:
+    def _next_batch(self) -> None:
+        """Leave the next batch (or its error) in the handout's ``stash``."""
         session = self.session
         with session.lock:
             handout = session.handout
-            if handout.stash is not None:  # built by a next() that Ctrl-C interrupted
-                batch, handout.stash = handout.stash, None
-                return batch
+            if handout.stash:  # built by a next() that Ctrl-C interrupted: it is next
+                return
             if session.ended:
                 session.check_open()
             if not session.started and session.phase is Phase.STARTING:
@@ -50,7 +56,8 @@ class Consumer:
             arena = session.claim.arena
             if arena is not None and session.source.held_batch_limit is not None:
                 session.source.check_limit(arena)
-        self._wait_for_batch()  # the next batch is taken (an interrupt puts it back)
+        if not self._wait_for_batch():  # the next batch is taken (an interrupt puts it back)
+            return  # none: the sampler's error is stashed in its place
         # The window has room for the batch just taken: send the next one now, as torch does
         # (before the batch is built, so an interrupt in the sampler leaves it untaken and the
         # position where it was), and workers go on while the training step runs.
@@ -60,9 +67,10 @@ class Consumer:
             if window.held_overflow:  # this batch went to a segment: say why, once per loader
                 window.held_overflow = False
                 session.source.note_overflow(arena)
-            return session.handout.hand_over(session.source, arena)
+            session.handout.hand_over(session.source, arena)
 
-    def _wait_for_batch(self) -> None:
+    def _wait_for_batch(self) -> bool:
+        """True: the next batch is taken; False: none will be, its error is stashed."""
         session = self.session
         timeout = session.options.timeout
         deadline = time.monotonic() + timeout if timeout > 0 else None
@@ -73,14 +81,14 @@ class Consumer:
                     session.check_open()
                 order, handout = session.order, session.handout
                 if handout.taken is not None or handout.take(order):
-                    return
+                    return True
                 # Not there yet: take in what the worker that owes it has sent, no poll.
                 owed = order.in_flight.get(order.next_idx)
                 if owed is not None and order.in_order and session.phase is Phase.RUNNING:
                     # (files what an interrupted read left)
                     session.intake.receive(owed[0], speculative=True)
                     if handout.take(order):
-                        return
+                        return True
                 if session.phase is Phase.FAILED:
                     session.release_arena()  # a broken session keeps no slot of the loader's
                     raise fresh_copy(session.fatal)
@@ -88,9 +96,10 @@ class Consumer:
                 if feed.exhausted and not order.in_flight:
                     if arena is not None:
                         session.reconcile_slots()  # the epoch's end: no slot is owned now
-                    error = feed.take_error()
-                    if error is not None:
-                        raise error
+                    if feed.sampler_error is not None:  # raised by next()'s pop, once
+                        handout.stash, handout.failed, feed.sampler_error = (
+                            [feed.sampler_error], True, None)
+                        return False
                     raise StopIteration
                 starved = session.window.starved(order, feed, arena, session.source)
                 if starved and collected:

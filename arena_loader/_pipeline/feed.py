@@ -36,7 +36,7 @@ class Feed:
 
     def draw(self) -> None:
         """The sampler's next indices into ``pending``. Its error is kept for its batch's turn,
-        after the batches before it (``take_error``)."""
+        after the batches before it (``Consumer`` stashes it then, for next() to raise)."""
         try:
             self.pending = next(self._batches)
         except StopIteration:
@@ -45,10 +45,6 @@ class Feed:
             raise
         except BaseException as exc:
             self.sampler_error, self.exhausted = _detached(exc), True
-
-    def take_error(self) -> BaseException | None:
-        error, self.sampler_error = self.sampler_error, None
-        return error
 
     def pick_worker(self) -> int | None:
         """The worker for the next batch; iterable-style datasets skip workers whose iterator

@@ -1,13 +1,14 @@
 """The batch ``next()`` is handing out, held so that a ``KeyboardInterrupt`` at any line of
-``next()`` loses nothing: a batch taken from the ``Reorderer`` is in ``taken`` until the
-consumer has it (an interrupt puts it back at the front: ``put_back``), and a batch built but
-not yet returned is in ``stash`` (the next ``next()`` returns it first). One per epoch; the
+``next()`` loses nothing: a batch taken from the ``Reorderer`` is in ``taken`` until it is
+built (an interrupt puts it back at the front: ``put_back``); built, it is in ``stash`` until
+``next()``'s last line pops it (an interrupt before leaves it for the next ``next()``). A
+batch that failed is stashed the same way, as its error (``failed``): ``next()`` raises it
+with the pop, so an interrupt can neither swallow it nor raise it twice. One per epoch; the
 session calls it under its lock."""
 
 from __future__ import annotations
 
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
 
 from .._arena import Arena, ArenaSource
 from .._messages import listed, rebuild_worker_error
@@ -18,11 +19,14 @@ from .reorder import Reorderer
 
 
 class Handout:
-    __slots__ = ("position", "stash", "taken")
+    __slots__ = ("failed", "position", "stash", "taken")
 
     def __init__(self, position: EpochPosition) -> None:
-        self.taken: Completion | None = None  # taken, not yet handed over
-        self.stash: Any = None  # a batch built for a next() that Ctrl-C interrupted
+        self.taken: Completion | None = None  # taken, not yet built
+        # What the next pop hands out (empty, or one item): the built batch, or with
+        # ``failed`` the error to raise in its place. Popped by ``next()``'s last line.
+        self.stash: list = []
+        self.failed = False
         self.position = position  # moved as each batch is handed over (state_dict)
 
     def take(self, order: Reorderer) -> bool:
@@ -49,42 +53,41 @@ class Handout:
         taken = self.taken
         return taken.slot if taken is not None and taken.storage is None else None
 
-    def hand_over(self, source: ArenaSource, arena: Arena | None) -> Any:
-        """The taken batch as the consumer's (or its error raised). Ctrl-C in here: a built
-        batch is stashed for the next next(), an unbuilt one stays taken."""
+    def hand_over(self, source: ArenaSource, arena: Arena | None) -> None:
+        """Build the taken batch into ``stash`` (or its error, ``failed``), counted as handed
+        out. Ctrl-C in here: a built batch (or error) is stashed all the same, an unbuilt one
+        stays taken."""
         ready = self.taken
-        batch = None
+        batch, failed = None, ready.status == FAILED
         counted = self.position.yielded  # moves when the batch is counted as handed out
         try:
-            if ready.status == FAILED:
-                self.taken = None  # handed out: raised on the next line
+            if failed:
+                batch = rebuild_worker_error(ForkingPickler.loads(ready.body), ready.indices,
+                                             ready.idx)
                 self.position.handed(ready.worker, None)
-                raise rebuild_worker_error(ForkingPickler.loads(ready.body), ready.indices,
-                                           ready.idx)
-            in_slot = ready.storage is None
-            batch = source.deliver(arena, ready.slot if in_slot else None, ready.storage,
-                                   ready.plan, ready.idx, ready.indices)
-            # Counted, then no longer taken: interrupted between, the batch is stashed and
-            # handed out by the next next() as counted already (state_dict stays exact).
-            self.position.handed(ready.worker, ready.state)
-            self.taken = None
-            return batch
+            else:
+                in_slot = ready.storage is None
+                batch = source.deliver(arena, ready.slot if in_slot else None, ready.storage,
+                                       ready.plan, ready.idx, ready.indices)
+                self.position.handed(ready.worker, ready.state)
+            # Counted, then stashed and no longer taken (one statement): interrupted before,
+            # the handler below stashes it as counted already (state_dict stays exact).
+            self.stash, self.failed, self.taken = [batch], failed, None
         except KeyboardInterrupt:
             if batch is not None:
                 if self.position.yielded == counted:  # built, not yet counted
-                    self.position.handed(ready.worker, ready.state)
-                self.stash, self.taken = batch, None
-            elif ready.storage is None and ready.status == LOADED and \
+                    self.position.handed(ready.worker, None if failed else ready.state)
+                self.stash, self.failed, self.taken = [batch], failed, None
+            elif not failed and ready.storage is None and ready.status == LOADED and \
                     arena.pool.state(ready.slot) is SlotState.LEASED:
                 arena.pool.take_back(ready.slot)  # leased, never handed out
             raise
-        except BaseException:
-            self.taken = None
-            # Not delivered (a bad object leaf): the slot would otherwise stay FILLED.
+        except Exception as exc:  # not deliverable (a bad object leaf): its error is its batch
+            self.stash, self.failed, self.taken = [exc], True, None
+            # The slot would otherwise stay FILLED (interrupted here: reconcile_slots).
             if ready.status == LOADED and ready.storage is None and \
                     arena.pool.state(ready.slot) is SlotState.FILLED:
                 arena.pool.reclaim(ready.slot)
-            raise
 
 
 def timeout_message(timeout: float, order: Reorderer, pids: list[int]) -> str:
