@@ -238,3 +238,19 @@ def test_ctrl_c_while_next_draws_the_sampler_then_state_dict_loses_no_batch(work
         resumed.load_state_dict(state)
         rest = [int(batch[0, 0]) // 4 for batch in resumed]
     assert got + rest == list(range(16)), (got, rest)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["in_process", "workers", "persistent"])
+def test_state_dict_after_an_epoch_resumes_at_the_next_epoch(name):
+    """state_dict() taken once an epoch ended (StopIteration): a loader given it yields the
+    whole next epoch, the one the first loader yields next (not an empty rest of the last)."""
+    torch.manual_seed(SEED)
+    with make_loader(name) as loader:
+        first = [rows(b) for b in loader]
+        state = loader.state_dict()
+        second = [rows(b) for b in loader]
+    with make_loader(name) as resumed:
+        resumed.load_state_dict(state)
+        again = [rows(b) for b in resumed]
+    assert first and again == second, (len(again), len(second))

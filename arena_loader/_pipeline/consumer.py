@@ -31,6 +31,9 @@ class Consumer:
         with session.consumer_lock:
             try:
                 self._next_batch()
+            except StopIteration:
+                session.end_epoch()
+                raise
             except BaseException:
                 with session.lock:
                     session.handout.put_back(session.order)  # taken, not handed over

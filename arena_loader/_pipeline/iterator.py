@@ -21,7 +21,6 @@ class MultiProcessIterator:
         # The loader: `for b in ArenaLoader(...)` must keep it alive. Batches come converted
         # (to tensors, or leases for a device stage) from ArenaSource.deliver.
         self._owner = owner
-        self._persistent = options.persistent_workers
         self._session = Session(options, filler, source, base_seed)
         # A persistent iterator's epochs end without finishing the session: its face calls
         # this directly (one call less per batch).
@@ -37,13 +36,9 @@ class MultiProcessIterator:
         return self
 
     def __next__(self) -> Any:
-        try:
-            return self._session.next_batch()
-        except StopIteration:
-            self._session.position.finished = True
-            if not self._persistent:
-                self._session.finish()
-            raise
+        # No handler here: an error handed out must leave without running a line of ours
+        # (the session ends the epoch itself, Consumer.next_batch).
+        return self._session.next_batch()
 
     def reset(self, plan: EpochPlan) -> None:
         """Persistent workers: begin a new epoch on the same workers and slab."""

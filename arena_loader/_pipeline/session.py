@@ -249,6 +249,13 @@ class Session:
 
     # -- teardown ---------------------------------------------------------------------
 
+    def end_epoch(self) -> None:
+        """``next()`` raised StopIteration: ``state_dict()`` now names the next epoch, and
+        without persistent workers no epoch follows on these workers."""
+        self.position.finished = True
+        if not self.options.persistent_workers:
+            self.finish()
+
     def finish(self) -> None:
         """The epoch ended and no epoch follows on these workers: shut them down."""
         with self.lock:
