@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ._layout import Prepared, prepare_batch, prepare_rows, prepare_samples, rows_view
+from ._messages import listed
 from ._rows import RowWriter
 from ._sample_threads import FirstFailure, SampleThreads
 from .worker_info import get_worker_info
@@ -51,6 +52,12 @@ class BatchFiller:
                            if collate_fn is None and auto_collation and not iterable else None)
         self._direct_sample: tuple[Any, Any] | None = None  # read_into: a sample to plan from
         self._direct_plans: dict[int, Prepared] = {}  # read_into: plans by row count
+
+    @property
+    def reads_index_arrays(self) -> bool:
+        """The dataset's ``read_into`` takes each batch's indices as one int64 array: a batch
+        order that holds arrays can hand them over as they are."""
+        return self._read_into is not None
 
     def warm_up(self) -> None:
         """Before forking workers: let a batch-protocol dataset prepare (compile its gather)
@@ -201,7 +208,9 @@ class BatchFiller:
             prepared = self._direct_plans.get(fetched.rows)
             if prepared is None:
                 if self._direct_sample is None:
-                    self._direct_sample = (self.dataset[indices[0]], indices[0])
+                    first = indices[0]  # (an int, as torch gives __getitem__)
+                    first = int(first) if isinstance(first, np.integer) else first
+                    self._direct_sample = (self.dataset[first], first)
                 prepared = prepare_rows(*self._direct_sample[:1], fetched.rows,
                                         self._direct_sample[1])[0]
                 self._direct_plans[fetched.rows] = prepared
@@ -222,8 +231,8 @@ class BatchFiller:
             self._read_into(as_index_array(indices), rows_view(prepared.plan, storage))
         except StopIteration as exc:
             raise RuntimeError(f"the dataset's read_into raised StopIteration for indices "
-                               f"{indices!r}; raise IndexError or another error instead"
-                               ) from exc
+                               f"{listed(indices)!r}; raise IndexError or another error "
+                               "instead") from exc
 
 
 def _note_rows(error: BaseException, indices: list, thread: int, count: int) -> None:

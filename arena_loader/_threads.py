@@ -93,7 +93,8 @@ class ThreadWorkerGroup:
         try:
             try:
                 reader = OrderReader(setup.worker_id, setup.num_workers, setup.order_depth,
-                                     setup.order_entry_nbytes, task_conn.fileno(), ring)
+                                     setup.order_entry_nbytes, task_conn.fileno(), ring,
+                                     setup.filler.reads_index_arrays)
                 state = _ThreadWorkerState(setup, slab)
                 if setup.slot_nbytes:
                     state.attach(setup.slot_nbytes)

@@ -94,7 +94,8 @@ def worker_main(setup: WorkerSetup, doorbell: Any, result: Any) -> None:
         ring = setup.order.map()
         os.close(setup.order.fd)
         reader = OrderReader(setup.worker_id, setup.num_workers, setup.order_depth,
-                             setup.order_entry_nbytes, doorbell.fileno(), ring)
+                             setup.order_entry_nbytes, doorbell.fileno(), ring,
+                             setup.filler.reads_index_arrays)
         state = WorkerState(setup)
         if setup.slot_nbytes:
             state.attach(setup.slot_nbytes)

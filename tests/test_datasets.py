@@ -150,6 +150,38 @@ def test_read_into_replaces_per_sample_calls(num_workers, worker_mode):
         assert calls == {"getitem": 1, "read_into": 4}
 
 
+class _ArgumentTypes(ProtocolDataset):
+    """Records what read_into and __getitem__ are given (in this process)."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.seen = []
+
+    def __getitem__(self, index):
+        self.seen.append(("getitem", type(index)))
+        return super().__getitem__(index)
+
+    def read_into(self, indices, out):
+        # (a view: a slice of the epoch's order; a list turned into an array owns its data)
+        self.seen.append(("read_into", type(indices), indices.dtype, indices.base is not None,
+                          indices.tolist()))
+        super().read_into(indices, out)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_in_process_read_into_gets_the_sampler_batches_as_int64_arrays(shuffle):
+    """num_workers=0: read_into is given each batch of the sampler as an int64 array (the
+    sampler's own array, never a list made and turned back), __getitem__ a Python int."""
+    dataset = _ArgumentTypes(20)
+    with ArenaLoader(dataset, batch_size=6, shuffle=shuffle) as loader:
+        rows = [batch["index"].tolist() for batch in loader]
+    assert dataset.seen[0] == ("getitem", int)
+    reads = dataset.seen[1:]
+    assert all(r[:4] == ("read_into", np.ndarray, np.int64, True) for r in reads), reads
+    assert [r[4] for r in reads] == rows
+    assert sorted(i for row in rows for i in row) == list(range(20))
+
+
 def test_custom_collate_fn_uses_per_sample_getitem():
     """With a collate_fn the batch protocol is bypassed: collate_fn sees the samples."""
     x = rows_array(10, (2,), np.int32)

@@ -260,8 +260,10 @@ class OrderReader:
     workers) and reads this worker's entries in order."""
 
     def __init__(self, worker: int, workers: int, depth: int, entry_nbytes: int,
-                 doorbell_fd: int, mapping: Any):
+                 doorbell_fd: int, mapping: Any, index_arrays: bool = False):
         self._worker, self._depth, self._entry_nbytes = worker, depth, entry_nbytes
+        # Indices as one int64 array (a dataset's read_into takes them so), else a list.
+        self._index_arrays = index_arrays
         self._doorbell = doorbell_fd
         os.set_blocking(doorbell_fd, False)
         self._buffer = memoryview(mapping).cast("B")
@@ -285,9 +287,12 @@ class OrderReader:
             got_seq, idx, slot, epoch, kind, nbytes = self._reread(offset, seq)
         start = offset + ENTRY.size
         if kind == EntryKind.INDICES:
-            ints = array("q")
-            ints.frombytes(self._buffer[start: start + nbytes])
-            indices: Any = ints.tolist()
+            if self._index_arrays:
+                indices: Any = np.frombuffer(self._buffer, np.int64, nbytes // 8, start).copy()
+            else:
+                ints = array("q")
+                ints.frombytes(self._buffer[start: start + nbytes])
+                indices = ints.tolist()
         elif kind == EntryKind.PICKLED:
             indices = pickle.loads(self._buffer[start: start + nbytes])
         elif kind == EntryKind.PIPED:
