@@ -7,7 +7,9 @@
 For each workload and loader that both runs measured: ArenaLoader / loader for batches/s
 (speed) and peak memory (median of the within-round ratios), and how far apart the two runs
 are (the larger over the smaller). Exits 1 if any ratio differs by more than ``--within``
-(default 1.25: the issue's "within 25%"). Latest result: docs/benchmarks.md, "Stability".
+(default 1.25: the issue's "within 25%"). It also says how many measurements of each run were
+kept although other processes took more than the run's --others-limit cores (a busy moment
+moves a ratio; such a run says little). Latest result: docs/benchmarks.md, "Stability".
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ def main() -> int:
     over = sum(1 for *_, a, b in rows if max(a, b) / min(a, b) > args.within)
     print(f"\n{len(rows)} ratios, {over} apart by more than {args.within:g}x; the widest "
           f"{worst:.2f}x")
+    for k, run in enumerate((first, second), 1):
+        settings = run["settings"]
+        if "disturbed" in settings:
+            print(f"run {k}: {settings['elapsed_s']} s, {settings['retries_used']} measurements "
+                  f"taken again, {len(settings['disturbed'])} kept with other processes "
+                  f"taking > {settings['others_limit_cores']:g} cores")
     return 1 if over else 0
 
 

@@ -5,17 +5,22 @@ same data, batch size, worker count and prefetch depth; table, JSON and PNG char
     arena-loader bench --out bench-out           # the full suite (about 15-20 minutes)
     arena-loader bench --quick --workloads image,tiny --loaders ArenaLoader,"queue pickling"
 
-Every case of a workload runs once per round, the order rotated each round. In a round a
-case builds its loader (persistent workers), runs one warm-up epoch timed from construction
-(start-up included), then batches for at least --min-seconds and --min-batches, and closes
-it (mid-epoch if need be). Ratios are ArenaLoader / other taken within each round, reported
-as the median over rounds with min-max: a busy machine slows both sides of a round alike.
+A round runs every workload, each on a dataset made anew, and every case of a workload once,
+the order rotated from round to round. In a round a case builds its loader (persistent
+workers), runs one warm-up epoch timed from construction (start-up included), then batches
+for at least --min-seconds and --min-batches, and closes it (mid-epoch if need be). Ratios
+are ArenaLoader / other taken within each round, reported as the median over rounds with
+min-max: a busy machine slows both sides of a round alike.
+A busy moment does not: a measurement during which other processes took more than
+--others-limit cores (from /proc/stat, less this run's own CPU) is taken again, at most twice
+a case and --retries times a run, and the least disturbed one is kept.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import shlex
 import sys
 import tempfile
@@ -63,6 +68,9 @@ QUICK_LOADERS: dict[str, tuple[str, ...]] = {
     "remote": (ARENA, TORCH, ARENA_THREADS, NODES_THREADS, ARENA_HYBRID, TORCH_WIDE),
 }
 QUICK_DEFAULT = (ARENA, TORCH)
+CASE_RETRIES = 2  # a disturbed measurement is taken again at most this many times
+# /proc/stat counts in 10 ms ticks: over a shorter timed window others' cores cannot be told.
+JUDGED_SECONDS = 0.25
 
 
 def _ints(text: str) -> list[int]:
@@ -125,6 +133,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--loaders", default=None,
                    help="comma-separated subset of: " + ", ".join(k.name for k in LOADERS))
     p.add_argument("--tmp-dir", default=None, help="where the memmap workload writes its file")
+    p.add_argument("--others-limit", type=float, default=None,
+                   help="a measurement during which other processes took more cores than this "
+                   "is taken again (default 7.5%% of the machine's cores: 0.15 on 2)")
+    p.add_argument("--retries", type=int, default=15,
+                   help="most measurements taken again in a run, at most "
+                   f"{CASE_RETRIES} a case (default 15; 0: never)")
     return p
 
 
@@ -193,6 +207,9 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     if args.workers < 1:
         raise SystemExit(f"--workers must be at least 1, got {args.workers}")
+    if args.others_limit is None:
+        args.others_limit = 0.075 * (os.cpu_count() or 1)
+    args.retries_left = max(0, args.retries)
     budget = Budget(args.min_seconds, args.min_batches)
     sizes = Sizes(scale=args.scale, image_shape=tuple(int(s) for s in args.image_shape.split(",")),
                   large_batch_mb=args.large_batch_mb, jpeg_side=args.jpeg_side)
@@ -229,18 +246,30 @@ def _run(args: argparse.Namespace) -> int:
     results: list[dict] = []
     scaling_results: list[dict] = []
     started = time.perf_counter()
+    # Round by round over every workload, each workload's dataset made anew each round: what
+    # lasts for a stretch of the run (a slower moment of the machine, where the data landed
+    # in memory) falls in one round of a workload, not in all of them, and the median over
+    # rounds leaves it out. (Every workload's rounds back to back, one dataset for all of
+    # them, let such a stretch move a whole workload's ratio: large/torch 10x in one run,
+    # 7.5x in the next; docs/benchmarks.md, "Stability".)
+    planned = [(workload, _case_results(workload, cases, args)) for workload, cases in plans]
     with tempfile.TemporaryDirectory(prefix="arena_bench_", dir=args.tmp_dir) as tmp:
-        for workload, cases in plans:
-            dataset = workload.dataset(tmp)
-            try:
-                done = _run_workload(workload, dataset, cases, args, budget)
-            finally:
-                remove = getattr(dataset, "remove", None)
-                if remove is not None:
-                    remove()
-            for (_, workers), result in zip(cases, done):
-                scaled = workload.name == "image" and workers != args.workers
-                (scaling_results if scaled else results).append(result.as_dict())
+        for r in range(args.rounds):
+            for workload, (_, runnable) in planned:
+                if not runnable:
+                    continue
+                dataset = workload.dataset(tmp)
+                try:
+                    _run_round(workload, dataset, runnable, r, args, budget)
+                finally:
+                    remove = getattr(dataset, "remove", None)
+                    if remove is not None:
+                        remove()
+                    del dataset
+    for (workload, cases), (_, (done, _)) in zip(plans, planned):
+        for (_, workers), result in zip(cases, done):
+            scaled = workload.name == "image" and workers != args.workers
+            (scaling_results if scaled else results).append(result.as_dict())
     # The scaling table also shows the comparison's own worker count.
     scaling_results += [r for r in results if r["workload"] == "image"
                         and r["loader"] in SCALING_LOADERS and scaling]
@@ -252,9 +281,11 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_workload(workload: Workload, dataset: Any, cases: list[tuple[LoaderKind, int]],
-                  args: argparse.Namespace, budget: Budget) -> list[CaseResult]:
-    """Every case of one workload, once per round, the order rotated each round."""
+def _case_results(workload: Workload, cases: list[tuple[LoaderKind, int]],
+                  args: argparse.Namespace
+                  ) -> tuple[list[CaseResult], list[tuple[LoaderKind, CaseResult]]]:
+    """A result per case of ``workload`` (those that cannot run say why), and the cases
+    that run, each with its result."""
     results, runnable = [], []
     for kind, workers in cases:
         result = CaseResult(workload.name, kind.name, workers if kind.uses_workers else 1)
@@ -264,34 +295,67 @@ def _run_workload(workload: Workload, dataset: Any, cases: list[tuple[LoaderKind
         else:
             runnable.append((kind, result))
         results.append(result)
-    for r in range(args.rounds):
-        shift = r % len(runnable) if runnable else 0
-        for kind, result in runnable[shift:] + runnable[:shift]:
-            threads = workload.threads if kind.threads else None
-            setup = Setup(workload.batch_size, result.workers, args.prefetch_factor,
-                          workload.collate_fn, threads,
-                          args.worker_threads if kind.hybrid else 1)
-            case_start = time.perf_counter()
-            figures = measure(lambda kind=kind, setup=setup: kind.build(dataset, setup), budget)
-            result.rounds.append(figures)
-            # measure() ends with a full collection (a case's garbage must not reach the next
-            # case's workers): ~0.1 s of every case with torch and the peers loaded. What is
-            # alive now stays alive for the run, so move it out of the collector's reach
-            # (main() gives it back): the next case's collection sees only that case's
-            # objects. Measured: batches/s and memory unchanged (text, dict, tiny, detect).
-            gc.freeze()
-            strays = stray_processes()
-            if strays:
-                progress(f"warning: {kind.name} left processes {strays} alive after close(); "
-                         "killed them")
-            width = (f"{result.workers}x{setup.worker_threads}" if kind.hybrid
-                     else threads or result.workers)
-            progress(f"round {r + 1}/{args.rounds} {workload.name:<6} {kind.name:<28} "
-                     f"w={width:<4} "
-                     f"{figures['steady_batches_per_s']:>9,.1f} batches/s "
-                     f"{figures['steady_gbps']:6.2f} GB/s "
-                     f"({time.perf_counter() - case_start:.1f} s)")
-    return results
+    return results, runnable
+
+
+def _run_round(workload: Workload, dataset: Any,
+               runnable: list[tuple[LoaderKind, CaseResult]], r: int,
+               args: argparse.Namespace, budget: Budget) -> None:
+    """Round ``r`` of one workload: every case once, the order rotated by ``r``."""
+    shift = r % len(runnable)
+    for kind, result in runnable[shift:] + runnable[:shift]:
+        threads = workload.threads if kind.threads else None
+        setup = Setup(workload.batch_size, result.workers, args.prefetch_factor,
+                      workload.collate_fn, threads,
+                      args.worker_threads if kind.hybrid else 1)
+        case_start = time.perf_counter()
+        figures = _measure_quiet(kind, dataset, setup, budget, args)
+        result.rounds.append(figures)
+        width = (f"{result.workers}x{setup.worker_threads}" if kind.hybrid
+                 else threads or result.workers)
+        again = f", taken {figures['retries'] + 1} times" if figures["retries"] else ""
+        progress(f"round {r + 1}/{args.rounds} {workload.name:<6} {kind.name:<28} "
+                 f"w={width:<4} "
+                 f"{figures['steady_batches_per_s']:>9,.1f} batches/s "
+                 f"{figures['steady_gbps']:6.2f} GB/s "
+                 f"(others {figures['others_cores']:.2f} cores{again}; "
+                 f"{time.perf_counter() - case_start:.1f} s)")
+
+
+def _measure_quiet(kind: LoaderKind, dataset: Any, setup: Setup, budget: Budget,
+                   args: argparse.Namespace) -> dict[str, Any]:
+    """One measurement of one case, taken again while other processes took more than
+    ``args.others_limit`` cores during it (at most CASE_RETRIES times, and while the run's
+    ``args.retries_left`` lasts); the least disturbed one, with ``retries`` set."""
+    tries = []
+    while True:
+        figures = measure(lambda: kind.build(dataset, setup), budget)
+        tries.append(figures)
+        # measure() ends with a full collection (a case's garbage must not reach the next
+        # case's workers): ~0.1 s of every case with torch and the peers loaded. What is
+        # alive now stays alive for the run, so move it out of the collector's reach
+        # (main() gives it back): the next case's collection sees only that case's
+        # objects. Measured: batches/s and memory unchanged (text, dict, tiny, detect).
+        gc.freeze()
+        strays = stray_processes()
+        if strays:
+            progress(f"warning: {kind.name} left processes {strays} alive after close(); "
+                     "killed them")
+        if (figures["others_cores"] <= args.others_limit or figures["seconds"] < JUDGED_SECONDS
+                or len(tries) > CASE_RETRIES or args.retries_left <= 0):
+            break
+        args.retries_left -= 1
+    best = min(tries, key=lambda f: f["others_cores"])
+    return {**best, "retries": len(tries) - 1}
+
+
+def disturbed(results: list[dict], limit: float) -> list[str]:
+    """'workload loader round k: N cores' for each measurement kept although other processes
+    took more than ``limit`` cores during it (its retries ran out)."""
+    return [f"{row['workload']} {row['loader']} w={row['workers']} round {k + 1}: "
+            f"{cores:.2f} cores"
+            for row in results if row["available"]
+            for k, cores in enumerate(row["others_cores"]["rounds"]) if cores > limit]
 
 
 def _report(args: argparse.Namespace, env: dict, workloads: list[Workload],
@@ -308,6 +372,11 @@ def _report(args: argparse.Namespace, env: dict, workloads: list[Workload],
                      "worker_threads": args.worker_threads,
                      "wide_workers": args.wide_workers, "shuffle": False,
                      "persistent_workers": True,
+                     "others_limit_cores": args.others_limit, "retries": args.retries,
+                     "retries_used": args.retries - args.retries_left,
+                     # (the scaling rows repeat the comparison's image rows: each once)
+                     "disturbed": disturbed(list({id(r): r for r in results + scaling}.values()),
+                                            args.others_limit),
                      "elapsed_s": round(elapsed_s, 1)},
         "workloads": {w.name: f"{w.samples} samples, {w.description}" for w in workloads},
         "loaders": [k.name for k in kinds],
@@ -327,7 +396,9 @@ def _write(folder: Path, out: dict[str, Any]) -> None:
             f"{env['load_average_at_start']}; {settings['workers']} workers, "
             f"prefetch_factor {settings['prefetch_factor']}, {settings['rounds']} rounds of a "
             f"warm-up epoch + >= {settings['min_seconds']:g} s and >= "
-            f"{settings['min_batches']} batches; command: {settings['command']}")
+            f"{settings['min_batches']} batches; {settings['retries_used']} measurements taken "
+            f"again (other processes took > {settings['others_limit_cores']:g} cores); "
+            f"command: {settings['command']}")
     text.append(head)
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items())
     text.append(versions)
@@ -351,6 +422,10 @@ def _write(folder: Path, out: dict[str, Any]) -> None:
                  "|---|---:|---|",
                  *(f"| {t['target']} | {report.times(t['ratio'])} | {report.verdict(t)} |"
                    for t in out["targets"])]
+    if settings["disturbed"]:
+        text += ["", f"warning: {len(settings['disturbed'])} measurements kept although other "
+                 "processes took more than the limit (retries ran out); their ratios may "
+                 "wander: " + "; ".join(settings["disturbed"])]
     print("\n".join(text))
     report.write_json(folder / "bench.json", out)
     (folder / "bench.md").write_text(head + "\n\n" + versions + "\n\n" + legend + "\n"

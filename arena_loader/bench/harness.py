@@ -30,7 +30,7 @@ LIBRARIES = ("arena-loader", "numpy", "torch", "spdl", "grain", "torchdata", "pi
 # Every metric a measured case reports (the JSON test checks each one is present).
 METRICS = ("steady_gbps", "steady_batches_per_s", "first_epoch_s", "first_batch_s",
            "cpu_s_per_gb", "peak_rss_main_mb", "peak_rss_workers_mb", "peak_shm_mb",
-           "peak_memory_mb", "peak_added_mb")
+           "peak_memory_mb", "peak_added_mb", "others_cores")
 
 
 def environment() -> dict[str, Any]:
@@ -200,6 +200,29 @@ def cpu_seconds() -> float:
     return total
 
 
+def tree_cpu_seconds() -> float:
+    """CPU time of this process, its live descendants and the descendants they have reaped
+    (a loader that restarts its workers each epoch, torchdata nodes, leaves no live trace of
+    the old ones)."""
+    me = psutil.Process()
+    total = 0.0
+    for process in (me, *me.children(recursive=True)):
+        try:
+            total += sum(process.cpu_times()[:4])  # user, system, reaped children's both
+        except psutil.Error:
+            continue
+    return total
+
+
+def machine_cpu_seconds() -> float:
+    """CPU time every process of the machine has used (user, nice, system, irq, softirq)
+    plus what the hypervisor took from this VM (steal), from /proc/stat."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def consume(batch: Any) -> int:
     """Bytes in ``batch``, reading one element of each array so the data must be there."""
     if isinstance(batch, dict):
@@ -248,6 +271,8 @@ class CaseResult:
             out["bytes_per_epoch"] = first["bytes_per_epoch"]
             for metric in (*METRICS, "epochs", "seconds"):
                 out[metric] = spread([r[metric] for r in self.rounds])
+            # Times a round's measurement was taken again (the CLI's disturbed ones).
+            out["retries"] = spread([r.get("retries", 0) for r in self.rounds])
         return out
 
 
@@ -270,6 +295,7 @@ def measure(build: Callable[[], Any], budget: Budget) -> dict[str, Any]:
             first_epoch_s = time.perf_counter() - start
             memory.sample_now()
             cpu_start = cpu_seconds()
+            tree_start, machine_start = tree_cpu_seconds(), machine_cpu_seconds()
             steady_start = time.perf_counter()
             epochs = delivered = steady_bytes = 0
             done = False
@@ -286,6 +312,7 @@ def measure(build: Callable[[], Any], budget: Budget) -> dict[str, Any]:
                 if not delivered:
                     raise RuntimeError("the loader's epoch after the warm-up had no batch")
             cpu_s = cpu_seconds() - cpu_start
+            others_s = (machine_cpu_seconds() - machine_start) - (tree_cpu_seconds() - tree_start)
             memory.sample_now()
         finally:
             loader.close()
@@ -309,4 +336,7 @@ def measure(build: Callable[[], Any], budget: Budget) -> dict[str, Any]:
         "peak_memory_mb": memory.peak_memory / 1e6,
         # What the loader adds: its workers, its shared memory and its growth of this process.
         "peak_added_mb": max(0, memory.peak_memory - memory.baseline) / 1e6,
+        # Cores that other processes (and the hypervisor) took while the batches were timed:
+        # ~0 when the machine was the bench's alone.
+        "others_cores": max(0.0, others_s / seconds),
     }

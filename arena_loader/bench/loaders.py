@@ -26,6 +26,7 @@ import numpy as np
 
 from ..loader import ArenaLoader
 from .floor import FloorLoader
+from .workloads import aligned
 
 TASK_TIMEOUT_S = 60.0
 BENCH_EXTRA = "pip install -e '.[bench]'"  # what brings every peer (SPDL, Grain, torchdata)
@@ -76,7 +77,9 @@ class CopyLimit:
         if isinstance(sample, dict):
             return {key: self._allocate(value) for key, value in sample.items()}
         value = np.asarray(sample)
-        return np.zeros((self.ring, self.batch_size, *value.shape), dtype=value.dtype)
+        # Rows start on cache lines, as the pools' do: a copy between buffers misaligned
+        # to each other runs ~1.5x slower (image: 1,250 against 1,900 batches/s).
+        return aligned(np.zeros((self.ring, self.batch_size, *value.shape), dtype=value.dtype))
 
     def __iter__(self) -> Iterator[Any]:
         for k, rows in enumerate(batch_ranges(len(self.dataset), self.batch_size)):

@@ -2,7 +2,11 @@
 
 Most samples come from a small pool of pre-generated arrays (or, for ``memmap``, from a file
 on disk), so producing a sample costs nothing and the figures measure the loaders themselves.
-Two workloads have the per-sample cost real datasets have: ``jpeg`` decodes a JPEG and
+Every pool array starts on a 64-byte (cache-line) boundary, in the main process and, after
+unpickling, in spawned workers (``Aligned``): numpy's allocations start 16 bytes past one or
+on one, by the heap's state, and a copy-bound loader reads a misaligned row ~1.2x slower,
+which made the same workload's figures differ between runs (docs/benchmarks.md,
+"Stability"). Two workloads have the per-sample cost real datasets have: ``jpeg`` decodes a JPEG and
 crops/resizes it to 3x224x224 (CPU work in the worker), ``remote`` waits a few ms per sample
 with the GIL released (a read from object storage). Every dataset is a module-level class so
 spawn and forkserver workers (Grain's) can import it.
@@ -21,18 +25,57 @@ from typing import Any
 import numpy as np
 
 POOL = 64
+ALIGN = 64  # bytes: a cache line
+
+
+def aligned(array: np.ndarray) -> np.ndarray:
+    """``array`` itself if its data starts on an ``ALIGN``-byte boundary, else a copy that
+    does. Which of 0, 16, 32 or 48 bytes past a cache line numpy's allocation lands on
+    depends on the heap's state (glibc serves a large array from the heap or from its own
+    mapping by a threshold that earlier frees raise), and a row read from 16 or 48 bytes past
+    one copies ~1.2x slower than from 0 or 32 (dict workload, ArenaLoader: 1,270-1,350
+    against 1,510-1,700 batches/s)."""
+    if array.nbytes == 0 or array.ctypes.data % ALIGN == 0:  # nothing to read when empty
+        return array
+    return placed(array, 0)
+
+
+def placed(array: np.ndarray, offset: int) -> np.ndarray:
+    """A copy of ``array`` whose data starts ``offset`` bytes past an ``ALIGN``-byte
+    boundary (benchmarks/source_alignment.py and shm_write_limit.py place it on purpose)."""
+    raw = np.empty(array.nbytes + 2 * ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN + offset % ALIGN
+    out = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
+class Aligned:
+    """Keeps every array field (and list of arrays) aligned after unpickling: a spawned or
+    forkserver worker (Grain's) unpickles the dataset into fresh, unaligned allocations."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({key: _aligned_fields(value) for key, value in state.items()})
+
+
+def _aligned_fields(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return aligned(value)
+    if isinstance(value, list) and value and all(isinstance(v, np.ndarray) for v in value):
+        return [aligned(v) for v in value]
+    return value
 
 
 def _pool(shape: tuple[int, ...], dtype: Any, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if np.dtype(dtype).kind == "u":
-        return rng.integers(0, 256, size=(POOL, *shape), dtype=dtype)
+        return aligned(rng.integers(0, 256, size=(POOL, *shape), dtype=dtype))
     if np.dtype(dtype) in (np.float32, np.float64):  # made in its dtype: 3x faster (large)
-        return rng.standard_normal(size=(POOL, *shape), dtype=dtype)
-    return rng.standard_normal(size=(POOL, *shape)).astype(dtype)
+        return aligned(rng.standard_normal(size=(POOL, *shape), dtype=dtype))
+    return aligned(rng.standard_normal(size=(POOL, *shape)).astype(dtype))
 
 
-class PooledArrays:
+class PooledArrays(Aligned):
     """``n`` samples of ``shape`` and ``dtype``: ``dataset[i]`` is pool row ``i % 64``."""
 
     def __init__(self, n: int, shape: tuple[int, ...], dtype: Any, seed: int = 0):
@@ -46,7 +89,7 @@ class PooledArrays:
         return self.pool[index % POOL]
 
 
-class DictSamples:
+class DictSamples(Aligned):
     """``{"image": uint8 image, "label": int, "features": float32 vector}`` per sample."""
 
     def __init__(self, n: int, image_shape: tuple[int, ...], features: int = 128):
@@ -97,14 +140,14 @@ class MemmapImages:
         os.unlink(self.path)
 
 
-class Tokens:
+class Tokens(Aligned):
     """Text: int64 token ids of 16..512 tokens (a pool of 64 lengths), padded per batch to
     its longest by ``pad_collate``: every batch has another shape."""
 
     def __init__(self, n: int):
         self.n = n
         rng = np.random.default_rng(4)
-        self.pool = [rng.integers(0, 50_000, size=int(length), dtype=np.int64)
+        self.pool = [aligned(rng.integers(0, 50_000, size=int(length), dtype=np.int64))
                      for length in rng.integers(16, 513, size=POOL)]
 
     def __len__(self) -> int:
@@ -123,15 +166,15 @@ def pad_collate(samples: list[np.ndarray]) -> dict[str, np.ndarray]:
     return {"input_ids": ids, "attention_mask": ids != 0, "lengths": lengths}
 
 
-class Detection:
+class Detection(Aligned):
     """Detection: uint8 images of varying size (3 x 192..320 x 192..320) and 0..15 boxes."""
 
     def __init__(self, n: int):
         self.n = n
         rng = np.random.default_rng(5)
-        self.images = [rng.integers(0, 256, size=(3, int(h), int(w)), dtype=np.uint8)
+        self.images = [aligned(rng.integers(0, 256, size=(3, int(h), int(w)), dtype=np.uint8))
                        for h, w in rng.integers(192, 321, size=(POOL, 2))]
-        self.boxes = [rng.random((int(k), 4), dtype=np.float32) * 192
+        self.boxes = [aligned(rng.random((int(k), 4), dtype=np.float32) * 192)
                       for k in rng.integers(0, 16, size=POOL)]
 
     def __len__(self) -> int:
@@ -186,7 +229,7 @@ def decode_crop_resize(jpeg: bytes, side: int) -> np.ndarray:
         return np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1))
 
 
-class RemoteSamples:
+class RemoteSamples(Aligned):
     """Remote storage: every sample waits ``wait_ms`` with the GIL released (``time.sleep``,
     as a read from object storage does) and returns a uint8 image from a pool. The wait,
     not the CPU, is the cost: the workload threads inside workers are for."""
