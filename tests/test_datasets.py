@@ -173,7 +173,9 @@ def test_in_process_read_into_gets_the_sampler_batches_as_int64_arrays(shuffle):
     """num_workers=0: read_into is given each batch of the sampler as an int64 array (the
     sampler's own array, never a list made and turned back), __getitem__ a Python int."""
     dataset = _ArgumentTypes(20)
-    with ArenaLoader(dataset, batch_size=6, shuffle=shuffle) as loader:
+    # generator=0: numpy's permutation (with torch imported and no generator, shuffling
+    # follows torch's global RNG, drawn through torch as its sampler draws: lists)
+    with ArenaLoader(dataset, batch_size=6, shuffle=shuffle, generator=0) as loader:
         rows = [batch["index"].tolist() for batch in loader]
     assert dataset.seen[0] == ("getitem", int)
     reads = dataset.seen[1:]
