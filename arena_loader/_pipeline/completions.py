@@ -109,6 +109,14 @@ class CompletionReader:
             self._parse(worker)
         return got
 
+    def drop_filed(self) -> None:
+        """Nothing is in flight (an epoch was drained): whatever is queued or still in a
+        buffer is a record filed already, kept by an interrupt between its parse and its
+        removal. Dropped: filed in the next epoch, it would answer no batch of it."""
+        self.arrived.clear()
+        for buffer in self._buffers:
+            buffer.clear()
+
     def stop_counting(self) -> None:
         """The ring holding the workers' counters is closing: read without them."""
         self._sent = None

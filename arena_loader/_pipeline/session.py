@@ -133,10 +133,7 @@ class Session:
 
     def _reset_epoch_state(self, plan: EpochPlan) -> None:
         if self.crew is not None:
-            # Nothing of the last epoch is in flight now (drained): a record still queued was
-            # filed already, its removal cut short by an interrupt. Filed again now, it would
-            # answer no batch of this epoch.
-            self.crew.arrived.clear()
+            self.crew.reader.drop_filed()  # nothing of the last epoch is in flight (drained)
         self.epoch += 1
         self.feed = Feed(plan, self.options.num_workers, self._filler.iterable, self.epoch)
         self.order = Reorderer(self.options.in_order, plan.first_idx)
