@@ -125,11 +125,10 @@ class InProcessIterator:
                 [batch], False, None, self._count + 1)
         except BaseException as exc:
             if batch is not None:  # Ctrl-C after the batch was built: the next next()'s
-                if self._pending is not None:
-                    if self._epoch_position.yielded == counted:
-                        self._epoch_position.handed(0, self._stream_state)
-                    self._stash, self._failed, self._pending, self._count = (
-                        [batch], False, None, self._count + 1)
+                if self._epoch_position.yielded == counted:
+                    self._epoch_position.handed(0, self._stream_state)
+                self._stash, self._failed, self._pending, self._count = (
+                    [batch], False, None, self._count + 1)
                 raise
             if slot is not None and arena.pool.state(slot) in (SlotState.ASSIGNED,
                                                                SlotState.FILLED):
