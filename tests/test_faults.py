@@ -6,6 +6,7 @@ import gc
 import linecache
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -658,3 +659,24 @@ def _ctrl_c_error_matrix(num_workers, persistent=False, threads=1, step=1):
             snapshot = loader.snapshot()
             if snapshot.slab_nbytes is not None:
                 assert snapshot.free_slots == loader.slots, (k, snapshot.slot_states)
+
+
+def test_a_worker_that_dies_while_next_waits_on_another_is_reported_at_once():
+    """next() in order waits on the worker that owes its batch only (another's record would
+    wake it for nothing), but every worker's exit still wakes it: worker 1 killed while
+    worker 0 is 20 s into batch 0 is reported at once, as torch reports it, not after."""
+    dataset = SlowDataset(16, slow_indices={0}, delay_s=20.0)
+    loader = ArenaLoader(dataset, batch_size=2, num_workers=2)
+    iterator = iter(loader)
+    victim = loader.snapshot().iterators[0].worker_pids[1]
+    killer = threading.Timer(0.5, os.kill, (victim, signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(WorkerCrashedError, match=rf"worker 1 \(pid {victim}\) was killed by "
+                                                 "SIGKILL"):
+        next(iterator)
+    assert time.monotonic() - start < 5.0
+    killer.join()
+    loader.close()
+    del iterator
+    assert not live_children() and not our_slab_mappings()

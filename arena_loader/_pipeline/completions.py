@@ -104,7 +104,7 @@ class CompletionReader:
                 got = True if data else None
             except BlockingIOError:  # all it wrote is read: resynchronise a count that lags
                 if sent is not None:
-                    self._received[worker] = int(sent[worker])
+                    self._received[worker] = sent[worker]
         if buffer:  # (also what an interrupt left unparsed, when the read was skipped)
             self._parse(worker)
         return got

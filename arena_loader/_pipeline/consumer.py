@@ -87,9 +87,10 @@ class Consumer:
                     return True
                 # Not there yet: take in what the worker that owes it has sent, no poll.
                 owed = order.in_flight.get(order.next_idx)
+                owing = None
                 if owed is not None and order.in_order and session.phase is Phase.RUNNING:
                     # (files what an interrupted read left)
-                    session.intake.receive(owed[0], speculative=True)
+                    session.intake.receive(owing := owed[0], speculative=True)
                     if handout.take(order):
                         return True
                 if session.phase is Phase.FAILED:
@@ -118,4 +119,4 @@ class Consumer:
                 collected = True
                 continue
             session.fill_window()  # a slot freed since, or a draw left pending
-            session.intake.wait(wait_s)
+            session.intake.wait(wait_s, owing)

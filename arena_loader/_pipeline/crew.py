@@ -90,6 +90,15 @@ class Crew:
             for worker, fd in enumerate(group.sentinels):
                 self._watch(fd, worker, True)
             self._watch(waker_fd, WAKER, False)
+            # Per worker: its result pipe, every exit sentinel and the waker. next() in order
+            # waits on the worker that owes its batch only: another's record would wake it
+            # for nothing (read in its turn), while any exit and close() still do.
+            self._owed_pollers = []
+            for fd in self.reader.fds:
+                poller = select.poll()
+                for watched in (fd, *group.sentinels, waker_fd):
+                    poller.register(watched, select.POLLIN)
+                self._owed_pollers.append(poller)
             self._open = True
         except BaseException:
             if group is not None:
@@ -139,13 +148,15 @@ class Crew:
         return self.reader.fill(worker, speculative) \
             if self._open and not self.group.closed else False
 
-    def poll(self, timeout_s: float) -> list[tuple[int, bool]]:
+    def poll(self, timeout_s: float, owed: int | None = None) -> list[tuple[int, bool]]:
         """Wait up to ``timeout_s`` for a record, a worker's exit or the waker: the
-        (worker or WAKER, is a sentinel) of each that is ready. Called without the session's
-        lock; a closed crew's descriptors read as ready at once."""
+        (worker or WAKER, is a sentinel) of each that is ready; ``owed``: records of that
+        worker only. Called without the session's lock; a closed crew's descriptors read as
+        ready at once."""
         if not self._open or self.group.closed:
             return []
-        events = self._poller.poll(max(0, int(timeout_s * 1000)))
+        poller = self._poller if owed is None else self._owed_pollers[owed]
+        events = poller.poll(max(0, int(timeout_s * 1000)))
         owner = self._owner
         return [owner[fd] for fd, _ in events if fd in owner]
 
