@@ -290,7 +290,7 @@ class ArenaSource:
         try:
             if slot is not None:
                 lease = arena.pool.lease(slot)  # Ctrl-C inside: undone there
-                pinned = arena.pinned
+                pinned = self._lease_only and arena.pinned
             else:
                 lease = SegmentLease(storage)
                 # A child forked while the batch is held keeps a private copy of it.
@@ -301,7 +301,7 @@ class ArenaSource:
             self._delivered += 1
             host = np.asarray(lease)
             try:
-                objects = plan.objects(host)
+                objects = plan.objects(host) if plan.objects_len else []
             except Exception as exc:
                 raise RuntimeError(
                     f"the non-array values of batch idx={idx} (indices {listed(indices)!r}) "

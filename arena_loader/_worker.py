@@ -95,7 +95,7 @@ def worker_main(setup: WorkerSetup, doorbell: Any, result: Any) -> None:
         os.close(setup.order.fd)
         reader = OrderReader(setup.worker_id, setup.num_workers, setup.order_depth,
                              setup.order_entry_nbytes, doorbell.fileno(), ring,
-                             setup.filler.reads_index_arrays)
+                             setup.filler.reads_index_arrays, spin=True)
         state = WorkerState(setup)
         if setup.slot_nbytes:
             state.attach(setup.slot_nbytes)

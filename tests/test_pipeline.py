@@ -267,9 +267,7 @@ def test_a_busy_worker_costs_no_doorbell_and_a_sleeping_one_is_woken(ring_pair):
     got = []
     waiter = threading.Thread(target=lambda: got.append(reader.next_entry(5.0)))
     waiter.start()
-    deadline = time.monotonic() + 5
-    while not ring._sleeping[1] and time.monotonic() < deadline:
-        time.sleep(0.001)
+    _wait_until_asleep(ring, 1)
     start = time.monotonic()
     assert ring.publish(1, EntryKind.INDICES, 1, 0, 0, [6])
     waiter.join(5)
@@ -377,3 +375,58 @@ def test_a_record_parsed_twice_by_an_interrupt_does_not_reach_the_next_epoch(mon
                      timeout=10) as loader:
         for _ in range(3):
             assert [int(b[0, 0]) for b in loader] == list(range(0, 40, 4))
+
+
+def test_spinning_looks_again_after_each_yield_and_gives_up_after_its_bound(monkeypatch):
+    """spin_while_equal sees a counter that moves while it yields the CPU (another process's
+    store), and ends after SPIN_YIELDS yields when nothing moves, so the caller sleeps."""
+    from arena_loader._pipeline import spin
+
+    counter = np.zeros(2, np.int64)
+    yields = []
+
+    def other_side_stores_on_third_yield():
+        yields.append(1)
+        if len(yields) == 3:
+            counter[1] = 7
+
+    monkeypatch.setattr(spin.os, "sched_yield", other_side_stores_on_third_yield)
+    monkeypatch.setattr(spin, "SPIN_S", 60.0)  # the count bounds it here, not the clock
+    assert spin.spin_while_equal(counter, 1, 0) is True and len(yields) == 3
+    yields.clear()
+    assert spin.spin_while_equal(counter, 0, 0) is False
+    assert len(yields) == spin.SPIN_YIELDS
+
+
+def test_a_spinning_worker_sleeps_when_nothing_comes_and_wakes_on_its_doorbell():
+    """A process worker's reader (spin=True) yields a moment, then sleeps as before: an entry
+    published while it sleeps wakes it through the doorbell, not its timeout."""
+    import threading
+    import time
+
+    ring = OrderRing(workers=1, depth=3, rows=4)
+    read_fd, write_fd = os.pipe()
+    ring.connect([write_fd])
+    reader = OrderReader(0, 1, ring.depth, ring.entry_nbytes, read_fd, ring.mapping, spin=True)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(reader.next_entry(5.0)))
+    waiter.start()
+    _wait_until_asleep(ring, 0)
+    assert ring._sleeping[0]  # the spin ended and it sleeps on the pipe
+    start = time.monotonic()
+    assert ring.publish(0, EntryKind.INDICES, 0, 0, 0, [4, 2])
+    waiter.join(5)
+    assert got and got[0].indices == [4, 2] and time.monotonic() - start < 0.4
+    reader.close()
+    ring.close()
+    os.close(read_fd)
+    os.close(write_fd)
+
+
+def _wait_until_asleep(ring, worker):
+    """Until ``worker``'s reader says it sleeps on its doorbell (5 s at most)."""
+    import time
+
+    deadline = time.monotonic() + 5
+    while not ring._sleeping[worker] and time.monotonic() < deadline:
+        time.sleep(0.001)

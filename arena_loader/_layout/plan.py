@@ -80,7 +80,7 @@ class Plan:
     """Where one batch's fields and object leaves are in its storage, and its structure."""
 
     __slots__ = ("collated", "fields", "nbytes", "objects_len", "objects_offset", "raw",
-                 "spec", "torch")
+                 "single", "spec", "torch")
 
     def __init__(self, spec: Any, fields: tuple[FieldPlacement, ...], objects_offset: int,
                  objects_len: int, nbytes: int, torch: bool, collated: bool = True):
@@ -95,6 +95,10 @@ class Plan:
         self.collated = collated
         # A torch dtype numpy lacks is among the fields: views need converting.
         self.raw = any(f.kind == KIND_TORCH_RAW for f in fields)
+        # The batch is one array field and nothing else (samples that are one array): its
+        # placement, so that assemble makes the one view without walking the structure.
+        self.single = fields[0] if (type(spec) is FieldLeaf and len(fields) == 1 and
+                                    not objects_len and fields[0].kind != KIND_NUMBER) else None
 
     def objects(self, storage: np.ndarray) -> list:
         """The object-leaf values, unpickled from ``storage`` (host memory)."""
@@ -111,6 +115,9 @@ class Plan:
         ``storage`` may be a device array with numpy's slicing (the device copy stage), which
         passes the host storage as ``host_bytes`` to read Python numbers from; ``convert``, if
         given, turns each field's view into what the consumer gets (a tensor, say)."""
+        single = self.single
+        if single is not None and convert is None and type(storage) is np.ndarray:
+            return np.ndarray(single.shape, single.dtype, storage, single.offset)
         views = []
         host = type(storage) is np.ndarray
         for f in self.fields:

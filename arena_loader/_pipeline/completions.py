@@ -17,6 +17,7 @@ from collections import deque
 from typing import Any
 
 from .._layout import PlanDecoder
+from .spin import spin_while_equal
 
 COMPLETION = struct.Struct("<IBxxxqi")  # body bytes, status, idx, slot
 READ_NBYTES = 1 << 16
@@ -108,6 +109,12 @@ class CompletionReader:
         if buffer:  # (also what an interrupt left unparsed, when the read was skipped)
             self._parse(worker)
         return got
+
+    def spin_for(self, worker: int) -> bool:
+        """Yield the CPU a moment while ``worker``'s counter shows nothing unread (spin.py);
+        True once it does."""
+        sent = self._sent
+        return sent is not None and spin_while_equal(sent, worker, self._received[worker])
 
     def drop_filed(self) -> None:
         """Nothing is in flight (an epoch was drained): whatever is queued or still in a

@@ -59,7 +59,10 @@ class Consumer:
             arena = session.claim.arena
             if arena is not None and session.source.held_batch_limit is not None:
                 session.source.check_limit(arena)
-        if not self._wait_for_batch():  # the next batch is taken (an interrupt puts it back)
+            # Already here (the common case with workers ahead): taken now, no wait loop.
+            ready = handout.taken is not None or handout.take(session.order)
+        # Taken from here on (an interrupt puts it back).
+        if not ready and not self._wait_for_batch():
             return  # none: the sampler's error is stashed in its place
         # The window has room for the batch just taken: send the next one now, as torch does
         # (before the batch is built, so an interrupt in the sampler leaves it untaken and the
@@ -118,5 +121,7 @@ class Consumer:
                 gc.collect()  # views in reference cycles give their slots back
                 collected = True
                 continue
-            session.fill_window()  # a slot freed since, or a draw left pending
+            window = session.window
+            if not feed.exhausted and window.has_room(order):
+                session.fill_window()  # a slot freed since, or a draw left pending
             session.intake.wait(wait_s, owing)

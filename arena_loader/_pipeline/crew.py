@@ -99,6 +99,7 @@ class Crew:
                 for watched in (fd, *group.sentinels, waker_fd):
                     poller.register(watched, select.POLLIN)
                 self._owed_pollers.append(poller)
+            self._spin = not thread  # (spin.py: not while a thread worker needs the GIL)
             self._open = True
         except BaseException:
             if group is not None:
@@ -147,6 +148,12 @@ class Crew:
         # (A stopped group has closed the pipes: their numbers may name other files now.)
         return self.reader.fill(worker, speculative) \
             if self._open and not self.group.closed else False
+
+    def spin_for(self, worker: int) -> bool:
+        """Process workers: yield the CPU a moment while ``worker`` has sent nothing unread
+        (spin.py); True once a record of it waits to be read."""
+        return self._spin and self._open and not self.group.closed \
+            and self.reader.spin_for(worker)
 
     def poll(self, timeout_s: float, owed: int | None = None) -> list[tuple[int, bool]]:
         """Wait up to ``timeout_s`` for a record, a worker's exit or the waker: the

@@ -71,16 +71,21 @@ class Intake:
 
     def wait(self, timeout_s: float, owed: int | None = None) -> None:
         """Wait up to ``timeout_s`` (lock not held) for a record (of worker ``owed`` only, if
-        given), a worker's exit, a freed slot or close(), and take in what came. (``next()``
-        has read the worker that owes its batch just before: a record already there makes
-        the poll return at once.)"""
+        given: process workers are given a moment first, spin.py), a worker's exit, a freed
+        slot or close(), and take in what came. (``next()`` has read the worker that owes its
+        batch just before: a record already there makes the poll return at once.)"""
         session = self.session
         with session.lock:
             session.check_open()
             crew = session.crew
             if crew is not None:
                 crew.wake_sleepers()
-        ready = crew.poll(timeout_s, owed) if crew is not None else []
+        if crew is None:
+            ready = []
+        elif owed is not None and crew.spin_for(owed):  # it sent a record meanwhile
+            ready = [(owed, False)]
+        else:
+            ready = crew.poll(timeout_s, owed)
         with session.lock:
             session.check_open()
             for worker, sentinel in ready:

@@ -39,6 +39,7 @@ import numpy as np
 
 from .._messages import listed
 from .._slab import SlabHandle, map_shared, open_shared, size_shared
+from .spin import spin_while_equal
 
 ORDER_TAG = "order_"  # in the ring's /dev/shm name, beside the slab's
 # seq (the entry's number in this worker's ring), idx, slot, epoch, kind, payload bytes
@@ -142,16 +143,16 @@ class OrderRing:
         self._doorbells = list(doorbell_fds)
 
     def has_room(self, worker: int) -> bool:
-        return self.published[worker] - self._taken[worker] < self.depth
+        return self.published[worker] - self._taken[worker] < self.depth  # (inline in publish)
 
     def publish(self, worker: int, kind: EntryKind, idx: int = 0, slot: int = 0,
                 epoch: int = 0, indices: Any = None) -> bool:
         """Write one entry for ``worker`` and, if it sleeps, ring its doorbell; False when its
         ring is full or its pipe is closed (it is gone)."""
-        if not self.has_room(worker):
-            return False
         published = self.published
         seq = published[worker]
+        if seq - self._taken[worker] >= self.depth:  # (has_room, inline)
+            return False
         offset = self._header_nbytes + (worker * self.depth + seq % self.depth) \
             * self.entry_nbytes
         piped = b""
@@ -185,7 +186,11 @@ class OrderRing:
                 return False
         try:
             published[worker] = seq + 1  # published: one store, whatever interrupts next
-            fence()
+            if _FENCE.acquire(False):  # fence(), inline (the per-batch path)
+                try:
+                    pass
+                finally:
+                    _FENCE.release()
             if self._sleeping[worker]:
                 os.write(doorbell, DOORBELL)
         except BlockingIOError:
@@ -262,8 +267,10 @@ class OrderReader:
     workers) and reads this worker's entries in order."""
 
     def __init__(self, worker: int, workers: int, depth: int, entry_nbytes: int,
-                 doorbell_fd: int, mapping: Any, index_arrays: bool = False):
+                 doorbell_fd: int, mapping: Any, index_arrays: bool = False,
+                 spin: bool = False):
         self._worker, self._depth, self._entry_nbytes = worker, depth, entry_nbytes
+        self._spin = spin  # a process worker yields the CPU a moment before it sleeps
         # Indices as one int64 array (a dataset's read_into takes them so), else a list.
         self._index_arrays = index_arrays
         self._doorbell = doorbell_fd
@@ -281,7 +288,9 @@ class OrderReader:
         """The next entry, waiting up to ``timeout_s`` for it; None on timeout. EOFError when
         the main process closed the pipe."""
         seq = self._seq
-        if seq >= self._published[self._worker] and not self._sleep(timeout_s):
+        if seq >= self._published[self._worker] and not (
+                self._spin and spin_while_equal(self._published, self._worker, seq)) \
+                and not self._sleep(timeout_s):
             return None
         offset = self._base + (seq % self._depth) * self._entry_nbytes
         got_seq, idx, slot, epoch, kind, nbytes = ENTRY.unpack_from(self._buffer, offset)

@@ -42,15 +42,21 @@ class Window:
     def publish(self, feed: Feed, order: Reorderer, crew: Crew, arena: Arena | None,
                 source: ArenaSource, reconcile: Callable[[], int]) -> bool:
         """Send the drawn batches the window allows; True when the next needs a draw."""
-        while not feed.exhausted and len(order.in_flight) + len(order.done) < self.size:
+        in_flight, done, size = order.in_flight, order.done, self.size
+        while not feed.exhausted and len(in_flight) + len(done) < size:
             if feed.pending is NO_PENDING:
                 return True
-            worker = feed.pick_worker()
+            worker = feed.send_idx % feed.workers if feed.by_index else feed.pick_worker()
             if worker is None:
                 return False
-            slot = self._choose_slot(arena, source, reconcile)
+            # (A free slot, the common case, without a call more.)
+            slot = arena.pool.acquire() if arena is not None else None
             if slot is None:
-                return False  # a freed slot wakes the waiting next()
+                slot = self._choose_slot(arena, source, reconcile)
+                if slot is None:
+                    return False  # a freed slot wakes the waiting next()
+            else:
+                self.held_blocked = False
             try:
                 sent = feed.send(crew, order, worker, slot)
             except BaseException as exc:

@@ -1,0 +1,36 @@
+"""A short wait that gives the CPU away instead of sleeping (docs/design.md, "Spinning before
+sleeping").
+
+A process that sleeps on a pipe and is woken by the other side's write pays a wake-up on both
+sides (measured here: a round trip between two processes costs 22 us of CPU and 64 us of wall
+time). When the other side is about to answer (a worker that has just taken its last entry,
+``next()`` waiting for a batch that is being written), it is cheaper to yield the CPU a few
+times and look again: a yield with nothing else to run returns at once, and one with another
+process ready (on a machine with fewer cores than processes, often the very process we wait
+for) runs that process first. Bounded by ``SPIN_YIELDS`` yields and ``SPIN_S`` seconds, then
+the caller sleeps as before; every counter read is one aligned load of shared memory.
+Only between processes: a thread worker shares the GIL with ``next()``, and spinning there
+would take turns at it instead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+SPIN_YIELDS = 50
+SPIN_S = 100e-6
+
+
+def spin_while_equal(counter: Any, index: int, value: int) -> bool:
+    """Yield the CPU while ``counter[index] == value``; True once it differs, False when the
+    spin ends first (the caller then sleeps)."""
+    deadline = time.monotonic() + SPIN_S
+    for _ in range(SPIN_YIELDS):
+        os.sched_yield()
+        if counter[index] != value:
+            return True
+        if time.monotonic() > deadline:
+            break
+    return False
