@@ -19,8 +19,8 @@ import os
 import time
 from typing import Any
 
-SPIN_YIELDS = 50
-SPIN_S = 100e-6
+SPIN_YIELDS = 500
+SPIN_S = 500e-6
 
 
 def spin_while_equal(counter: Any, index: int, value: int) -> bool:
