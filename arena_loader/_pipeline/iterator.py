@@ -51,15 +51,26 @@ class MultiProcessIterator:
     @property
     def worker_pids(self) -> list[int]:
         """Pids of the workers; empty until they start."""
-        return self._session.worker_pids
+        crew = self._session.crew
+        return list(crew.pids) if crew is not None else []
 
     @property
     def stats(self) -> dict[str, int]:
         """Completion records received and their bytes (no array travels in them)."""
-        return self._session.stats
+        session = self._session
+        dropped, crew = session.dropped_stats, session.crew
+        if crew is None:
+            return dict(dropped)
+        return {key: dropped[key] + value for key, value in crew.stats.items()}
 
     def snapshot(self) -> IteratorSnapshot:
-        return self._session.snapshot()
+        """This iterator's session now (``ArenaLoader.snapshot``); changes nothing."""
+        session = self._session
+        with session.lock:
+            return IteratorSnapshot(phase=session.phase.value,
+                                    worker_pids=tuple(self.worker_pids),
+                                    in_flight=tuple(sorted(session.order.in_flight)),
+                                    ready=tuple(sorted(session.order.done)))
 
     def close(self) -> None:
         self._finalizer()

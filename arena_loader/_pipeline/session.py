@@ -27,7 +27,6 @@ from .._options import LoaderOptions
 from .._pool import SlotState, Waker
 from .._resume_stream import EpochPlan, EpochPosition
 from ..errors import LoaderClosedError
-from ..snapshot import IteratorSnapshot
 from .claim import SlabClaim
 from .completions import LOADED
 from .consumer import Consumer
@@ -61,7 +60,8 @@ class Session:
         self._window_size = max(1, min(options.max_in_flight, options.slots_or_default - 1))
         self.crew: Crew | None = None
         self.attached: list[bool] = []  # which workers were told the slab's size
-        self._stats = {"results_received": 0, "result_bytes": 0}
+        # Records and bytes received by crews already dropped (MultiProcessIterator.stats)
+        self.dropped_stats = {"results_received": 0, "result_bytes": 0}
         self.stuck_slots: set[int] = set()  # written by thread workers stuck in user code
         self.fatal: BaseException | None = None
         self.epoch = -1
@@ -82,24 +82,6 @@ class Session:
     def broken(self) -> bool:
         """Closed, or a fatal error: the next epoch needs a new session."""
         return self.phase in (Phase.FAILED, Phase.FINISHED, Phase.CLOSED)
-
-    @property
-    def worker_pids(self) -> list[int]:
-        return list(self.crew.pids) if self.crew is not None else []
-
-    @property
-    def stats(self) -> dict[str, int]:
-        """Completion records received and their bytes (no array travels in them)."""
-        if self.crew is None:
-            return dict(self._stats)
-        return {key: self._stats[key] + value for key, value in self.crew.stats.items()}
-
-    def snapshot(self) -> IteratorSnapshot:
-        """This session now (``ArenaLoader.snapshot``); changes nothing."""
-        with self.lock:
-            return IteratorSnapshot(phase=self.phase.value, worker_pids=tuple(self.worker_pids),
-                                    in_flight=tuple(sorted(self.order.in_flight)),
-                                    ready=tuple(sorted(self.order.done)))
 
     def check_open(self) -> None:
         if self.phase is Phase.FINISHED:
@@ -242,7 +224,7 @@ class Session:
         if crew is not None:
             crew.close_channels()
             for key, value in crew.stats.items():
-                self._stats[key] += value
+                self.dropped_stats[key] += value
 
     # -- teardown ---------------------------------------------------------------------
 
