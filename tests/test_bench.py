@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arena_loader.bench import cli, report
+from arena_loader.bench import cli, harness, report
 from arena_loader.bench.cli import unavailable
 from arena_loader.bench.floor import FloorLoader
 from arena_loader.bench.harness import METRICS, Budget, CaseResult, measure
@@ -142,6 +142,17 @@ def test_measure_reports_every_metric_with_the_bytes_delivered():
     assert gbps * 1e9 / rate == pytest.approx(16 * 3 * 4 * 4)
     assert figures["first_batch_s"] <= figures["first_epoch_s"]
     assert figures["peak_rss_main_mb"] > 0 and figures["peak_memory_mb"] > 0
+    assert 0 <= figures["sampler_cores"] < 1
+
+
+def test_proportional_samples_wait_until_the_sampler_stays_within_its_share_of_a_core():
+    """A page-table walk that took t seconds is followed by a wait of t / PSS_DUTY, never
+    shorter than the base interval nor longer than the longest one."""
+    base = harness.PSS_EVERY * harness.SAMPLE_INTERVAL_S
+    assert harness.pss_interval_s(0.0001) == base
+    assert harness.pss_interval_s(0.003) == pytest.approx(0.003 / harness.PSS_DUTY)
+    assert base < 0.003 / harness.PSS_DUTY < harness.PSS_MAX_INTERVAL_S
+    assert harness.pss_interval_s(1.0) == harness.PSS_MAX_INTERVAL_S
 
 
 def _case(loader: str, rates: list[float], memory: list[float], first: list[float],
@@ -153,7 +164,7 @@ def _case(loader: str, rates: list[float], memory: list[float], first: list[floa
             "steady_batches_per_s": rate, "steady_gbps": rate * 1e-6, "first_epoch_s": first_s,
             "first_batch_s": first_s / 2, "cpu_s_per_gb": 1.0, "peak_rss_main_mb": mb,
             "peak_rss_workers_mb": 0.0, "peak_shm_mb": 0.0, "peak_memory_mb": mb,
-            "peak_added_mb": mb, "others_cores": cores})
+            "peak_added_mb": mb, "others_cores": cores, "sampler_cores": 0.01})
     return result.as_dict()
 
 

@@ -318,7 +318,8 @@ def _run_round(workload: Workload, dataset: Any,
                  f"w={width:<4} "
                  f"{figures['steady_batches_per_s']:>9,.1f} batches/s "
                  f"{figures['steady_gbps']:6.2f} GB/s "
-                 f"(others {figures['others_cores']:.2f} cores{again}; "
+                 f"(others {figures['others_cores']:.2f} cores, memory sampler "
+                 f"{figures['sampler_cores']:.2f}{again}; "
                  f"{time.perf_counter() - case_start:.1f} s)")
 
 

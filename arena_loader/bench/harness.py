@@ -23,14 +23,22 @@ import psutil
 SHM_DIR = "/dev/shm"
 SAMPLE_INTERVAL_S = 0.01
 CHILDREN_EVERY = 10  # samples: psutil lists children by scanning /proc
-PSS_EVERY = 5  # samples
+PSS_EVERY = 5  # samples: the shortest interval between proportional samples
+# A proportional sample walks the page tables of every process (smaps_rollup): in the full
+# bench, whose process holds every workload's data (~700 MB), the walks took 20% of a core
+# at one per 50 ms, taken from the loader measured (tiny: 11.2k batches/s against 14.7k in a
+# bench process of one workload; docs/benchmarks.md, "Engine v3, sixth stage"). So the next
+# one waits until the sampler's walks stay within this share of one core, up to the longest
+# interval.
+PSS_DUTY = 0.03
+PSS_MAX_INTERVAL_S = 0.25
 LIBRARIES = ("arena-loader", "numpy", "torch", "spdl", "grain", "torchdata", "pillow",
              "posix_ipc", "numba", "psutil", "matplotlib")
 
 # Every metric a measured case reports (the JSON test checks each one is present).
 METRICS = ("steady_gbps", "steady_batches_per_s", "first_epoch_s", "first_batch_s",
            "cpu_s_per_gb", "peak_rss_main_mb", "peak_rss_workers_mb", "peak_shm_mb",
-           "peak_memory_mb", "peak_added_mb", "others_cores")
+           "peak_memory_mb", "peak_added_mb", "others_cores", "sampler_cores")
 
 
 def environment() -> dict[str, Any]:
@@ -104,6 +112,7 @@ class MemorySampler:
     def __init__(self) -> None:
         self._me = psutil.Process()
         self.peak_main = self.peak_workers = self.peak_shm = self.peak_memory = 0
+        self.cores = 0.0  # the sampler thread's own CPU, in cores: what it took from the case
         # This process's proportional memory before the loader was built: what
         # peak_added_mb leaves out (the program's own, the same for every loader).
         self.baseline = proportional_bytes(os.getpid())
@@ -122,11 +131,18 @@ class MemorySampler:
     def _run(self) -> None:
         children: list[psutil.Process] = []
         ticks = 0
+        next_proportional = 0.0
+        start_cpu, start = time.thread_time(), time.monotonic()
         while not self._stop.wait(SAMPLE_INTERVAL_S):
             if ticks % CHILDREN_EVERY == 0:
                 children = self._me.children(recursive=True)
-            self.sample(children, proportional=ticks % PSS_EVERY == 0)
+            now = time.monotonic()
+            proportional = now >= next_proportional
+            self.sample(children, proportional=proportional)
+            if proportional:
+                next_proportional = now + pss_interval_s(time.monotonic() - now)
             ticks += 1
+            self.cores = (time.thread_time() - start_cpu) / max(time.monotonic() - start, 1e-9)
 
     def sample_now(self) -> None:
         """One full sample from the caller's thread (cases shorter than the interval)."""
@@ -154,6 +170,11 @@ class MemorySampler:
         shm_bytes = sum(shm.values())
         self.peak_shm = max(self.peak_shm, shm_bytes)
         self.peak_memory = max(self.peak_memory, private + shm_bytes)
+
+
+def pss_interval_s(sample_s: float) -> float:
+    """The wait before the next proportional sample, after one that took ``sample_s``."""
+    return min(PSS_MAX_INTERVAL_S, max(PSS_EVERY * SAMPLE_INTERVAL_S, sample_s / PSS_DUTY))
 
 
 # Helpers the standard library starts once per interpreter and keeps; not a loader's.
@@ -339,4 +360,5 @@ def measure(build: Callable[[], Any], budget: Budget) -> dict[str, Any]:
         # Cores that other processes (and the hypervisor) took while the batches were timed:
         # ~0 when the machine was the bench's alone.
         "others_cores": max(0.0, others_s / seconds),
+        "sampler_cores": memory.cores,
     }
