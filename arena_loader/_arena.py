@@ -91,12 +91,16 @@ class Arena:
         self.slot_nbytes = slot_nbytes
         self.slots = slots
         reserved = slab is not None
+        # Lazy: /dev/shm must have room for every slot, but a slot's pages are reserved only
+        # when it is first handed out (SlotPool's backer); page-locking needs them all now.
+        lazy = pinner is None
         if slab is None:
-            slab = Slab(slots * slot_nbytes, slots=slots)
+            slab = Slab(slots * slot_nbytes, slots=slots, lazy=lazy)
         else:
-            slab.allocate(slots * slot_nbytes, slots=slots)
+            slab.allocate(slots * slot_nbytes, slots=slots, lazy=lazy)
         self.slab = slab
-        self.pool = SlotPool(self.slab.array, slot_nbytes, slots)
+        self.pool = SlotPool(self.slab.array, slot_nbytes, slots,
+                             self._back_slot if lazy else None)
         self._pinned = None
         if pinner is not None:
             try:
@@ -106,6 +110,10 @@ class Arena:
                 if not (reserved and isinstance(exc, KeyboardInterrupt)):
                     self.close()
                 raise
+
+    def _back_slot(self, slot: int) -> None:
+        self.slab.back(slot * self.slot_nbytes, self.slot_nbytes,
+                       what=f"slot {slot} of the slab ({self.slots} slots)")
 
     @property
     def pinned(self) -> bool:
@@ -229,7 +237,9 @@ class ArenaSource:
             slab_address=arena.slab_address if arena else None,
             pinned=arena is not None and arena.pinned, in_use=in_use, slot_states=states,
             held_batches=states.count(SlotState.LEASED.value) + segments,
-            held_segments=segments, iterators=iterators)
+            held_segments=segments, iterators=iterators,
+            backed_slots=arena.pool.backed() if arena else 0,
+            slot_leases=arena.pool.leases() if arena else ())
 
     # -- held batches --------------------------------------------------------------------
 

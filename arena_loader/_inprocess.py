@@ -103,12 +103,14 @@ class InProcessIterator:
                 self._finalizer = weakref.finalize(self, source.unclaim, self._arena)
         arena = self._arena
         slot = batch = None
+        acquired = False
         counted = self._epoch_position.yielded  # moves when the batch is counted
         try:
             fits = arena is not None and prepared.nbytes <= arena.slot_nbytes
             if arena is not None and not fits:
                 source.note_outgrown(prepared.nbytes)  # the next epoch's slab fits it
             slot = source.acquire_or_overflow(arena) if fits else None
+            acquired = True
             if slot is None:
                 storage = map_new_segment(prepared.nbytes)
             else:
@@ -133,7 +135,9 @@ class InProcessIterator:
             if slot is not None and arena.pool.state(slot) in (SlotState.ASSIGNED,
                                                                SlotState.FILLED):
                 arena.pool.reclaim(slot)  # rewritten from the kept batch next time
-            if isinstance(exc, KeyboardInterrupt):
+            if isinstance(exc, KeyboardInterrupt) or not acquired:
+                # (not acquired: no slot could be had, e.g. no room in /dev/shm for a slot's
+                # pages; nothing is wrong with the batch, which stays pending for next time)
                 raise
             # that batch's error (a write error): it is consumed, raised by the pop
             self._stash, self._failed, self._pending = [exc], True, None

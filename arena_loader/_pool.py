@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -84,12 +85,21 @@ class Waker:
 
 
 class SlotPool(LeaseRing):
-    """Owns the slot states of one slab. Thread-safe; a lease's death is lock-free."""
+    """Owns the slot states of one slab. Thread-safe; a lease's death is lock-free.
+
+    A slot freed last is handed out first, and ``backer(slot)`` (when given) reserves a
+    slot's pages the first time it is handed out: the slab's memory is the most slots ever in
+    use at once, not ``slots`` (docs/design.md, "Slot budget")."""
 
     _kind = "slot"
+    _reuse_latest = True
 
-    def __init__(self, slab_array: np.ndarray, slot_nbytes: int, slots: int):
+    def __init__(self, slab_array: np.ndarray, slot_nbytes: int, slots: int,
+                 backer: Callable[[int], None] | None = None):
         super().__init__(slots)
+        self._backer = backer
+        self._backed = [backer is None] * slots
+        self._leases = [0] * slots  # batches each slot has carried (introspection)
         self._slab_array = slab_array
         self._slab_address = slab_array.ctypes.data
         self.slot_nbytes = slot_nbytes
@@ -115,6 +125,10 @@ class SlotPool(LeaseRing):
             if self._wanted:
                 self._want(False)
             slot = self._free[0]
+            if not self._backed[slot]:
+                # Raises ShmCapacityError (/dev/shm is full): the slot stays FREE and listed.
+                self._backer(slot)
+                self._backed[slot] = True
             # Moved, then dropped from the free list: interrupted between, the next acquire
             # skips it (_collect_released); a caller interrupted before it records the slot
             # leaves it ASSIGNED and unowned, for reconcile().
@@ -140,6 +154,7 @@ class SlotPool(LeaseRing):
                 if self._states[slot] is not SlotState.FILLED:
                     self._move(slot, SlotState.FILLED, SlotState.LEASED)  # raises
                 self._states[slot] = SlotState.LEASED
+                self._leases[slot] += 1
             lease = SlotLease(slot, self._slab_array, self._interfaces[slot])
             # A process forked while the batch lives gets its own copy of the slot's bytes.
             keep_across_fork(lease, self._slab_address + slot * self.slot_nbytes,
@@ -180,10 +195,18 @@ class SlotPool(LeaseRing):
             if state not in (SlotState.ASSIGNED, SlotState.FILLED):
                 raise RuntimeError(f"slot {slot} cannot be reclaimed from state {state.value}")
             self._states[slot] = SlotState.FREE
-            self._free.append(slot)
+            self._free.appendleft(slot)  # (reused first, as a released slot is)
             wanted = self._wanted
         if wanted and self.waker is not None:
             self.waker.wake()
+
+    def backed(self) -> int:
+        """Slots whose pages are reserved (handed out at least once, or all of them)."""
+        return sum(self._backed)
+
+    def leases(self) -> tuple[int, ...]:
+        """How many batches each slot has carried to the consumer."""
+        return tuple(self._leases)
 
     def counts(self) -> dict[SlotState, int]:
         with self._lock:

@@ -1,8 +1,10 @@
 """The slab: one POSIX shared-memory object holding every slot.
 
-Created with posix_ipc, preallocated with ``os.posix_fallocate`` (so a full ``/dev/shm`` is
-an error here, never a SIGBUS when a page is first touched mid-epoch), mapped with ``mmap``,
-and its name unlinked before this constructor returns. Workers receive the open file
+Created with posix_ipc, its pages reserved with ``os.posix_fallocate`` before anything is
+written to them (so a full ``/dev/shm`` is an error, never a SIGBUS when a page is first
+touched mid-epoch): all at once, or with ``lazy=True`` part by part (``back``, an arena's
+slots as they are first used), mapped with ``mmap``, and its name unlinked before this
+constructor returns. Workers receive the open file
 descriptor (inherited on fork, passed over the spawn/forkserver channel otherwise), so no name
 exists that a killed process could leak (docs/design.md, "Slab").
 
@@ -76,7 +78,7 @@ def _capacity_error(nbytes: int, slots: int | None, cause: str,
                     err: int = errno.ENOSPC, what: str = "the slab") -> ShmCapacityError:
     per_slot = f" ({slots} slots of {nbytes // slots:,} bytes)" if slots else ""
     fix = _FIXES.get(err, _SPACE_FIX)
-    if err == errno.ENOSPC and what != "the slab":
+    if err == errno.ENOSPC and what == SEGMENT:
         fix = SEGMENT_SPACE_FIX
     if err == errno.ENOSPC:
         return ShmCapacityError(
@@ -139,6 +141,17 @@ def size_shared(fd: int, nbytes: int, slots: int | None = None,
                               _errno_of(exc), what=what) from exc
 
 
+def back_shared(fd: int, start: int, nbytes: int, what: str) -> None:
+    """Reserve the pages of ``nbytes`` bytes of ``fd`` from ``start`` (a slot of a slab that
+    ``allocate(..., lazy=True)`` sized without reserving): a full ``/dev/shm`` is a
+    ShmCapacityError naming ``what``, never a SIGBUS at the first write."""
+    try:
+        os.posix_fallocate(fd, start, nbytes)
+    except OSError as exc:
+        raise _capacity_error(nbytes, None, f"posix_fallocate: {exc.strerror}",
+                              _errno_of(exc), what=what) from exc
+
+
 def map_shared(fd: int, nbytes: int, slots: int | None = None,
                what: str = "the slab") -> mmap.mmap:
     """Map ``nbytes`` of shared memory ``fd``; every failure (ENOMEM under RLIMIT_AS, ...) is
@@ -188,11 +201,11 @@ class Slab:
     ``allocate(nbytes)`` then gives it its size, once.
     """
 
-    def __init__(self, nbytes: int, *, slots: int | None = None):
+    def __init__(self, nbytes: int, *, slots: int | None = None, lazy: bool = False):
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         self._create()
-        self.allocate(nbytes, slots=slots)
+        self.allocate(nbytes, slots=slots, lazy=lazy)
 
     @classmethod
     def reserve(cls) -> Slab:
@@ -212,16 +225,26 @@ class Slab:
         # Leases and consumer views keep this array (and so the mapping) alive.
         self.array: np.ndarray | None = None
 
-    def allocate(self, nbytes: int, *, slots: int | None = None) -> None:
+    def allocate(self, nbytes: int, *, slots: int | None = None, lazy: bool = False) -> None:
         """Give the slab its size and map it; a full ``/dev/shm`` is a ShmCapacityError.
-        Allocating it again at the same size does nothing (a claim that an interrupt cut
-        short is made again)."""
+        ``lazy``: check that ``/dev/shm`` has room for all of it, but reserve no page yet;
+        the owner reserves each part before its first write (``back``). Allocating it again
+        at the same size does nothing (a claim that an interrupt cut short is made again)."""
         if not self.closed and self.nbytes == nbytes:
             return
         if self.closed or self.nbytes:
             raise ValueError("the slab is closed or already allocated")
         try:
-            size_shared(self._fd, nbytes, slots)
+            if lazy:
+                if nbytes > shm_available_bytes():
+                    raise _capacity_error(nbytes, slots, "checked before allocating")
+                try:
+                    os.ftruncate(self._fd, nbytes)
+                except OSError as exc:  # EFBIG under RLIMIT_FSIZE
+                    raise _capacity_error(nbytes, slots, f"ftruncate: {exc.strerror}",
+                                          _errno_of(exc)) from exc
+            else:
+                size_shared(self._fd, nbytes, slots)
             mapping = map_shared(self._fd, nbytes, slots)
         except Exception:  # no room: the slab is no use (an interrupt leaves it reserved)
             self.close()
@@ -232,6 +255,13 @@ class Slab:
     @property
     def closed(self) -> bool:
         return self._fd < 0
+
+    def back(self, start: int, nbytes: int, what: str = "the slab") -> None:
+        """Reserve the pages of ``[start, start + nbytes)`` now (see ``allocate(lazy=True)``);
+        done again, it changes nothing."""
+        if self.closed:
+            raise ValueError("the slab is closed")
+        back_shared(self._fd, start, nbytes, what)
 
     def handle(self) -> SlabHandle:
         if self.closed:

@@ -372,3 +372,32 @@ def test_bench_rejects_an_unknown_loader_name(capsys):
 
     with pytest.raises(SystemExit, match="--loaders must name some of"):
         main(["--loaders", "ArenaLoader,fastest", "--out", "/nonexistent"])
+
+
+def test_shared_memory_counts_the_pages_an_object_has_not_the_size_it_maps():
+    """A /dev/shm object mapped at 8 MB with three pages written counts three pages: the
+    bench's memory is what the objects hold (a slab reserves its slots as they are used)."""
+    import mmap
+    import os
+
+    import posix_ipc
+
+    shm = posix_ipc.SharedMemory(f"/arena_loader_test_{os.getpid()}", posix_ipc.O_CREX)
+    shm.unlink()
+    try:
+        os.ftruncate(shm.fd, 8 << 20)
+        inode = os.fstat(shm.fd).st_ino
+        mapping = mmap.mmap(shm.fd, 8 << 20)
+    finally:
+        os.close(shm.fd)
+    try:
+        mapping[: 3 * 4096] = b"x" * (3 * 4096)
+        with open("/proc/self/maps") as maps:
+            (span,) = [line.split()[0] for line in maps if line.split()[4:5] == [str(inode)]]
+        try:
+            os.stat(f"/proc/self/map_files/{span}")
+        except PermissionError:
+            pytest.skip("/proc/<pid>/map_files cannot be read here: mapped sizes are counted")
+        assert harness.shm_mappings(os.getpid())[inode] == 3 * 4096
+    finally:
+        mapping.close()

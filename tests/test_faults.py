@@ -395,7 +395,7 @@ def test_no_room_for_the_slab_gives_every_batch_a_segment(monkeypatch, num_worke
     import arena_loader._slab as slab_module
     from arena_loader import ShmCapacityError
 
-    def no_room(self, nbytes, *, slots=None):
+    def no_room(self, nbytes, *, slots=None, lazy=False):
         self.close()
         raise ShmCapacityError(28, "no room for the slab (test)")
 

@@ -168,3 +168,56 @@ def test_a_ctrl_c_while_a_lease_dies_cannot_strand_its_slot():
     finally:
         sys.settrace(None)
     assert pool.state(0) is SlotState.FREE
+
+
+def _reserved_bytes(arena) -> int:
+    return os.fstat(arena.slab.handle().fd).st_blocks * 512
+
+
+def test_a_slots_pages_are_reserved_when_it_is_first_handed_out_and_a_freed_slot_comes_first():
+    """An arena's slab reserves no page up front: a slot's are reserved the first time it is
+    handed out, and a slot freed last is handed out next, so the pages reserved are those of
+    the most slots in use at once."""
+    from arena_loader._arena import Arena
+
+    slot_nbytes = 16 * 4096
+    arena = Arena(slot_nbytes, 4)
+    try:
+        assert _reserved_bytes(arena) == 0
+        first = arena.pool.acquire()
+        assert _reserved_bytes(arena) == slot_nbytes
+        second = arena.pool.acquire()
+        assert second != first and _reserved_bytes(arena) == 2 * slot_nbytes
+        arena.pool.reclaim(first)
+        assert arena.pool.acquire() == first  # the one freed last, not a third slot
+        arena.pool.reclaim(second)
+        assert arena.pool.acquire() == second
+        assert _reserved_bytes(arena) == 2 * slot_nbytes and arena.pool.backed() == 2
+    finally:
+        arena.close()
+
+
+def test_no_room_when_a_slot_is_first_handed_out_is_a_capacity_error_and_the_slot_stays_free(
+        monkeypatch):
+    """/dev/shm filled up after the slab was sized: reserving a slot's pages fails with a
+    ShmCapacityError naming the slot and the fix (never a SIGBUS at the write), the slot
+    stays free, and it is handed out once there is room."""
+    from arena_loader._arena import Arena
+
+    arena = Arena(4096, 2)
+    try:
+        real = os.posix_fallocate
+
+        def no_space(fd, offset, length):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(os, "posix_fallocate", no_space)
+        with pytest.raises(ShmCapacityError, match=r"slot 0 of the slab \(2 slots\) needs 4,096 "
+                                                   r"bytes .*No space left.*--shm-size"):
+            arena.pool.acquire()
+        assert arena.pool.states() == [SlotState.FREE, SlotState.FREE]
+        assert arena.pool.backed() == 0
+        monkeypatch.setattr(os, "posix_fallocate", real)
+        assert arena.pool.acquire() == 0 and arena.pool.backed() == 1
+    finally:
+        arena.close()

@@ -187,3 +187,52 @@ def test_slots_of_equal_batches_are_their_size():
         batch = next(iterator)
         assert loader.snapshot().slot_nbytes == batch.nbytes == 4096
         del batch, iterator
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_slab_reserves_only_the_slots_a_loop_uses(num_workers):
+    """A loop that drops each batch before asking for the next uses the read-ahead window
+    plus one slot at a time: only those slots' pages are reserved, not all ``slots``, in the
+    first epoch (whose first batches are in segments) and after it."""
+    dataset = ImageDataset(64, shape=(64, 64), dtype=np.float32)
+    window = 2 * num_workers  # prefetch_factor 2
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers, slots=window + 4,
+                     output="numpy") as loader:
+        for _ in range(2):
+            for batch in loader:
+                del batch
+        snapshot = loader.snapshot()
+        assert sum(snapshot.slot_leases) > 16
+        assert 1 <= snapshot.backed_slots <= window + 1 < snapshot.slots
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_no_room_for_a_slot_at_its_first_use_is_an_error_that_loses_no_batch(monkeypatch,
+                                                                            num_workers):
+    """/dev/shm fills up between sizing the slab and a slot's first use: next() raises
+    ShmCapacityError naming the slot and the fix; once there is room again the epoch goes on
+    with every batch, in order, none twice."""
+    from arena_loader import ShmCapacityError, _slab
+
+    dataset = ImageDataset(40, shape=(8, 8), dtype=np.float32)
+    expected = reference_epoch(dataset, 4, False)
+    real = _slab.back_shared
+
+    def no_room(fd, start, nbytes, what):
+        raise _slab._capacity_error(nbytes, None, "posix_fallocate: No space left on device",
+                                    what=what)
+
+    monkeypatch.setattr(_slab, "back_shared", no_room)
+    got = []
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers, output="numpy") as loader:
+        iterator = iter(loader)
+        with pytest.raises(ShmCapacityError, match=r"slot \d of the slab .*needs .*--shm-size"):
+            while True:
+                got.append(np.array(next(iterator)))
+        monkeypatch.setattr(_slab, "back_shared", real)
+        got += [np.array(batch) for batch in iterator]
+    assert len(got) == len(expected)
+    for batch, reference in zip(got, expected):
+        np.testing.assert_array_equal(batch, reference)

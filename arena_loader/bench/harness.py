@@ -75,7 +75,10 @@ def environment() -> dict[str, Any]:
 def shm_mappings(pid: int) -> dict[int, int]:
     """Bytes of each /dev/shm object ``pid`` maps (unlinked ones too, as torch's are), keyed
     by inode: shared memory that this run's processes hold, whatever other programs on the
-    machine do with /dev/shm."""
+    machine do with /dev/shm. An object's bytes are the pages it has (``st_blocks``, what
+    ``df /dev/shm`` counts), not the size mapped: a slab whose slots are reserved as they are
+    first used holds only those (read through ``/proc/<pid>/map_files``; where that cannot be
+    read, the size mapped)."""
     sizes: dict[int, int] = {}
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
@@ -86,7 +89,11 @@ def shm_mappings(pid: int) -> dict[int, int]:
                 continue
             start, end = (int(x, 16) for x in parts[0].split("-"))
             inode = int(parts[4])
-            sizes[inode] = sizes.get(inode, 0) + end - start
+            try:
+                nbytes = os.stat(f"/proc/{pid}/map_files/{parts[0]}").st_blocks * 512
+            except OSError:
+                nbytes = sizes.get(inode, 0) + end - start
+            sizes[inode] = nbytes
     return sizes
 
 
