@@ -106,8 +106,7 @@ class LeaseRing:
             if refs.get(index) is ref:  # (an untracked or re-leased index: a stale record)
                 if states[index] is LEASED:
                     states[index] = FREE
-                    # (appendleft: the index freed last is taken first, _reuse_latest)
-                    (free.appendleft if self._reuse_latest else free.append)(index)
+                    free.append(index)
                     moved += 1
                 del refs[index]
             # Only this record: a newer one for the index (its next lease died since) stays.
@@ -130,9 +129,6 @@ class LeaseRing:
         self._states[index] = new
 
     _kind = "buffer"  # how errors name an index
-    # Freed indices go to the front of the free list (taken next) instead of its end: the
-    # fewest distinct buffers are used, so the fewest pages are ever touched (SlotPool).
-    _reuse_latest = False
 
 
 def _wake(waker: Any, ref: weakref.ref) -> None:

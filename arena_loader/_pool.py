@@ -87,12 +87,13 @@ class Waker:
 class SlotPool(LeaseRing):
     """Owns the slot states of one slab. Thread-safe; a lease's death is lock-free.
 
-    A slot freed last is handed out first, and ``backer(slot)`` (when given) reserves a
-    slot's pages the first time it is handed out: the slab's memory is the most slots ever in
-    use at once, not ``slots`` (docs/design.md, "Slot budget")."""
+    ``backer(slot)`` (when given) reserves a slot's pages the first time it is handed out, so
+    a slab sized while the first batches are still in one-off segments holds no memory until
+    its slots are used (docs/design.md, "Slab"). Freed slots go to the back of the free list:
+    handing the slot freed last out first (fewer slots ever used) made image batches 20%
+    slower (docs/benchmarks.md, "Engine v3, sixth stage")."""
 
     _kind = "slot"
-    _reuse_latest = True
 
     def __init__(self, slab_array: np.ndarray, slot_nbytes: int, slots: int,
                  backer: Callable[[int], None] | None = None):
@@ -195,7 +196,7 @@ class SlotPool(LeaseRing):
             if state not in (SlotState.ASSIGNED, SlotState.FILLED):
                 raise RuntimeError(f"slot {slot} cannot be reclaimed from state {state.value}")
             self._states[slot] = SlotState.FREE
-            self._free.appendleft(slot)  # (reused first, as a released slot is)
+            self._free.append(slot)
             wanted = self._wanted
         if wanted and self.waker is not None:
             self.waker.wake()

@@ -59,8 +59,7 @@ class LoaderSnapshot:
     held_segments: int  # of which in segments
     iterators: tuple[IteratorSnapshot, ...]  # in the order they were made
     # Slots whose pages are reserved in /dev/shm: a slot's are reserved when it is first
-    # handed out, and a freed slot is handed out again first, so this is the most slots in
-    # use at once (all of them once the slab is page-locked); 0 while no slab exists.
+    # handed out (all of them at once for a page-locked slab); 0 while no slab exists.
     backed_slots: int = 0
     # How many batches each slot has carried to the consumer, by slot number.
     slot_leases: tuple[int, ...] = ()

@@ -191,20 +191,23 @@ def test_slots_of_equal_batches_are_their_size():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_the_slab_reserves_only_the_slots_a_loop_uses(num_workers):
-    """A loop that drops each batch before asking for the next uses the read-ahead window
-    plus one slot at a time: only those slots' pages are reserved, not all ``slots``, in the
-    first epoch (whose first batches are in segments) and after it."""
+def test_a_new_slab_reserves_no_slot_before_it_is_used(num_workers):
+    """The first batch sizes the slab while the first read-ahead window is in one-off
+    segments: the slab then reserves only the slot handed out since, not all ``slots``
+    (they would sit on top of those segments); each slot is reserved when first used."""
     dataset = ImageDataset(64, shape=(64, 64), dtype=np.float32)
-    window = 2 * num_workers  # prefetch_factor 2
-    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers, slots=window + 4,
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers, slots=6,
                      output="numpy") as loader:
-        for _ in range(2):
-            for batch in loader:
-                del batch
+        iterator = iter(loader)
+        first = next(iterator)
         snapshot = loader.snapshot()
-        assert sum(snapshot.slot_leases) > 16
-        assert 1 <= snapshot.backed_slots <= window + 1 < snapshot.slots
+        assert snapshot.slab_nbytes == 6 * snapshot.slot_nbytes
+        assert snapshot.backed_slots == 1
+        del first
+        for batch in iterator:
+            del batch
+        snapshot = loader.snapshot()
+        assert snapshot.backed_slots == sum(1 for n in snapshot.slot_leases if n) <= 6
 
 
 @pytest.mark.timeout(60)
