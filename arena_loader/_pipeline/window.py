@@ -71,11 +71,10 @@ class Window:
 
     def _choose_slot(self, arena: Arena | None, source: ArenaSource,
                      reconcile: Callable[[], int]) -> int | None:
+        """No free slot (``publish`` just asked the pool), or no slab yet."""
         if arena is None:
             return NO_SLOT
-        slot = arena.pool.acquire()
-        if slot is None and reconcile():
-            slot = arena.pool.acquire()
+        slot = arena.pool.acquire() if reconcile() else None
         if slot is not None:
             self.held_blocked = False
             return slot
