@@ -15,8 +15,8 @@ is shared memory: the slab. docs/benchmarks.md, "Engine v3, second stage".
 Again 2026-11-25 (2-core Intel Xeon; shared memory now counted by the pages each object has,
 and the slab's slots reserved as they are first used): ArenaLoader main 125, workers 59 and
 59, shared memory 55 (all 5 slots are in use in steady state: window 4 + the batch held);
-torch main 146, workers 89 and 89, shared memory 18-28 (two runs). docs/benchmarks.md, "Engine v3, sixth
-stage".
+torch main 146, workers 89 and 89, shared memory 18-28 (two runs). docs/benchmarks.md,
+"Engine v3, sixth stage".
 """
 
 from __future__ import annotations
