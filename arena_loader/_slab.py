@@ -129,26 +129,32 @@ def open_shared(tag: str = "") -> int:
 
 
 def size_shared(fd: int, nbytes: int, slots: int | None = None,
-                what: str = "the slab") -> None:
-    """Reserve every page of ``fd`` now, so a full /dev/shm is a ShmCapacityError here and
-    never a SIGBUS when a page is first written. ``what`` names it in errors."""
+                what: str = "the slab", reserve: bool = True) -> None:
+    """Give ``fd`` its size. ``reserve``: every page now (``back_shared``), so a full
+    /dev/shm is a ShmCapacityError here and never a SIGBUS when a page is first written;
+    otherwise only the size (``ftruncate``), after checking that /dev/shm has room for all of
+    it, and the owner reserves each part before its first write. ``what`` names it in
+    errors."""
     if nbytes > shm_available_bytes():
         raise _capacity_error(nbytes, slots, "checked before allocating", what=what)
+    if reserve:
+        back_shared(fd, 0, nbytes, slots, what)
+        return
     try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as exc:
-        raise _capacity_error(nbytes, slots, f"posix_fallocate: {exc.strerror}",
-                              _errno_of(exc), what=what) from exc
+        os.ftruncate(fd, nbytes)
+    except OSError as exc:  # EFBIG under RLIMIT_FSIZE
+        raise _capacity_error(nbytes, slots, f"ftruncate: {exc.strerror}", _errno_of(exc),
+                              what=what) from exc
 
 
-def back_shared(fd: int, start: int, nbytes: int, what: str) -> None:
-    """Reserve the pages of ``nbytes`` bytes of ``fd`` from ``start`` (a slot of a slab that
-    ``allocate(..., lazy=True)`` sized without reserving): a full ``/dev/shm`` is a
-    ShmCapacityError naming ``what``, never a SIGBUS at the first write."""
+def back_shared(fd: int, start: int, nbytes: int, slots: int | None = None,
+                what: str = "the slab") -> None:
+    """Reserve the pages of ``nbytes`` bytes of ``fd`` from ``start``: a full ``/dev/shm``
+    is a ShmCapacityError naming ``what``, never a SIGBUS at the first write."""
     try:
         os.posix_fallocate(fd, start, nbytes)
     except OSError as exc:
-        raise _capacity_error(nbytes, None, f"posix_fallocate: {exc.strerror}",
+        raise _capacity_error(nbytes, slots, f"posix_fallocate: {exc.strerror}",
                               _errno_of(exc), what=what) from exc
 
 
@@ -235,16 +241,7 @@ class Slab:
         if self.closed or self.nbytes:
             raise ValueError("the slab is closed or already allocated")
         try:
-            if lazy:
-                if nbytes > shm_available_bytes():
-                    raise _capacity_error(nbytes, slots, "checked before allocating")
-                try:
-                    os.ftruncate(self._fd, nbytes)
-                except OSError as exc:  # EFBIG under RLIMIT_FSIZE
-                    raise _capacity_error(nbytes, slots, f"ftruncate: {exc.strerror}",
-                                          _errno_of(exc)) from exc
-            else:
-                size_shared(self._fd, nbytes, slots)
+            size_shared(self._fd, nbytes, slots, reserve=not lazy)
             mapping = map_shared(self._fd, nbytes, slots)
         except Exception:  # no room: the slab is no use (an interrupt leaves it reserved)
             self.close()
@@ -261,7 +258,7 @@ class Slab:
         done again, it changes nothing."""
         if self.closed:
             raise ValueError("the slab is closed")
-        back_shared(self._fd, start, nbytes, what)
+        back_shared(self._fd, start, nbytes, what=what)
 
     def handle(self) -> SlabHandle:
         if self.closed:

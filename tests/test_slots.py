@@ -221,20 +221,20 @@ def test_no_room_for_a_slot_at_its_first_use_is_an_error_that_loses_no_batch(mon
 
     dataset = ImageDataset(40, shape=(8, 8), dtype=np.float32)
     expected = reference_epoch(dataset, 4, False)
-    real = _slab.back_shared
+    real = _slab.Slab.back
 
-    def no_room(fd, start, nbytes, what):
+    def no_room(slab, start, nbytes, what="the slab"):  # (segments still find room)
         raise _slab._capacity_error(nbytes, None, "posix_fallocate: No space left on device",
                                     what=what)
 
-    monkeypatch.setattr(_slab, "back_shared", no_room)
+    monkeypatch.setattr(_slab.Slab, "back", no_room)
     got = []
     with ArenaLoader(dataset, batch_size=4, num_workers=num_workers, output="numpy") as loader:
         iterator = iter(loader)
         with pytest.raises(ShmCapacityError, match=r"slot \d of the slab .*needs .*--shm-size"):
             while True:
                 got.append(np.array(next(iterator)))
-        monkeypatch.setattr(_slab, "back_shared", real)
+        monkeypatch.setattr(_slab.Slab, "back", real)
         got += [np.array(batch) for batch in iterator]
     assert len(got) == len(expected)
     for batch, reference in zip(got, expected):

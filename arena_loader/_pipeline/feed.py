@@ -19,9 +19,7 @@ NO_PENDING = object()  # not None: an iterable-style dataset's "indices" are Non
 class Feed:
     def __init__(self, plan: EpochPlan, num_workers: int, iterable: bool, epoch: int):
         self._batches = plan.batches
-        self.workers = num_workers
-        # Map-style: batch idx goes to worker idx % workers (torch's round robin).
-        self.by_index = not iterable
+        self._workers = num_workers
         self._iterable = iterable
         self.epoch = epoch
         self.pending: Any = NO_PENDING  # indices drawn, waiting for a slot
@@ -52,9 +50,9 @@ class Feed:
         """The worker for the next batch; iterable-style datasets skip workers whose iterator
         ended; None (and the epoch is exhausted) when all have."""
         if not self._iterable:
-            return self.send_idx % self.workers
-        for step in range(self.workers):
-            worker = (self._next_worker + step) % self.workers
+            return self.send_idx % self._workers
+        for step in range(self._workers):
+            worker = (self._next_worker + step) % self._workers
             if self.active[worker]:
                 return worker
         self.exhausted = True

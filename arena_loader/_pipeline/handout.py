@@ -32,17 +32,11 @@ class Handout:
     def take(self, order: Reorderer) -> bool:
         """Move the next batch to hand out into ``taken`` (from here on an interrupt puts it
         back: ``put_back``); skips ended iterators' marks. False: none is ready."""
-        done = order.done
         while True:
-            if order.in_order:  # (Reorderer.take and .taken, inline: the per-batch path)
-                self.taken = ready = done.pop(order.next_idx, None)
-                if ready is None:
-                    return False
-                order.next_idx = ready.idx + 1
-            else:
-                self.taken = ready = order.take()
-                if ready is None:
-                    return False
+            self.taken = ready = order.take()
+            if ready is None:
+                return False
+            order.taken(ready)
             if ready.status != ENDED:
                 return True
             self.position.ended(ready.worker, ready.state)

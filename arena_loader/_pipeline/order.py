@@ -143,16 +143,16 @@ class OrderRing:
         self._doorbells = list(doorbell_fds)
 
     def has_room(self, worker: int) -> bool:
-        return self.published[worker] - self._taken[worker] < self.depth  # (inline in publish)
+        return self.published[worker] - self._taken[worker] < self.depth
 
     def publish(self, worker: int, kind: EntryKind, idx: int = 0, slot: int = 0,
                 epoch: int = 0, indices: Any = None) -> bool:
         """Write one entry for ``worker`` and, if it sleeps, ring its doorbell; False when its
         ring is full or its pipe is closed (it is gone)."""
+        if not self.has_room(worker):
+            return False
         published = self.published
         seq = published[worker]
-        if seq - self._taken[worker] >= self.depth:  # (has_room, inline)
-            return False
         offset = self._header_nbytes + (worker * self.depth + seq % self.depth) \
             * self.entry_nbytes
         piped = b""
@@ -186,11 +186,7 @@ class OrderRing:
                 return False
         try:
             published[worker] = seq + 1  # published: one store, whatever interrupts next
-            if _FENCE.acquire(False):  # fence(), inline (the per-batch path)
-                try:
-                    pass
-                finally:
-                    _FENCE.release()
+            fence()
             if self._sleeping[worker]:
                 os.write(doorbell, DOORBELL)
         except BlockingIOError:

@@ -46,7 +46,7 @@ class Window:
         while not feed.exhausted and len(in_flight) + len(done) < size:
             if feed.pending is NO_PENDING:
                 return True
-            worker = feed.send_idx % feed.workers if feed.by_index else feed.pick_worker()
+            worker = feed.pick_worker()
             if worker is None:
                 return False
             # (A free slot, the common case, without a call more.)
