@@ -398,6 +398,31 @@ def test_spinning_looks_again_after_each_yield_and_gives_up_after_its_bound(monk
     assert len(yields) == spin.SPIN_YIELDS
 
 
+def test_napping_looks_again_after_each_nap_and_gives_up_after_its_bound(monkeypatch):
+    """nap_while_equal (next()'s wait after the spin) sees a counter that moves between naps,
+    and ends after NAPS_S when nothing moves, so the caller sleeps on the pipe."""
+    from arena_loader._pipeline import spin
+
+    counter = np.zeros(2, np.int64)
+    naps = []
+    clock = [0.0]
+
+    def nap(seconds):
+        naps.append(seconds)
+        clock[0] += seconds
+        if len(naps) == 4:
+            counter[1] = 7
+
+    monkeypatch.setattr(spin.time, "sleep", nap)
+    monkeypatch.setattr(spin.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(spin, "NAP_S", 0.25)  # (sums without rounding: 40 naps make 10 s)
+    monkeypatch.setattr(spin, "NAPS_S", 10.0)
+    assert spin.nap_while_equal(counter, 1, 0) is True and naps == [spin.NAP_S] * 4
+    naps.clear()
+    assert spin.nap_while_equal(counter, 0, 0) is False
+    assert len(naps) == 40
+
+
 def test_a_spinning_worker_sleeps_when_nothing_comes_and_wakes_on_its_doorbell():
     """A process worker's reader (spin=True) yields a moment, then sleeps as before: an entry
     published while it sleeps wakes it through the doorbell, not its timeout."""

@@ -17,7 +17,7 @@ from collections import deque
 from typing import Any
 
 from .._layout import PlanDecoder
-from .spin import spin_while_equal
+from .spin import nap_while_equal, spin_while_equal
 
 COMPLETION = struct.Struct("<IBxxxqi")  # body bytes, status, idx, slot
 READ_NBYTES = 1 << 16
@@ -111,10 +111,14 @@ class CompletionReader:
         return got
 
     def spin_for(self, worker: int) -> bool:
-        """Yield the CPU a moment while ``worker``'s counter shows nothing unread (spin.py);
-        True once it does."""
+        """Yield the CPU a moment, then nap, while ``worker``'s counter shows nothing unread
+        (spin.py); True once it does."""
         sent = self._sent
-        return sent is not None and spin_while_equal(sent, worker, self._received[worker])
+        if sent is None:
+            return False
+        received = self._received[worker]
+        return spin_while_equal(sent, worker, received) or \
+            nap_while_equal(sent, worker, received)
 
     def drop_filed(self) -> None:
         """Nothing is in flight (an epoch was drained): whatever is queued or still in a
