@@ -398,6 +398,30 @@ def test_spinning_looks_again_after_each_yield_and_gives_up_after_its_bound(monk
     assert len(yields) == spin.SPIN_YIELDS
 
 
+def test_next_naps_only_once_waits_outlast_the_spin(monkeypatch):
+    """The reader of completion records naps after its spin only when the wait before also
+    outlasted the spin: a lone long wait sleeps (woken at once by the record), a run of
+    them naps; a wait that the spin ends starts over."""
+    from arena_loader._pipeline import completions
+
+    read_fd, write_fd = os.pipe()
+    try:
+        reader = completions.CompletionReader([read_fd], np.zeros(1, np.int64))
+        spins, naps = [], []
+        monkeypatch.setattr(completions, "spin_while_equal",
+                            lambda *args: spins.pop(0))
+        monkeypatch.setattr(completions, "nap_while_equal",
+                            lambda *args: naps.append(1) or True)
+        spins[:] = [False, False, True, False]
+        assert reader.spin_for(0) is False and naps == []  # a first long wait: sleep
+        assert reader.spin_for(0) is True and naps == [1]  # the next long one naps
+        assert reader.spin_for(0) is True and naps == [1]  # ended by the spin
+        assert reader.spin_for(0) is False and naps == [1]  # long again, after a short one
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+
+
 def test_napping_looks_again_after_each_nap_and_gives_up_after_its_bound(monkeypatch):
     """nap_while_equal (next()'s wait after the spin) sees a counter that moves between naps,
     and ends after NAPS_S when nothing moves, so the caller sleeps on the pipe."""

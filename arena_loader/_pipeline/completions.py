@@ -77,6 +77,7 @@ class CompletionReader:
         # read here: equal, a speculative read would find nothing (and costs a system call).
         self._sent = sent
         self._received = [0] * len(fds)
+        self._slow = False  # the last wait outlasted the spin (spin_for)
         for fd in self.fds:
             os.set_blocking(fd, False)
         self.arrived: deque[Completion] = deque()
@@ -111,14 +112,19 @@ class CompletionReader:
         return got
 
     def spin_for(self, worker: int) -> bool:
-        """Yield the CPU a moment, then nap, while ``worker``'s counter shows nothing unread
-        (spin.py); True once it does."""
+        """Yield the CPU a moment while ``worker``'s counter shows nothing unread, and nap
+        too when the last wait also outlasted the spin (spin.py); True once it shows more."""
         sent = self._sent
         if sent is None:
             return False
         received = self._received[worker]
-        return spin_while_equal(sent, worker, received) or \
-            nap_while_equal(sent, worker, received)
+        if spin_while_equal(sent, worker, received):
+            self._slow = False
+            return True
+        # Naps only once waits outlast the spin: a wait that does so now and then (tiny
+        # batches on a busy machine) sleeps and is woken at once, as a nap could not be.
+        slow, self._slow = self._slow, True
+        return slow and nap_while_equal(sent, worker, received)
 
     def drop_filed(self) -> None:
         """Nothing is in flight (an epoch was drained): whatever is queued or still in a

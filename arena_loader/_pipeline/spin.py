@@ -12,7 +12,8 @@ the caller sleeps as before; every counter read is one aligned load of shared me
 Only between processes: a thread worker shares the GIL with ``next()``, and spinning there
 would take turns at it instead.
 
-``next()`` then naps (``nap_while_equal``): when batches take longer than the spin (one
+``next()`` then naps (``nap_while_equal``) when its last wait also outlasted the spin
+(``CompletionReader.spin_for``): when batches take longer than the spin (one
 worker on 9.6 MB images: ~0.8 ms each) the main process would sleep on the result pipe, and
 the worker's write of every record would pay for waking it: 52 us of the worker's time per
 batch against 6.5 us when nobody sleeps on the pipe (measured on the 2-core machine). Short
