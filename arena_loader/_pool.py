@@ -91,7 +91,8 @@ class SlotPool(LeaseRing):
     a slab sized while the first batches are still in one-off segments holds no memory until
     its slots are used (docs/design.md, "Slab"). Freed slots go to the back of the free list:
     handing the slot freed last out first (fewer slots ever used) made image batches 20%
-    slower (docs/benchmarks.md, "Engine v3, sixth stage")."""
+    slower over the first epochs, as each worker faulted in slots the other had used
+    (docs/benchmarks.md, "Engine v3, seventh stage")."""
 
     _kind = "slot"
 
