@@ -3,8 +3,10 @@ batches, and the CLI writes a JSON with every loader and metric, a table and a c
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
+import os
 import pickle
 import re
 import subprocess
@@ -17,7 +19,14 @@ import pytest
 from arena_loader.bench import cli, harness, report
 from arena_loader.bench.cli import unavailable
 from arena_loader.bench.floor import FloorLoader
-from arena_loader.bench.harness import METRICS, Budget, CaseResult, measure
+from arena_loader.bench.harness import (
+    METRICS,
+    Budget,
+    CaseResult,
+    measure,
+    measure_apart,
+    proportional_bytes,
+)
 from arena_loader.bench.loaders import (
     ARENA,
     BENCH_EXTRA,
@@ -145,6 +154,51 @@ def test_measure_reports_every_metric_with_the_bytes_delivered():
     assert 0 <= figures["sampler_cores"] < 1
 
 
+LEFT_BEHIND: list[np.ndarray] = []  # what a loader keeps in its process after close()
+
+
+class LeavesMemoryBehind:
+    """A 'loader' of four small batches that, like some peers, leaves 64 MB in the process
+    that built it."""
+
+    def __init__(self) -> None:
+        LEFT_BEHIND.append(np.ones(64 * 2**20, np.uint8))  # pages touched: resident
+
+    def __iter__(self):
+        return iter([np.zeros(8, np.uint8)] * 4)
+
+    def close(self) -> None:
+        pass
+
+
+def _fails_to_build():
+    raise ValueError("no such dataset file: /nowhere")
+
+
+@pytest.mark.timeout(60)
+def test_each_case_runs_apart_and_leaves_nothing_to_the_next():
+    """measure_apart() measures in a child of its own: what a case leaves in its process is
+    gone before the next case, whose figures count the parent's memory just as much; a
+    failure comes back with its traceback."""
+    try:
+        budget = Budget(min_seconds=0.0, min_batches=4)
+        first = measure_apart(LeavesMemoryBehind, budget)
+        assert LEFT_BEHIND == []  # built in the child, gone with it
+        second = measure_apart(LeavesMemoryBehind, budget)
+        assert LEFT_BEHIND == []
+        parent_mb = proportional_bytes(os.getpid()) / 1e6
+        for figures in (first, second):
+            assert figures["strays"] == []
+            assert figures["peak_added_mb"] >= 64 * 2**20 / 1e6 * 0.95
+            assert figures["peak_memory_mb"] >= parent_mb * 0.9 + 64  # the parent counted
+        # The second case starts where the first did, not 64 MB higher.
+        assert abs(second["peak_memory_mb"] - first["peak_memory_mb"]) < 32
+        with pytest.raises(RuntimeError, match="ValueError: no such dataset file"):
+            measure_apart(_fails_to_build, budget)
+    finally:
+        gc.unfreeze()  # measure_apart froze this process's objects, as the CLI's main undoes
+
+
 def test_proportional_samples_wait_until_the_sampler_stays_within_its_share_of_a_core():
     """A page-table walk that took t seconds is followed by a wait of t / PSS_DUTY, never
     shorter than the base interval nor longer than the longest one."""
@@ -235,9 +289,8 @@ def test_a_measurement_disturbed_by_other_processes_is_taken_again(monkeypatch):
     taken again, at most CASE_RETRIES times a case and --retries times a run, and the least
     disturbed one is kept; a window too short to judge is not taken again."""
     others = iter([0.9, 0.5, 0.7, 0.1, 0.9, 0.9, 0.2])
-    monkeypatch.setattr(cli, "measure", lambda build, budget: {
-        "others_cores": next(others), "seconds": 1.0})
-    monkeypatch.setattr(cli, "stray_processes", lambda: [])
+    monkeypatch.setattr(cli, "measure_apart", lambda build, budget: {
+        "others_cores": next(others), "seconds": 1.0, "strays": []})
     args = cli.parser().parse_args(["--others-limit", "0.15", "--retries", "3"])
     args.retries_left = args.retries
 
@@ -250,8 +303,8 @@ def test_a_measurement_disturbed_by_other_processes_is_taken_again(monkeypatch):
     kept = once()  # 0.9, then the run's last retry: 0.9
     assert (kept["others_cores"], kept["retries"], args.retries_left) == (0.9, 1, 0)
     assert once()["retries"] == 0  # 0.2: nothing left to retry with
-    monkeypatch.setattr(cli, "measure", lambda build, budget: {
-        "others_cores": 5.0, "seconds": 0.01})
+    monkeypatch.setattr(cli, "measure_apart", lambda build, budget: {
+        "others_cores": 5.0, "seconds": 0.01, "strays": []})
     args.retries_left = 4
     assert once()["retries"] == 0
     rows = [_case(ARENA, [1, 1], [1, 1], [1, 1], others=[0.0, 0.4])]

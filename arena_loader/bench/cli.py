@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from . import report
-from .harness import Budget, CaseResult, environment, measure, stray_processes
+from .harness import Budget, CaseResult, environment, measure_apart
 from .loaders import (
     ARENA,
     ARENA_HYBRID,
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _run(args)
         finally:
-            gc.unfreeze()  # see _run_workload
+            gc.unfreeze()  # harness.measure_apart freezes what is alive before each case
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -330,15 +330,11 @@ def _measure_quiet(kind: LoaderKind, dataset: Any, setup: Setup, budget: Budget,
     ``args.retries_left`` lasts); the least disturbed one, with ``retries`` set."""
     tries = []
     while True:
-        figures = measure(lambda: kind.build(dataset, setup), budget)
+        # Each measurement in a process of its own (harness.measure_apart), which freezes
+        # what is alive here (main() unfreezes it) before it forks.
+        figures = measure_apart(lambda: kind.build(dataset, setup), budget)
+        strays = figures.pop("strays")
         tries.append(figures)
-        # measure() ends with a full collection (a case's garbage must not reach the next
-        # case's workers): ~0.1 s of every case with torch and the peers loaded. What is
-        # alive now stays alive for the run, so move it out of the collector's reach
-        # (main() gives it back): the next case's collection sees only that case's
-        # objects. Measured: batches/s and memory unchanged (text, dict, tiny, detect).
-        gc.freeze()
-        strays = stray_processes()
         if strays:
             progress(f"warning: {kind.name} left processes {strays} alive after close(); "
                      "killed them")

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
+import json
 import os
 import platform
 import statistics
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -114,15 +117,18 @@ class MemorySampler:
     descendants (every 10 ms, from statm), and every 50 ms (smaps_rollup and maps cost
     ~1 ms a process) of: the /dev/shm objects those processes map (each counted once), and
     ``peak_memory``, their proportional set sizes plus that shared memory at the same
-    instant, so memory shared by several processes is counted once."""
+    instant, so memory shared by several processes is counted once. ``also``: more
+    processes whose proportional memory counts in ``peak_memory`` (the bench process a
+    case was forked from, which shares its pages with the case's processes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, also: tuple[int, ...] = ()) -> None:
         self._me = psutil.Process()
+        self._also = also
         self.peak_main = self.peak_workers = self.peak_shm = self.peak_memory = 0
         self.cores = 0.0  # the sampler thread's own CPU, in cores: what it took from the case
-        # This process's proportional memory before the loader was built: what
-        # peak_added_mb leaves out (the program's own, the same for every loader).
-        self.baseline = proportional_bytes(os.getpid())
+        # The proportional memory before the loader was built: what peak_added_mb leaves
+        # out (the program's own, the same for every loader).
+        self.baseline = sum(proportional_bytes(pid) for pid in (os.getpid(), *also))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-memory-sampler",
                                         daemon=True)
@@ -167,7 +173,7 @@ class MemorySampler:
         if not proportional:
             return
         private, shm = 0, {}
-        for pid in [self._me.pid, *(child.pid for child in children)]:
+        for pid in [*self._also, self._me.pid, *(child.pid for child in children)]:
             try:
                 private += proportional_bytes(pid)
                 for inode, nbytes in shm_mappings(pid).items():
@@ -304,11 +310,13 @@ class CaseResult:
         return out
 
 
-def measure(build: Callable[[], Any], budget: Budget) -> dict[str, Any]:
+def measure(build: Callable[[], Any], budget: Budget,
+            also: tuple[int, ...] = ()) -> dict[str, Any]:
     """One round of one case: build a loader, run one warm-up epoch (timed from
     construction: start-up included), then batches until ``budget`` is met (stopping
-    mid-epoch; ``epochs`` counts the epochs begun); return every figure in ``METRICS``."""
-    with MemorySampler() as memory:
+    mid-epoch; ``epochs`` counts the epochs begun); return every figure in ``METRICS``.
+    ``also``: see ``MemorySampler``."""
+    with MemorySampler(also) as memory:
         start = time.perf_counter()
         loader = build()
         try:
@@ -369,3 +377,61 @@ def measure(build: Callable[[], Any], budget: Budget) -> dict[str, Any]:
         "others_cores": max(0.0, others_s / seconds),
         "sampler_cores": memory.cores,
     }
+
+
+def measure_apart(build: Callable[[], Any], budget: Budget) -> dict[str, Any]:
+    """``measure()`` in a child forked for this one case, which exits after it: whatever a
+    loader leaves behind in its process once closed (caches, thread pools, allocator
+    arenas a peer library keeps) goes with the child, so every case starts from the same
+    bench process. Measured in one process, the bench grew with every case of a round and
+    never shrank (dict, round 1: +58 MB after Grain, +115 MB after torchdata nodes), and a
+    case's peak memory depended on which cases ran before it (docs/benchmarks.md, "Engine v3,
+    seventh stage"). The child's memory figures count this process's proportional memory
+    too (it shares its pages with the child), so they are the same sum as in one process.
+    Also returns, under ``"strays"``, the processes the loader left alive after close(),
+    killed in the child (an orphan of an exited child would escape the parent's check).
+    Where there is no fork, ``measure()`` in this process."""
+    if not hasattr(os, "fork"):
+        return {**measure(build, budget), "strays": stray_processes()}
+    # What is alive now stays alive for the run: out of the collector's reach, a collection
+    # in the child neither walks nor copies (by writing their headers) the parent's objects.
+    gc.collect()
+    gc.freeze()
+    parent = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: measure, report, exit without running the parent's exit code
+        code = 1
+        try:
+            os.close(read_fd)
+            try:
+                out: dict[str, Any] = {"figures": measure(build, budget, also=(parent,))}
+                out["figures"]["strays"] = stray_processes()
+            except BaseException:  # every failure goes back to the parent
+                out = {"error": traceback.format_exc()}
+            data = json.dumps(out).encode()
+            with os.fdopen(write_fd, "wb") as pipe:
+                pipe.write(data)
+            code = 0
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write_fd)
+    try:
+        with os.fdopen(read_fd, "rb") as pipe:
+            data = pipe.read()
+    except BaseException:
+        os.kill(pid, 9)  # Ctrl-C in the parent: the child (told too) must not outlive it
+        os.waitpid(pid, 0)
+        raise
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        raise RuntimeError(f"the bench's case process {pid} died without a result "
+                           f"(wait status {status})")
+    out = json.loads(data)
+    if "error" in out:
+        raise RuntimeError("the case failed in its own process:\n" + out["error"])
+    return out["figures"]
