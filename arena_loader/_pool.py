@@ -89,10 +89,11 @@ class SlotPool(LeaseRing):
 
     ``backer(slot)`` (when given) reserves a slot's pages the first time it is handed out, so
     a slab sized while the first batches are still in one-off segments holds no memory until
-    its slots are used (docs/design.md, "Slab"). Freed slots go to the back of the free list:
-    handing the slot freed last out first (fewer slots ever used) made image batches 20%
-    slower over the first epochs, as each worker faulted in slots the other had used
-    (docs/benchmarks.md, "Engine v3, seventh stage")."""
+    its slots are used (docs/design.md, "Slab"). Freed slots go to the back of the free list,
+    so with the default slot count each slot stays with one worker: orders that use fewer
+    slots (the slot freed last first; a used slot before a never-used one) hand slots to
+    both workers in turn, which made image batches 20% slower for ~5 epochs, though every
+    page fault was in the first (docs/benchmarks.md, "Engine v3, eighth stage")."""
 
     _kind = "slot"
 
