@@ -97,6 +97,21 @@ class ShardedDataPipe:
         return iter(self.pipe)
 
 
+def iterable_length(samples: int, batch_size: int | None, drop_last: bool) -> int:
+    """torch's len() of a loader over an iterable-style dataset of len() ``samples``: in
+    batches (the last one partial unless ``drop_last``), or samples without batching."""
+    if batch_size is None:
+        return samples
+    return samples // batch_size if drop_last else -(-samples // batch_size)
+
+
+def warn_pin_memory_device(pin_memory_device: str) -> None:
+    """torch's warning, word for word, at ``iter()`` with ``pin_memory_device`` set."""
+    warnings.warn("pin_memory_device is deprecated, the current accelerator will be used as "
+                  f"the device,ignore pin_memory_device='{pin_memory_device}'.", UserWarning,
+                  stacklevel=3)
+
+
 class LengthCheckedIterator:
     """An epoch's iterator that warns, with torch's text, once an iterable-style dataset has
     yielded more batches than the ``len(dataset)`` read by ``len(loader)`` before ``iter()``
@@ -222,17 +237,31 @@ def _equal_states(a: Any, b: Any) -> bool:
     return bool(sys.modules["torch"].equal(a, b))
 
 
+# What shapes the epoch: fixed once the loader exists (torch's DataLoader.__setattr__).
+FIXED_ATTRIBUTES = frozenset(
+    ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"))
+
+
 class TorchIteratorAttribute:
     """torch's DataLoader members beyond its options, which torch's own tests and some
     training code use: ``_iterator`` (to shut persistent workers down: the persistent
     workers' iterator, or ``None``; setting it to ``None`` drops that iterator, and the next
     ``iter()`` starts new workers), ``_auto_collation``, ``_index_sampler`` and
-    ``check_worker_number_rationality``."""
+    ``check_worker_number_rationality``; and torch's rule that ``FIXED_ATTRIBUTES`` cannot
+    be set once the loader is made (``_finalizer`` set: the end of ``__init__``)."""
 
     _iterators: Any  # the loader's LiveIterators
     batch_sampler: Any
     sampler: Any
     num_workers: int
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # An error rather than a setting silently ignored by the existing sampler and slab.
+        if name in FIXED_ATTRIBUTES and "_finalizer" in self.__dict__:
+            raise ValueError(f"{name} attribute should not be set after {type(self).__name__} "
+                             f"is initialized; create a new {type(self).__name__} with "
+                             f"{name}={value!r}")
+        super().__setattr__(name, value)
 
     @property
     def _iterator(self) -> Any:

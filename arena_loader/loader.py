@@ -6,7 +6,6 @@ This module only wires parts together; see docs/design.md for how they fit.
 from __future__ import annotations
 
 import os
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
@@ -24,6 +23,8 @@ from ._torch_compat import (
     UnusedIteratorDraws,
     distributed_settings,
     is_iter_datapipe,
+    iterable_length,
+    warn_pin_memory_device,
 )
 from ._wiring import (
     EpochSeeds,
@@ -36,9 +37,6 @@ from ._wiring import (
 )
 from .errors import LoaderClosedError, LoaderForkedError
 from .snapshot import LoaderSnapshot
-
-_FIXED_ATTRIBUTES = frozenset(
-    ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"))
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -98,9 +96,9 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
         )
         if worker_threads > 1:
             warn_thread_unsafe(dataset, worker_threads)
-        pinner, self._device = (open_cuda(self.options)
-                                if pin_memory or self.options.device is not None else (None, None))
-        self._pinner = pinner
+        self._pinner, self._device = (
+            open_cuda(self.options) if pin_memory or self.options.device is not None
+            else (None, None))
         # The attributes torch's DataLoader exposes, read-only by convention, with torch's
         # values: a batch_sampler takes over batch_size and drop_last, prefetch_factor is 2
         # by default with workers, a start method name reads as its context.
@@ -142,12 +140,12 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
         self._resume = LoaderResume()
         self._filler = make_filler(self._datapipe or dataset, self.options, self.sampler,
                                    self.batch_sampler, batch_size, drop_last)
-        self._source = ArenaSource(self.slots, pinner=pinner, lease_only=self._device is not None,
+        # With a device the stage counts the batches you hold (the host slot it is still
+        # copying from is not one of them).
+        on_device = self._device is not None
+        self._source = ArenaSource(self.slots, pinner=self._pinner, lease_only=on_device,
                                    output=output,
-                                   # With a device the stage counts the batches you hold (the
-                                   # host slot it is still copying from is not one of them).
-                                   held_batch_limit=None if self._device is not None
-                                   else held_batch_limit)
+                                   held_batch_limit=None if on_device else held_batch_limit)
         self._iterators = LiveIterators()
         self._closed = False
         self._pid = os.getpid()
@@ -155,23 +153,12 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
                                            self._pid)
         self.check_worker_number_rationality()
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        # torch's rule: what shapes the epoch is fixed once the loader exists, so changing it
-        # is an error rather than a setting silently ignored by the existing sampler and slab.
-        if name in _FIXED_ATTRIBUTES and "_finalizer" in self.__dict__:
-            raise ValueError(f"{name} attribute should not be set after {type(self).__name__} "
-                             f"is initialized; create a new {type(self).__name__} with "
-                             f"{name}={value!r}")
-        super().__setattr__(name, value)
-
     def __len__(self) -> int:
         if self._iterable:
-            # torch's rule: the dataset's len() (TypeError without one), in batches; the
-            # samples count is kept to warn if an epoch yields more batches than it.
-            length = self._IterableDataset_len_called = len(self.dataset)
-            if self.batch_size is None:
-                return length
-            return length // self.batch_size if self.drop_last else -(-length // self.batch_size)
+            # The samples count is kept to warn if an epoch yields more batches than it.
+            self._IterableDataset_len_called = len(self.dataset)
+            return iterable_length(self._IterableDataset_len_called, self.batch_size,
+                                   self.drop_last)
         if self.options.auto_collation:
             return len(self.batch_sampler)
         return len(self.sampler)
@@ -187,9 +174,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
         # the interrupted run's, even when nothing of that epoch is left to hand out).
         draws = None if plan.resumed else UnusedIteratorDraws.take(self)
         if self.pin_memory and self.pin_memory_device:
-            warnings.warn("pin_memory_device is deprecated, the current accelerator will be "
-                          f"used as the device,ignore pin_memory_device='"
-                          f"{self.pin_memory_device}'.", UserWarning, stacklevel=2)
+            warn_pin_memory_device(self.pin_memory_device)
         # Random draws in torch's order: the DataPipe seed, the workers' base seed (for a new
         # iterator only), then the sampler's own at its first index.
         if self._datapipe is not None:
