@@ -102,6 +102,7 @@ class SlotPool(LeaseRing):
         super().__init__(slots)
         self._backer = backer
         self._backed = [backer is None] * slots
+        self._writer = [-1] * slots  # the worker each slot was last handed to (-1: none yet)
         self._leases = [0] * slots  # batches each slot has carried (introspection)
         self._slab_array = slab_array
         self._slab_address = slab_array.ctypes.data
@@ -112,8 +113,9 @@ class SlotPool(LeaseRing):
             slab_array[slot * slot_nbytes: (slot + 1) * slot_nbytes].__array_interface__
             for slot in range(slots)]
 
-    def acquire(self) -> int | None:
-        """A free slot, now ASSIGNED; None when every slot is in use."""
+    def acquire(self, worker: int = -1) -> int | None:
+        """A free slot, now ASSIGNED; None when every slot is in use. For ``worker`` (>= 0):
+        a free slot handed to that worker last time if there is one (``_keep_with``)."""
         with self._lock:
             free = self._free
             if self._released or not free or self._states[free[0]] is not SlotState.FREE:
@@ -127,17 +129,41 @@ class SlotPool(LeaseRing):
                     return None
             if self._wanted:
                 self._want(False)
-            slot = self._free[0]
+            slot = free[0]
+            if worker >= 0:
+                writer = self._writer[slot]
+                if writer != worker and writer >= 0:
+                    slot = self._keep_with(worker)
+                self._writer[slot] = worker
             if not self._backed[slot]:
                 # Raises ShmCapacityError (/dev/shm is full): the slot stays FREE and listed.
                 self._backer(slot)
                 self._backed[slot] = True
-            # Moved, then dropped from the free list: interrupted between, the next acquire
-            # skips it (_collect_released); a caller interrupted before it records the slot
-            # leaves it ASSIGNED and unowned, for reconcile().
-            self._states[slot] = SlotState.ASSIGNED  # (FREE: _collect_released made sure)
-            free.popleft()
+            # Moved, then dropped from the free list: interrupted between, the entry left in
+            # the list is no longer FREE and every pick skips it (_keep_with; _collect_released
+            # once it heads the list); a caller interrupted before it records the slot leaves
+            # it ASSIGNED and unowned, for reconcile().
+            self._states[slot] = SlotState.ASSIGNED  # (FREE: checked by whoever picked it)
+            if slot == free[0]:
+                free.popleft()
+            else:  # (only when the head was another worker's)
+                free.remove(slot)
             return slot
+
+    def _keep_with(self, worker: int) -> int:
+        """The free slot for ``worker`` when the list's head was another worker's: the first
+        free one it was handed last, else the head. (Slots never handed out are at the head
+        of the list until every one has been.) A slot written by one worker after another
+        cost 30-40% more of the workers' CPU per image batch here, for several epochs
+        (docs/benchmarks.md, "Engine v3, eighth stage"); with the free list's order alone,
+        a slot count that is not a multiple of the workers hands each slot to every worker
+        in turn."""
+        states, writers = self._states, self._writer
+        for slot in self._free:
+            # (skipping an entry that an interrupted pick left behind)
+            if writers[slot] == worker and states[slot] is SlotState.FREE:
+                return slot
+        return self._free[0]
 
     def mark_filled(self, slot: int) -> None:
         """ASSIGNED -> FILLED; a slot already FILLED stays so (a record filed twice)."""

@@ -199,6 +199,29 @@ def test_a_slots_pages_are_reserved_the_first_time_it_is_handed_out():
         arena.close()
 
 
+def test_a_slot_goes_back_to_the_worker_it_was_handed_to_last():
+    """Asked for a worker's batch, the pool hands out a free slot that worker had last, even
+    behind another worker's in the free list; else the list's head."""
+    from arena_loader._arena import Arena
+
+    arena = Arena(4096, 5)
+    try:
+        pool = arena.pool
+        assert [pool.acquire(0), pool.acquire(1), pool.acquire(0), pool.acquire(1)] == [
+            0, 1, 2, 3]
+        for slot in (1, 0, 3, 2):
+            pool.reclaim(slot)  # the free list is now 4, 1, 0, 3, 2
+        assert pool.acquire(0) == 4  # never handed out: at the head, taken as it is
+        assert [pool.acquire(0), pool.acquire(1), pool.acquire(1)] == [0, 1, 3]
+        pool.reclaim(4)  # 2 (worker 0's), 4 (worker 0's) are free
+        assert pool.acquire(1) == 2  # none of worker 1's: the head
+        assert pool.acquire() == 4  # no worker named: the head
+        assert pool.acquire(0) is None
+        assert pool.states().count(SlotState.ASSIGNED) == 5
+    finally:
+        arena.close()
+
+
 def test_no_room_when_a_slot_is_first_handed_out_is_a_capacity_error_and_the_slot_stays_free(
         monkeypatch):
     """/dev/shm filled up after the slab was sized: reserving a slot's pages fails with a

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from arena_loader import ArenaLoader, SlotsExhaustedError
+from arena_loader import ArenaLoader, SlotsExhaustedError, get_worker_info
 from arena_loader._pool import SlotLease
 
 from .datasets import ImageDataset, reference_epoch
@@ -208,6 +208,36 @@ def test_a_new_slab_reserves_no_slot_before_it_is_used(num_workers):
             del batch
         snapshot = loader.snapshot()
         assert snapshot.backed_slots == sum(1 for n in snapshot.slot_leases if n) <= 6
+
+
+class WorkerTagged:
+    """Sample i: 512 int64s, each the id of the worker that loaded it."""
+
+    def __len__(self) -> int:
+        return 240
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return np.full(512, get_worker_info().id, np.int64)
+
+
+@pytest.mark.timeout(60)
+def test_each_slot_stays_with_one_worker_when_the_slots_allow():
+    """With room for each worker's read-ahead and the batch handed out (2 workers x 3 <= 7
+    slots, a count the free list's order alone would hand to each worker in turn), every
+    slot carries the batches of one worker only, epoch after epoch."""
+    writers: dict[int, set[int]] = {}
+    with ArenaLoader(WorkerTagged(), batch_size=2, num_workers=2, slots=7,
+                     persistent_workers=True, output="numpy") as loader:
+        for _ in range(3):
+            for batch in loader:
+                snapshot = loader.snapshot()
+                offset = batch.ctypes.data - (snapshot.slab_address or 0)
+                if snapshot.slab_address and 0 <= offset < snapshot.slab_nbytes:
+                    writers.setdefault(offset // snapshot.slot_nbytes, set()).update(
+                        np.unique(batch).tolist())
+                del batch
+    assert len(writers) == 7
+    assert all(len(ids) == 1 for ids in writers.values()), writers
 
 
 @pytest.mark.timeout(60)

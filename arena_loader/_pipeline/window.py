@@ -50,9 +50,9 @@ class Window:
             if worker is None:
                 return False
             # (A free slot, the common case, without a call more.)
-            slot = arena.pool.acquire() if arena is not None else None
+            slot = arena.pool.acquire(worker) if arena is not None else None
             if slot is None:
-                slot = self._choose_slot(arena, source, reconcile)
+                slot = self._choose_slot(arena, source, reconcile, worker)
                 if slot is None:
                     return False  # a freed slot wakes the waiting next()
             else:
@@ -70,11 +70,11 @@ class Window:
         return False
 
     def _choose_slot(self, arena: Arena | None, source: ArenaSource,
-                     reconcile: Callable[[], int]) -> int | None:
+                     reconcile: Callable[[], int], worker: int) -> int | None:
         """No free slot (``publish`` just asked the pool), or no slab yet."""
         if arena is None:
             return NO_SLOT
-        slot = arena.pool.acquire() if reconcile() else None
+        slot = arena.pool.acquire(worker) if reconcile() else None
         if slot is not None:
             self.held_blocked = False
             return slot
