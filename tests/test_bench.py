@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from arena_loader.bench import cli, harness, report
@@ -175,6 +176,13 @@ def _fails_to_build():
     raise ValueError("no such dataset file: /nowhere")
 
 
+def _fails_after_starting_a_process():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with open(os.environ["ARENA_TEST_PID_FILE"], "w") as out:
+        out.write(str(child.pid))
+    raise ValueError("the loader failed after starting a worker")
+
+
 @pytest.mark.timeout(60)
 def test_each_case_runs_apart_and_leaves_nothing_to_the_next():
     """measure_apart() measures in a child of its own: what a case leaves in its process is
@@ -195,6 +203,22 @@ def test_each_case_runs_apart_and_leaves_nothing_to_the_next():
         assert abs(second["peak_memory_mb"] - first["peak_memory_mb"]) < 32
         with pytest.raises(RuntimeError, match="ValueError: no such dataset file"):
             measure_apart(_fails_to_build, budget)
+    finally:
+        gc.unfreeze()  # measure_apart froze this process's objects, as the CLI's main undoes
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_case_leaves_no_process_behind(tmp_path, monkeypatch):
+    """A case that fails after its loader started a process: the process is killed before
+    the case's own process exits (its orphan would outlive the bench)."""
+    pid_file = tmp_path / "pid"
+    monkeypatch.setenv("ARENA_TEST_PID_FILE", str(pid_file))
+    try:
+        with pytest.raises(RuntimeError, match="failed after starting a worker"):
+            measure_apart(_fails_after_starting_a_process, Budget(min_seconds=0.0))
+        started = int(pid_file.read_text())
+        assert not psutil.pid_exists(started) or psutil.Process(started).status() == (
+            psutil.STATUS_ZOMBIE)
     finally:
         gc.unfreeze()  # measure_apart froze this process's objects, as the CLI's main undoes
 

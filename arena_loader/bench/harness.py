@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import threading
@@ -408,9 +409,11 @@ def measure_apart(build: Callable[[], Any], budget: Budget) -> dict[str, Any]:
             os.close(read_fd)
             try:
                 out: dict[str, Any] = {"figures": measure(build, budget, also=(parent,))}
-                out["figures"]["strays"] = stray_processes()
             except BaseException:  # every failure goes back to the parent
                 out = {"error": traceback.format_exc()}
+            strays = stray_processes()  # a failed case's too: orphans once this child exits
+            if "figures" in out:
+                out["figures"]["strays"] = strays
             data = json.dumps(out).encode()
             with os.fdopen(write_fd, "wb") as pipe:
                 pipe.write(data)
@@ -424,7 +427,7 @@ def measure_apart(build: Callable[[], Any], budget: Budget) -> dict[str, Any]:
         with os.fdopen(read_fd, "rb") as pipe:
             data = pipe.read()
     except BaseException:
-        os.kill(pid, 9)  # Ctrl-C in the parent: the child (told too) must not outlive it
+        os.kill(pid, signal.SIGKILL)  # Ctrl-C here: the child (told too) must not outlive it
         os.waitpid(pid, 0)
         raise
     _, status = os.waitpid(pid, 0)
