@@ -2,24 +2,30 @@
 worker loop, plus ``K - 1`` daemon threads ``arena_loader-worker-<id>-thread-<t>`` that
 live as long as the loop.
 
-Per batch, ``run(task)`` calls ``task(t)`` in every thread ``t`` at once (0 in the caller)
-and returns when all have returned. Thread ``t`` loads rows ``t, t + K, ...`` of the batch:
-a fixed share, so which thread loads a sample, and so what its seeded ``rng`` draws, is the
-same in every run (docs/design.md, "Threads inside workers").
+Per batch, ``run(task)`` calls ``task(t)`` for every lane ``t`` in ``range(K)`` and returns
+when all have returned. Lane ``t`` loads rows ``t, t + K, ...`` of the batch, with lane
+``t``'s ``get_worker_info()``: a fixed share, so which lane loads a sample, and so what its
+seeded ``rng`` draws, is the same in every run. ``active`` threads run the K lanes (thread
+``j`` runs lanes ``j, j + active, ...`` in turn), and ``Pace`` sets ``active`` after each
+batch from what the threads spent their time on: fewer while they queue for cores that are
+full (threads then only take turns, and each turn costs cache), all K while samples wait
+(docs/design.md, "Threads inside workers").
 """
 
 from __future__ import annotations
 
 import io
+import os
 import queue
 import sys
 import threading
+import time
 import types
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .worker_info import WorkerInfo, set_thread_worker_info
+from .worker_info import WorkerInfo, set_thread_worker_info, thread_worker_info
 
 # How long close() waits for an extra thread to finish (one stuck in user code is a daemon
 # and is left running, as a stuck thread worker is).
@@ -30,8 +36,11 @@ class SampleThreads:
     """``len(infos)`` threads of one worker; ``infos[t]``: what ``get_worker_info()`` answers
     in thread ``t`` (thread 0, the caller, sets its own)."""
 
-    def __init__(self, infos: list[WorkerInfo]):
-        self.count = len(infos)
+    def __init__(self, infos: list[WorkerInfo], paced: bool = True):
+        self.count = len(infos)  # lanes: row shares, each with its own worker info
+        self.active = self.count  # threads that run them (Pace moves it)
+        self._infos = infos
+        self._pace = Pace(self.count) if paced and self.count > 1 else None
         self._tasks: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in infos[1:]]
         self._finished = threading.Semaphore(0)
         self._threads: list[threading.Thread] = []
@@ -50,26 +59,50 @@ class SampleThreads:
         set_thread_worker_info(info)
         try:
             while True:
-                task = tasks.get()
-                if task is None:
+                got = tasks.get()
+                if got is None:
                     return
                 try:
-                    task(info.thread_id)
+                    self._run_lanes(info.thread_id, *got)
                 finally:  # tasks catch their own errors; whatever happens, the batch goes on
                     self._finished.release()
         finally:
             set_thread_worker_info(None)
+            if self._pace is not None:
+                self._pace.forget(info.thread_id)
 
     def run(self, task: Callable[[int], None]) -> None:
-        """``task(t)`` in every thread; returns once every call has returned, even when the
+        """``task(t)`` for every lane; returns once every call has returned, even when the
         caller's own call raised, so no thread still writes into the batch's storage."""
-        for tasks in self._tasks:
-            tasks.put(task)
+        active, began = self.active, time.perf_counter_ns()
+        for tasks in self._tasks[: active - 1]:
+            tasks.put((task, active))
         try:
-            task(0)
+            self._run_lanes(0, task, active)
         finally:
-            for _ in self._tasks:
+            for _ in range(active - 1):
                 self._finished.acquire()
+        if self._pace is not None:
+            self.active = self._pace.next_active(active, time.perf_counter_ns() - began)
+
+    def _run_lanes(self, thread: int, task: Callable[[int], None], active: int) -> None:
+        """Thread ``thread``'s lanes of this batch, each with its lane's worker info."""
+        pace = self._pace
+        start = pace.start(thread) if pace is not None else None
+        own = thread_worker_info()
+        try:
+            for lane in range(thread, self.count, active):
+                if lane == thread:
+                    task(lane)
+                    continue
+                set_thread_worker_info(self._infos[lane])
+                try:
+                    task(lane)
+                finally:
+                    set_thread_worker_info(own)
+        finally:
+            if start is not None:
+                pace.stop(thread, start)
 
     def close(self) -> None:
         """Stop the extra threads: each ends after its current task (bounded wait)."""
@@ -79,6 +112,82 @@ class SampleThreads:
             if thread is not threading.current_thread():
                 thread.join(timeout=CLOSE_WAIT_S)
         self._threads = []
+        if self._pace is not None:
+            self._pace.forget(0)
+
+
+class Pace:
+    """How many threads a worker's next batch runs on, from how its threads spent the last
+    one: time on a core (``thread_time_ns``) and time waiting in a run queue for one
+    (Linux's per-thread ``/proc/thread-self/schedstat``). Waiting for a core
+    (``SHRINK_QUEUED`` of the threads' time or more): the cores are full, and more threads
+    only take turns on them, so halve. Mostly neither on a core nor queued (``GROW_ASLEEP``:
+    samples wait for storage, a lock, the GIL) with little queueing (``GROW_QUEUED``), while
+    the worker's threads together keep less than ``GROW_BUSY`` of one core busy: double, up
+    to every lane (threads that wait for the GIL keep one core busy between them: more
+    would only wait too). Where schedstat cannot be read, every lane keeps a thread."""
+
+    SHRINK_QUEUED = 0.25
+    GROW_ASLEEP = 0.5
+    GROW_QUEUED = 0.1
+    GROW_BUSY = 0.75
+
+    def __init__(self, lanes: int):
+        self.lanes = lanes
+        self._fds: list[int] = [-1] * lanes  # each thread's own schedstat, opened by it
+        self._spent = [(0, 0, 0)] * lanes  # per thread: (wall, on a core, queued) ns
+        self.usable = True
+
+    def start(self, thread: int) -> tuple[int, int, int] | None:
+        if not self.usable:
+            return None
+        try:
+            queued = self._queued(thread)
+        except (OSError, ValueError, IndexError):
+            self.usable = False
+            return None
+        return time.perf_counter_ns(), time.thread_time_ns(), queued
+
+    def stop(self, thread: int, start: tuple[int, int, int]) -> None:
+        try:
+            queued = self._queued(thread)
+        except (OSError, ValueError, IndexError):
+            self.usable = False
+            return
+        self._spent[thread] = (time.perf_counter_ns() - start[0],
+                               time.thread_time_ns() - start[1], queued - start[2])
+
+    def _queued(self, thread: int) -> int:
+        """ns the calling thread has waited in a run queue so far (schedstat's second field,
+        counted when the thread gets a core: up to date while it runs; its first field, time
+        on a core, lags by the slice in progress, so ``thread_time_ns`` gives that)."""
+        fd = self._fds[thread]
+        if fd < 0:
+            fd = self._fds[thread] = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        return int(os.pread(fd, 64, 0).split()[1])
+
+    def next_active(self, active: int, elapsed: int) -> int:
+        """Threads for the next batch, after one of ``elapsed`` ns on ``active`` threads."""
+        if not self.usable:
+            return self.lanes
+        wall = on_core = queued = 0
+        for spent in self._spent[:active]:
+            wall, on_core, queued = wall + spent[0], on_core + spent[1], queued + spent[2]
+        if wall <= 0 or elapsed <= 0:
+            return active
+        asleep = wall - on_core - queued
+        if queued >= self.SHRINK_QUEUED * wall:
+            return max(1, active // 2)
+        if asleep >= self.GROW_ASLEEP * wall and queued < self.GROW_QUEUED * wall \
+                and on_core < self.GROW_BUSY * elapsed:
+            return min(self.lanes, active * 2)
+        return active
+
+    def forget(self, thread: int) -> None:
+        """``thread`` is ending: close its schedstat descriptor."""
+        fd, self._fds[thread] = self._fds[thread], -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class FirstFailure:

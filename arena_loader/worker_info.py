@@ -20,9 +20,10 @@ class WorkerInfo:
     threads asks (``thread_id`` in ``range(num_threads)``; 0 is the thread that runs the
     worker loop), that thread's own seed and a numpy ``Generator`` seeded with it (``rng``).
 
-    ``thread_seed`` depends only on the base seed, ``id`` and ``thread_id``, and thread
-    ``t`` loads rows ``t, t + num_threads, ...`` of each of its worker's batches in order, so
-    draws from ``rng`` (or from ``random.Random(thread_seed)``) are the same in every run.
+    ``thread_seed`` depends only on the base seed, ``id`` and ``thread_id``, and lane ``t``
+    (thread ``t``, or whichever thread runs its share when fewer threads do) loads rows
+    ``t, t + num_threads, ...`` of each of its worker's batches in order, so draws from
+    ``rng`` (or from ``random.Random(thread_seed)``) are the same in every run.
     The process-wide RNGs (``random``, numpy's global one, torch's) are shared by the threads.
     """
 
@@ -67,6 +68,11 @@ def set_process_worker_info(info: WorkerInfo | None) -> None:
     """Set ``get_worker_info()`` for the whole process (a worker process, at its start)."""
     global _process_worker
     _process_worker = info
+
+
+def thread_worker_info() -> WorkerInfo | None:
+    """The calling thread's own info (None where it has none: it answers with the process's)."""
+    return getattr(_thread_worker, "info", None)
 
 
 def set_thread_worker_info(info: WorkerInfo | None) -> None:

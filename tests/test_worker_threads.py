@@ -4,6 +4,7 @@ into the slot, and change nothing else (batches, order, errors, timeout, crashes
 from __future__ import annotations
 
 import io
+import os
 import signal
 import threading
 import time
@@ -19,6 +20,7 @@ from arena_loader import (
     WorkerCrashedError,
     get_worker_info,
 )
+from arena_loader._sample_threads import Pace, SampleThreads
 
 from .conftest import live_children, our_threads, wait_until
 from .datasets import ImageDataset, SuicidalDataset, assert_batches_equal, host_epoch
@@ -262,3 +264,106 @@ def test_open_file_attribute_warns_that_threads_share_it(tmp_path):
     finally:
         dataset.handle.close()
     assert isinstance(dataset.handle, io.BufferedReader)
+
+
+class Hashing(ImageDataset):
+    """Each sample hashes ``nbytes`` (hashlib releases the GIL: C work that fills a core) or,
+    with ``wait_s``, sleeps instead; it records its lane, its lane's draw and the OS thread
+    that loaded it."""
+
+    def __init__(self, n: int, nbytes: int = 0, wait_s: float = 0.0):
+        super().__init__(n, shape=(2,), dtype=np.uint8)
+        self.payload, self.wait_s = bytes(nbytes), wait_s
+
+    def __getitem__(self, index: int) -> dict:
+        import hashlib
+
+        if self.wait_s:
+            time.sleep(self.wait_s)
+        else:
+            hashlib.sha256(self.payload).digest()
+        info = get_worker_info()
+        return {"index": index, "lane": np.int64(info.thread_id),
+                "draw": np.float64(info.rng.random()),
+                "tid": np.int64(threading.get_native_id())}
+
+
+def _threads_per_batch(batches: list) -> list[int]:
+    return [len(set(batch["tid"].tolist())) for batch in batches]
+
+
+def test_threads_that_queue_for_full_cores_give_way_and_batches_stay_the_same(monkeypatch):
+    """C work that fills the cores: each worker runs its lanes on fewer threads (one per
+    core it has: one on 2 cores), and the batches, each lane's rows and each lane's draws
+    are those of a run that keeps every thread."""
+    cores = len(os.sched_getaffinity(0))
+    lanes = max(4, cores)  # 2 workers x lanes threads: twice the cores
+    dataset = Hashing(20 * 8, nbytes=4 << 20)
+    options = dict(batch_size=8, num_workers=2, worker_threads=lanes, generator=3)
+    paced = host_epoch(dataset, **options)
+    assert max(_threads_per_batch(paced[-4:])) <= max(1, cores // 2)
+    monkeypatch.setattr(Pace, "SHRINK_QUEUED", 2.0)  # never: workers fork with it
+    kept = host_epoch(dataset, **options)
+    assert _threads_per_batch(kept) == [min(8, lanes)] * len(kept)
+    for batch, ref in zip(paced, kept, strict=True):
+        assert list(batch["lane"]) == [row % lanes for row in range(8)]
+        assert_batches_equal({k: v for k, v in batch.items() if k != "tid"},
+                             {k: v for k, v in ref.items() if k != "tid"})
+
+
+def test_threads_whose_samples_wait_keep_every_lane_on_its_own_thread():
+    """Samples that sleep (storage that waits): every lane keeps a thread of its own."""
+    got = host_epoch(Hashing(6 * 8, wait_s=0.02), batch_size=8, num_workers=2,
+                     worker_threads=4)
+    assert _threads_per_batch(got) == [4] * 6
+
+
+def test_lanes_run_on_fewer_threads_with_each_lanes_worker_info():
+    """With ``active`` below the lane count, thread j runs lanes j, j + active, ... each with
+    that lane's get_worker_info(); every lane runs once per batch."""
+    from arena_loader.worker_info import set_process_worker_info, thread_info
+
+    infos = [thread_info(0, 0, 1, 0, None, t, 5) for t in range(5)]
+    set_process_worker_info(infos[0])
+    threads = SampleThreads(infos, paced=False)
+    try:
+        for active in (1, 2, 5):
+            threads.active = active
+            ran: list = []
+
+            def task(lane: int, ran: list = ran) -> None:
+                ran.append((lane, get_worker_info().thread_id, threading.get_ident()))
+
+            threads.run(task)
+            assert sorted(lane for lane, _, _ in ran) == list(range(5))
+            assert all(lane == asked for lane, asked, _ in ran)
+            assert len({ident for _, _, ident in ran}) == active
+            assert get_worker_info() is infos[0]  # the caller's own info is back
+    finally:
+        threads.close()
+        set_process_worker_info(None)
+
+
+def test_pace_halves_on_queueing_doubles_on_waiting_and_keeps_otherwise():
+    """Pace's rule, on what the threads spent (wall, on a core, queued) in ns."""
+    pace = Pace(8)
+
+    def spent(*per_thread):
+        pace._spent = list(per_thread) + [(0, 0, 0)] * (8 - len(per_thread))
+
+    spent(*[(100, 30, 70)] * 8)  # mostly queued for a core
+    assert pace.next_active(8, 100) == 4
+    spent((100, 40, 60))
+    assert pace.next_active(1, 100) == 1  # never below one
+    spent((100, 5, 1), (100, 5, 1))  # mostly asleep, little queueing, cores idle
+    assert pace.next_active(2, 100) == 4
+    spent(*[(100, 5, 1)] * 8)
+    assert pace.next_active(8, 100) == 8  # never above the lanes
+    spent((100, 90, 5), (100, 90, 5))  # on a core: neither
+    assert pace.next_active(2, 100) == 2
+    spent((100, 30, 15))  # asleep but queued too much to grow
+    assert pace.next_active(1, 100) == 1
+    spent(*[(100, 25, 5)] * 4)  # asleep, but together a core busy (waiting for the GIL)
+    assert pace.next_active(4, 100) == 4
+    pace.usable = False
+    assert pace.next_active(2, 100) == 8
