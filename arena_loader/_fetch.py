@@ -154,8 +154,10 @@ class BatchFiller:
                             storage_for: Callable[[int], np.ndarray] | None) -> Fetched:
         indices = list(indices)
         rows, count = len(indices), threads.count
-        writer = (RowWriter(indices, storage_for)
-                  if self.collate_fn is None and storage_for is not None else None)
+        # Rows written in place overlap the copies with other threads' waits: with one
+        # thread running the lanes there is nothing to overlap, and collation writes them.
+        writer = (RowWriter(indices, storage_for) if self.collate_fn is None
+                  and storage_for is not None and threads.active > 1 else None)
         samples = writer.samples if writer is not None else [None] * rows
         failure = FirstFailure()
         dataset, getitems = self.dataset, self._getitems
