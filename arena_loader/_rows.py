@@ -1,6 +1,7 @@
-"""Default collation row by row (``worker_threads > 1``): the thread that fetched a sample
-writes it into its row of the batch's storage (the slot) at once, so the copy into shared
-memory runs in the worker's threads, overlapped with their waits, and is the only copy.
+"""Default collation row by row (two or more of a worker's threads running): the thread
+that fetched a sample writes it into its row of the batch's storage (the slot) at once, so
+the copy into shared memory runs in the worker's threads, overlapped with their waits, and
+is the only copy.
 
 The batch's plan is fixed by the first sample to arrive (``prepare_rows``: the plan of
 ``rows`` samples shaped like it). A row is written in place only if its sample matches that

@@ -139,32 +139,30 @@ class Pace:
         self.usable = True
 
     def start(self, thread: int) -> tuple[int, int, int] | None:
-        if not self.usable:
-            return None
-        try:
-            queued = self._queued(thread)
-        except (OSError, ValueError, IndexError):
-            self.usable = False
+        queued = self._queued(thread) if self.usable else None
+        if queued is None:
             return None
         return time.perf_counter_ns(), time.thread_time_ns(), queued
 
     def stop(self, thread: int, start: tuple[int, int, int]) -> None:
-        try:
-            queued = self._queued(thread)
-        except (OSError, ValueError, IndexError):
-            self.usable = False
-            return
-        self._spent[thread] = (time.perf_counter_ns() - start[0],
-                               time.thread_time_ns() - start[1], queued - start[2])
+        queued = self._queued(thread)
+        if queued is not None:
+            self._spent[thread] = (time.perf_counter_ns() - start[0],
+                                   time.thread_time_ns() - start[1], queued - start[2])
 
-    def _queued(self, thread: int) -> int:
+    def _queued(self, thread: int) -> int | None:
         """ns the calling thread has waited in a run queue so far (schedstat's second field,
         counted when the thread gets a core: up to date while it runs; its first field, time
-        on a core, lags by the slice in progress, so ``thread_time_ns`` gives that)."""
-        fd = self._fds[thread]
-        if fd < 0:
-            fd = self._fds[thread] = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-        return int(os.pread(fd, 64, 0).split()[1])
+        on a core, lags by the slice in progress, so ``thread_time_ns`` gives that). None,
+        and no pacing from now on, where it cannot be read."""
+        try:
+            fd = self._fds[thread]
+            if fd < 0:
+                fd = self._fds[thread] = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            return int(os.pread(fd, 64, 0).split()[1])
+        except (OSError, ValueError, IndexError):
+            self.usable = False
+            return None
 
     def next_active(self, active: int, elapsed: int) -> int:
         """Threads for the next batch, after one of ``elapsed`` ns on ``active`` threads."""
