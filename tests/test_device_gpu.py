@@ -26,19 +26,21 @@ pytestmark = [pytest.mark.timeout(120),
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("pin_memory", [False, True])
 def test_gpu_batches_match_host_batches(num_workers, pin_memory):
-    """Nested batches copied to the GPU equal the host loader's, in order; with pin_memory
-    the slab is page-locked in place (no staging warning)."""
+    """Nested batches copied to the GPU equal the host loader's, in order, epoch after epoch
+    (each epoch its own shuffle); with pin_memory the slab is page-locked in place (no
+    staging warning)."""
     dataset = NestedDataset(37)
-    options = dict(batch_size=4, shuffle=True, num_workers=num_workers)
-    expected = host_epoch(dataset, generator=3, **options)
+    options = dict(batch_size=4, shuffle=True, num_workers=num_workers, generator=3)
+    with ArenaLoader(dataset, **options) as host:  # each epoch draws a new order
+        expected = [[host_copy(batch) for batch in host] for _ in range(2)]
+    assert not np.array_equal(expected[0][0]["label"], expected[1][0]["label"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with ArenaLoader(dataset, generator=3, pin_memory=pin_memory, device="cuda",
-                         **options) as loader:
+        with ArenaLoader(dataset, pin_memory=pin_memory, device="cuda", **options) as loader:
             for epoch in range(2):
                 batches = [host_copy(batch) for batch in loader]
-                assert len(batches) == len(expected)
-                for i, (batch, reference) in enumerate(zip(batches, expected)):
+                assert len(batches) == len(expected[epoch])
+                for i, (batch, reference) in enumerate(zip(batches, expected[epoch])):
                     assert_batches_equal(batch, reference, f"epoch {epoch} batch {i}")
             assert loader.snapshot().pinned == pin_memory
 
@@ -86,3 +88,39 @@ def test_torch_output_is_zero_copy_cuda_tensors():
             assert pair.data_ptr() - image.data_ptr() == fields[1].offset - fields[0].offset
             torch.cuda.current_stream().synchronize()
             assert_batches_equal(host_copy(batch), reference)
+
+
+class ManyDtypes:
+    """Fields of several dtypes, an empty one and a numpy scalar, each made from its index."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> dict:
+        return {"flag": np.array([index % 2 == 0, True]),
+                "half": np.full((2, 3), index, np.float16),
+                "wave": np.full(2, index + 1j, np.complex64),
+                "empty": np.zeros((0, 3), np.float32),
+                "small": np.int8(-index)}
+
+
+@pytest.mark.parametrize("output", [None, "torch"])
+def test_every_field_dtype_and_empty_fields_reach_the_gpu(output):
+    """Each field becomes its own device array (or tensor) with the host batch's dtype,
+    shape and values, an empty field included."""
+    if output == "torch":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("torch has no CUDA here")
+    expected = host_epoch(ManyDtypes(), batch_size=4)
+    with ArenaLoader(ManyDtypes(), batch_size=4, pin_memory=True, device="cuda",
+                     output=output) as loader:
+        batches = list(loader)
+    assert len(batches) == len(expected) == 3
+    for i, (batch, reference) in enumerate(zip(batches, expected)):
+        if output == "torch":
+            assert all(value.is_cuda for value in batch.values())
+            batch = {key: value.cpu().numpy() for key, value in batch.items()}
+        else:
+            batch = host_copy(batch)
+        assert_batches_equal(batch, reference, f"batch {i}")

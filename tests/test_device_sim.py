@@ -295,7 +295,7 @@ def test_device_lease_death_returns_its_buffer_behind_a_fence():
     assert fence is None
     lease = ring.lease(index)
     ring.hand_out(index)
-    view = device_cuda.owned_array(lease)
+    view = device_cuda.DeviceFields(lease).field(8, 16, np.dtype(np.float32), (2, 2))
     del lease
     gc.collect()
     assert ring.held() == 1 and ring.fence_released(0) == 0  # the view keeps the lease
@@ -403,10 +403,10 @@ def test_dataset_error_is_raised_at_its_batch_and_loading_goes_on(num_workers):
 
 def test_copy_error_is_raised_by_every_next_and_close_is_clean(monkeypatch):
     """A failure in the device thread (a CUDA error) reaches next(), again on each call."""
-    def broken(lease):
+    def broken(buffer, source, stream):
         raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS (simulated)")
 
-    monkeypatch.setattr(device_cuda, "owned_array", broken)
+    monkeypatch.setattr(device_cuda, "copy_to_buffer", broken)
     with ArenaLoader(ImageDataset(8), batch_size=2, num_workers=2, device="cuda") as loader:
         iterator = iter(loader)
         for _ in range(2):

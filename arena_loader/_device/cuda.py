@@ -127,14 +127,59 @@ def pinned_bytes(nbytes: int) -> Any:
     return cuda.pinned_array(nbytes, dtype=np.uint8)
 
 
-def owned_array(lease: Any) -> Any:
-    """A device array over a ``DeviceLease``'s buffer that keeps the lease alive (so do its
-    views)."""
-    if SIMULATED:
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+def copy_to_buffer(buffer: Any, source: np.ndarray, stream: Any) -> None:
+    """Queue the copy of host ``source`` into the start of device ``buffer`` on ``stream``.
 
-        return FakeCUDAArray(np.asarray(lease))
-    return cuda.as_cuda_array(lease, sync=False)
+    One driver call: on an H100, numba's ``buffer[:n]`` and ``copy_to_device`` cost about 25
+    and 100 us of Python a call (their checks), a third of a 16 MiB copy's 306 us."""
+    if SIMULATED:
+        buffer[: source.nbytes].copy_to_device(source, stream=stream)
+    elif source.nbytes:
+        from numba.cuda.cudadrv import driver
+
+        driver.host_to_device(buffer, source, source.nbytes, stream=stream)
+
+
+class _Interface:
+    """A field's ``__cuda_array_interface__`` and the lease it keeps alive (for torch)."""
+
+    __slots__ = ("__cuda_array_interface__", "lease")
+
+    def __init__(self, interface: dict, lease: Any):
+        self.__cuda_array_interface__ = interface
+        self.lease = lease
+
+
+class DeviceFields:
+    """The fields of a batch in a ``DeviceLease``'s buffer, each one array that keeps the
+    lease alive: a numba device array, or for ``raw`` (a converter follows, e.g. to torch)
+    an object with the field's ``__cuda_array_interface__``.
+
+    Each is made from its interface in one call: numba's slice, view and reshape of the whole
+    buffer cost about 25 us each a field on an H100."""
+
+    __slots__ = ("_lease", "_pointer", "_raw")
+
+    def __init__(self, lease: Any, raw: bool = False):
+        self._lease = lease
+        self._raw = raw
+        self._pointer = None if SIMULATED else lease.__cuda_array_interface__["data"][0]
+
+    def field(self, offset: int, nbytes: int, dtype: np.dtype, shape: tuple) -> Any:
+        """The device array of ``shape`` and ``dtype`` at byte ``offset`` of the buffer."""
+        if SIMULATED:
+            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+            # np.asarray(lease) has the lease as its base: the view keeps it alive
+            return FakeCUDAArray(np.ndarray(shape, dtype, np.asarray(self._lease), offset))
+        if dtype.names is not None or dtype.subdtype is not None:  # a record: numba's views
+            whole = cuda.as_cuda_array(self._lease, sync=False)
+            return whole[offset: offset + nbytes].view(dtype).reshape(shape)
+        interface = {"shape": tuple(shape), "strides": None, "typestr": dtype.str,
+                     "data": (self._pointer + offset if nbytes else 0, False), "version": 3}
+        if self._raw:
+            return _Interface(interface, self._lease)
+        return cuda.from_cuda_array_interface(interface, owner=self._lease, sync=False)
 
 
 def torch_converter(gpu: int) -> Callable[[Any], Any]:

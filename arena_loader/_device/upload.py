@@ -62,7 +62,7 @@ class SlotUploader:
             source, held = self._stage(source), None
         if fence is not None:
             fence.wait(stream)
-        self._ring.buffer(index)[: source.nbytes].copy_to_device(source, stream=stream)
+        cuda.copy_to_buffer(self._ring.buffer(index), source, stream)
         event = cuda.new_event()
         event.record(stream)
         self._in_flight.append(_InFlight(event, held))
@@ -70,7 +70,8 @@ class SlotUploader:
         convert = self._convert
         if convert is None and leased.plan.torch and self._auto_torch:
             convert = cuda.torch_converter(self._gpu)  # output=None: a torch dataset's batches
-        return Copied(leased.assemble(cuda.owned_array(lease), convert), event, index)
+        fields = cuda.DeviceFields(lease, raw=convert is not None)
+        return Copied(leased.assemble(fields, convert), event, index)
 
     def _stage(self, source: np.ndarray) -> Any:
         """``source`` copied into a pinned staging buffer."""

@@ -112,9 +112,10 @@ class Plan:
                  host_bytes: np.ndarray | None = None) -> Any:
         """The batch as views of ``storage``, in the batch's structure.
 
-        ``storage`` may be a device array with numpy's slicing (the device copy stage), which
-        passes the host storage as ``host_bytes`` to read Python numbers from; ``convert``, if
-        given, turns each field's view into what the consumer gets (a tensor, say)."""
+        ``storage`` may be a device batch's fields (``_device.cuda.DeviceFields``, from the
+        device copy stage), which passes the host storage as ``host_bytes`` to read Python
+        numbers from; ``convert``, if given, turns each field's view into what the consumer
+        gets (a tensor, say)."""
         single = self.single
         if single is not None and convert is None and type(storage) is np.ndarray:
             return np.ndarray(single.shape, single.dtype, storage, single.offset)
@@ -127,8 +128,8 @@ class Plan:
                 continue
             if host:  # one constructor call: its base is `storage`, which keeps the lease
                 view = np.ndarray(f.shape, f.dtype, storage, f.offset)
-            else:  # a device array: numpy-style slicing only
-                view = storage[f.offset: f.offset + f.nbytes].view(f.dtype).reshape(f.shape)
+            else:
+                view = storage.field(f.offset, f.nbytes, f.dtype, f.shape)
             views.append(view if convert is None else convert(view, f))
         return rebuild(self.spec, views, objects)
 
