@@ -50,6 +50,7 @@ class SlotUploader:
         self._staging: list[Any] = []
         self._staged = 0  # copies that went through a staging buffer
         self._in_flight: deque[_InFlight] = deque()
+        self._events: dict[int, Any] = {}  # per device buffer: the event of its last copy
 
     def copy(self, leased: LeasedSlot, taken: tuple[int, Any], stream: Any) -> Copied:
         """Queue the copy of ``leased`` into the buffer ``taken`` (index, fence) from the ring;
@@ -63,7 +64,11 @@ class SlotUploader:
         if fence is not None:
             fence.wait(stream)
         cuda.copy_to_buffer(self._ring.buffer(index), source, stream)
-        event = cuda.new_event()
+        event = self._events.get(index)
+        if event is None:  # one per buffer, made once (numba takes ~20 us to make one)
+            event = self._events[index] = cuda.new_event()
+        # Recorded again only for the next copy into this buffer, which the ring hands out
+        # after the consumer's stream waited on this copy and the batch was dropped.
         event.record(stream)
         self._in_flight.append(_InFlight(event, held))
         lease = self._ring.lease(index)
