@@ -20,8 +20,9 @@ Targets (reported, not asserted): ArenaLoader >= 0.8x the raw pinned copy and >=
 pin_memory path; the overlapped step within 10% of the resident-data step.
 
 Latest result (2026-11-26, NVIDIA H100, 800 x 16 MiB, 4 workers): 53.2 GB/s, 1.04x the raw
-pinned copy, 18.3x torch's pin_memory path, overlapped step 1.007x; 4 MiB batches 0.35x raw
-(per-batch cost). docs/benchmarks.md, "GPU: host-to-device copies", has the table.
+pinned copy, 18.3x torch's pin_memory path, overlapped step 1.007x; 4 MiB batches 0.45x raw
+(per-batch cost) since events are reused. docs/benchmarks.md, "GPU: host-to-device copies",
+has the table.
 """
 
 from __future__ import annotations
