@@ -77,9 +77,12 @@ class LeasedSlot:
         return self.plan.nbytes
 
     def assemble(self, storage: Any, convert: Callable[[Any], Any] | None = None) -> Any:
-        """The batch as views of ``storage`` (a copy of the slot, e.g. on a GPU)."""
+        """The batch as views of ``storage`` (a copy of the slot, e.g. on a GPU); ``convert``
+        makes each field a tensor, and a field stored as raw bits (bfloat16, say) then gets
+        its torch dtype back, as on the host."""
         return self.plan.assemble(storage, self.objects,
-                                  None if convert is None else (lambda v, f: convert(v)),
+                                  None if convert is None else functools.partial(
+                                      _converted_field, convert),
                                   host_bytes=np.asarray(self.lease))
 
 
@@ -336,6 +339,15 @@ class ArenaSource:
             if self._arena is not None and not self._claimed:
                 self._arena.close()
                 self._arena = None
+
+
+def _converted_field(convert: Callable[[Any], Any], view: Any, field: FieldPlacement) -> Any:
+    tensor = convert(view)
+    if field.kind != KIND_TORCH_RAW:
+        return tensor
+    import torch
+
+    return tensor.view(getattr(torch, field.torch_dtype))  # the bits, read as that dtype
 
 
 def _raw_field(view: np.ndarray, field: FieldPlacement) -> Any:

@@ -124,3 +124,22 @@ def test_every_field_dtype_and_empty_fields_reach_the_gpu(output):
         else:
             batch = host_copy(batch)
         assert_batches_equal(batch, reference, f"batch {i}")
+
+
+def test_bfloat16_tensors_arrive_as_bfloat16_cuda_tensors():
+    """A torch dataset's bfloat16 rows (stored as raw bits) reach the GPU as bfloat16."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+
+    class Halves:
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            return torch.full((3,), index / 4, dtype=torch.bfloat16)
+
+    with ArenaLoader(Halves(), batch_size=4, device="cuda", pin_memory=True) as loader:
+        batches = list(loader)
+    assert [batch.dtype for batch in batches] == [torch.bfloat16] * 2
+    assert batches[1].cpu().float()[:, 0].tolist() == [1.0, 1.25, 1.5, 1.75]

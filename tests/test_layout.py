@@ -196,3 +196,20 @@ def test_a_malformed_record_is_refused():
         PlanDecoder().decode(record + b"junk")
     with pytest.raises(ValueError, match="not a batch record"):
         PlanDecoder().decode(b"\x80junk")
+
+
+def test_a_leased_slot_assembled_as_tensors_gives_bfloat16_back():
+    """The device stage's assembly (a leased slot over a copy of its bytes, each field made a
+    tensor): a bfloat16 field stored as raw bits is a bfloat16 tensor again, equal to the
+    samples; the other fields keep their dtypes."""
+    from arena_loader._arena import LeasedSlot
+
+    samples = [{"t": torch.randn(3).to(torch.bfloat16), "x": np.float32(i)} for i in range(4)]
+    prepared = prepare_samples(samples, list(range(4)))
+    storage = np.zeros(prepared.plan.nbytes, np.uint8)
+    prepared.write(storage)
+    leased = LeasedSlot(storage, prepared.plan, [], pinned=False)
+    batch = leased.assemble(storage.copy(), torch.from_numpy)
+    assert batch["t"].dtype == torch.bfloat16
+    assert torch.equal(batch["t"], torch.stack([s["t"] for s in samples]))
+    assert batch["x"].dtype == torch.float32 and batch["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
