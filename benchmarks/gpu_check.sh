@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One prepared run of every check that needs a CUDA GPU (the `device` tool's machines, or any
+# machine with a GPU, a CUDA build of torch and numba-cuda): the real-GPU tests, then
+# bench_h2d.py at 16 MiB and 4 MiB. With OLD=path/to/a/copy/of/arena_loader's/parent, the
+# 16 MiB bench runs for that code first, in the same call (a same-machine A/B).
+#
+# On the device tool's machines posix_ipc is missing; fetch its wheel here first, into a
+# folder git ignores, and carry it (device README):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux2014_x86_64 -d .whl posix_ipc
+#   (optional A/B) mkdir -p .whl/old && git archive <rev> arena_loader | tar -x -C .whl/old
+#   run (carry [".whl"]): bash benchmarks/gpu_check.sh, or OLD=.whl/old bash benchmarks/gpu_check.sh
+# About 3 minutes on an H100 (its start not counted).
+set -u
+export PYTHONUNBUFFERED=1
+OUTDIR=${OUT:-/tmp}
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 3
+fi
+SITE=/tmp/site
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+export PYTHONPATH=$SITE:$PWD
+timeout 120 python3 -m pytest -p no:cacheprovider -n 0 -q -ra --timeout 60 \
+    tests/test_device_gpu.py 2>&1 | tee "$OUTDIR/gpu_tests.log" | tail -15
+if [ -n "${OLD:-}" ]; then
+    echo "== old code ($OLD), 16 MiB"
+    PYTHONPATH=$SITE:$PWD/$OLD timeout 150 python3 benchmarks/bench_h2d.py 2>&1 \
+        | tee "$OUTDIR/h2d_old.log" | grep -v environment
+fi
+echo "== this code, 16 MiB"
+timeout 150 python3 benchmarks/bench_h2d.py 2>&1 | tee "$OUTDIR/h2d_16.log" | grep -v environment
+echo "== this code, 4 MiB"
+timeout 150 python3 benchmarks/bench_h2d.py --batch-mib 4 --batches 1600 2>&1 \
+    | tee "$OUTDIR/h2d_4.log" | grep -v environment
