@@ -136,6 +136,49 @@ def test_every_compared_loader_closed_mid_epoch_leaves_no_process(kind):
         loader.close()
 
 
+@pytest.mark.timeout(30, method="thread")  # a wait on that lock ignores SIGALRM's timeout
+def test_torchdata_nodes_close_survives_a_worker_killed_holding_the_stop_lock(monkeypatch):
+    """torchdata's process workers poll a multiprocessing Event; one killed by close() while
+    inside is_set() leaves the Event's lock taken for good, and torchdata's _shutdown()
+    (close(), then __del__ at the next gc) would wait on it forever: a CI run hung so. The
+    first kill here also kills a process that holds that lock; close() and gc still return."""
+    kind = next(k for k in LOADERS if k.name == NODES)
+    if kind.missing():
+        pytest.skip(kind.missing())
+    import multiprocessing as mp
+
+    loader = kind.build(PooledArrays(64, (3, 4, 4), np.uint8), Setup(batch_size=4, workers=2))
+    iterator = iter(loader)
+    next(iterator)
+    mapper = loader._node._it._it
+    stop, real_kill, poisoned = mapper._mp_stop, mp.process.BaseProcess.kill, []
+
+    def kill_holding_the_lock(worker):
+        if not poisoned:  # a process takes the Event's lock and dies holding it
+            ready = mp.get_context("fork").Event()
+            holder = mp.get_context("fork").Process(
+                target=_hold_forever, args=(stop._cond, ready), daemon=True)
+            holder.start()
+            assert ready.wait(10)
+            real_kill(holder)
+            holder.join()
+            poisoned.append(holder)
+        real_kill(worker)
+
+    monkeypatch.setattr(mp.process.BaseProcess, "kill", kill_holding_the_lock)
+    loader.close()
+    assert poisoned, "close() killed no worker: the case this test is about did not arise"
+    del iterator, mapper, loader
+    gc.collect()  # torchdata's __del__ runs _shutdown() again
+
+
+def _hold_forever(lock, ready) -> None:
+    lock.acquire()
+    ready.set()
+    while True:
+        os.pause()
+
+
 @pytest.mark.timeout(60)
 def test_measure_reports_every_metric_with_the_bytes_delivered():
     """measure() runs the warm-up epoch, then at least the budget's batches, and fills in

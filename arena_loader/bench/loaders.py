@@ -18,6 +18,7 @@ import importlib.util
 import multiprocessing as mp
 import os
 import queue
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -416,6 +417,13 @@ class NodesLoader:
                 if isinstance(worker, mp.process.BaseProcess) and worker.is_alive():
                     worker.kill()
                     worker.join()
+            # A worker killed inside the stop event's is_set() (it polls it) leaves the event's
+            # shared lock taken for good: _shutdown() and __del__ would wait on it forever (seen
+            # once, a CI run hung in gc). The workers are gone and saw the event set: the
+            # iterator gets an event of its own, already set.
+            done = threading.Event()
+            done.set()
+            mapper._mp_stop = done
         for iterator in (prefetch, mapper):
             if iterator is not None:
                 iterator._shutdown()
