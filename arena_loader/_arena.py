@@ -342,13 +342,8 @@ class ArenaSource:
 
 
 def _converted_field(convert: Callable[[Any], Any], view: Any, field: FieldPlacement) -> Any:
-    tensor = convert(view)
-    if field.kind != KIND_TORCH_RAW:
-        return tensor
-    import torch
-
-    return tensor.view(getattr(torch, field.torch_dtype))  # the bits, read as that dtype
+    return _raw_field(convert(view), field)
 
 
-def _raw_field(view: np.ndarray, field: FieldPlacement) -> Any:
+def _raw_field(view: Any, field: FieldPlacement) -> Any:
     return torch_raw_view(view, field.torch_dtype) if field.kind == KIND_TORCH_RAW else view

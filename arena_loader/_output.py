@@ -15,12 +15,14 @@ import numpy as np
 OUTPUTS = (None, "numpy", "torch")
 
 
-def torch_raw_view(view: np.ndarray, torch_dtype: str) -> Any:
+def torch_raw_view(view: Any, torch_dtype: str) -> Any:
     """A field stored as raw bits (a torch dtype numpy lacks, e.g. bfloat16) as a tensor of
-    that dtype, sharing the memory."""
+    that dtype, sharing the memory; ``view`` is a numpy view or already a tensor (of the
+    bits, on a GPU, say)."""
     import torch
 
-    return torch.from_numpy(view).view(getattr(torch, torch_dtype))
+    tensor = torch.from_numpy(view) if isinstance(view, np.ndarray) else view
+    return tensor.view(getattr(torch, torch_dtype))
 
 
 def make_converter(output: str | None, lazy: bool = False) -> Callable[[Any], Any] | None:
