@@ -462,6 +462,19 @@ def test_torch_output_on_the_simulator_is_refused_with_the_reason():
         ArenaLoader(ImageDataset(4), device="cuda", output="torch")
 
 
+def test_consumer_stream_is_wrapped_once_per_loader(monkeypatch):
+    """numba's default stream is made once per consumer, not at every next() (each makes a
+    new object with driver calls; the real-GPU path, forced here past the simulator's 0)."""
+    made = []
+    monkeypatch.setattr(device_cuda, "SIMULATED", False)
+    monkeypatch.setattr(device_cuda.cuda, "default_stream",
+                        lambda: made.append(object()) or made[-1], raising=False)
+    streams = device_cuda.ConsumerStreams(0, to_torch=False)
+    got = [streams.current() for _ in range(3)]
+    assert len(made) == 1 and got == [made[0]] * 3
+    assert device_cuda.ConsumerStreams(0, to_torch=False).current() is not made[0]
+
+
 def test_device_index_beyond_the_gpus_names_device():
     """The simulator has one GPU: cuda:1 is an error naming device and the valid range."""
     with pytest.raises(ValueError, match=r"device must name one of the 1 GPUs \(cuda:0 to "

@@ -103,10 +103,15 @@ class ConsumerStreams:
         self._gpu = gpu
         self._to_torch = to_torch
         self._wrapped: dict[int, Any] = {}
+        # numba's default stream, wrapped once: cuda.default_stream() makes a new object in
+        # ~5.5 us (H200), two driver calls that let the device thread's GIL go.
+        self._default: Any = None
 
     def current(self) -> Any:
         if not self._to_torch:
-            return 0 if SIMULATED else cuda.default_stream()
+            if self._default is None:
+                self._default = 0 if SIMULATED else cuda.default_stream()
+            return self._default
         torch = sys.modules["torch"]
         pointer = torch.cuda.current_stream(self._gpu).cuda_stream
         stream = self._wrapped.get(pointer)
