@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ._forksafe import handing_over
+from ._slab import remove_names_of
 from ._worker import WorkerSetup, pid_exists, worker_main
 from .errors import DescriptorLimitError, WorkerCrashedError
 
@@ -177,6 +178,9 @@ class WorkerGroup:
         for process in self._started:
             try:
                 if process.exitcode is not None:
+                    # A worker killed (SIGKILL, our terminate) while it made a one-off
+                    # segment leaves that segment's name behind: only its reaper can remove it.
+                    remove_names_of(process.pid)
                     process.close()
                 elif not pid_exists(process.pid):
                     # Reaped by someone else (a program that sets SIGCHLD to SIG_IGN has the
@@ -184,6 +188,7 @@ class WorkerGroup:
                     # gone, so release its sentinel descriptor.
                     # Private: Process.close() refuses a process it could not reap, and
                     # nothing public closes the sentinel descriptor _popen holds.
+                    remove_names_of(process.pid)
                     process._popen.close()
             except (OSError, ValueError, AttributeError):
                 pass

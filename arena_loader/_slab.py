@@ -5,8 +5,10 @@ written to them (so a full ``/dev/shm`` is an error, never a SIGBUS when a page 
 touched mid-epoch): all at once, or with ``lazy=True`` part by part (``back``, an arena's
 slots as they are first used), mapped with ``mmap``, and its name unlinked before this
 constructor returns. Workers receive the open file
-descriptor (inherited on fork, passed over the spawn/forkserver channel otherwise), so no name
-exists that a killed process could leak (docs/design.md, "Slab").
+descriptor (inherited on fork, passed over the spawn/forkserver channel otherwise), so a name
+exists only for the microseconds between creating and unlinking it; a worker SIGKILLed inside
+that window leaves it to the main process, which removes a reaped worker's names
+(``remove_names_of``; docs/design.md, "Slab").
 
 Every shared mapping is made by ``map_shared`` (errors become ``ShmCapacityError``) and
 registered with ``_forksafe``, so that a forked child keeps private copies of the batches it
@@ -116,16 +118,51 @@ def open_shared(tag: str = "") -> int:
                           f"{SHM_DIR}, or remount it with more inodes (mount -o "
                           "remount,nr_inodes=...)")
     name = f"/{NAME_PREFIX}{os.getpid()}_{tag}{secrets.token_hex(6)}"
+    made = True  # unless shm_open says otherwise: then the name is not ours to remove
     try:
-        # Created, unlinked and returned in one statement: nothing else opens it by name, and
-        # no interrupt lands between the steps, so nothing leaks (shm_open sets close-on-exec:
-        # a program exec'd by user code does not hold it).
-        return (shm := posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)).unlink() \
-            or shm.fd
+        # Nothing else opens it by name; shm_open sets close-on-exec, so a program exec'd by
+        # user code does not hold it.
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+        return shm.fd
     except (OSError, posix_ipc.Error) as exc:
+        made = False
         err = _errno_of(exc) if isinstance(exc, OSError) else errno.EACCES
         raise ShmCapacityError(err, f"creating a shared-memory object in {SHM_DIR} failed "
                                     f"({exc}); fix: {_FIXES.get(err, _SPACE_FIX)}") from exc
+    finally:
+        # Also when an interrupt (Ctrl-C) landed between creating it and here. (Such an
+        # interrupt loses the descriptor to this process's exit; the name would outlive it.)
+        # A process killed inside this window (SIGKILL cannot be caught) leaves the name to
+        # whoever reaps it: ``remove_names_of``.
+        if made:
+            _unlink(name)
+
+
+def _unlink(name: str) -> None:
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass  # never created, or already removed by a reaper (``remove_names_of``)
+
+
+def remove_names_of(pid: int) -> list[str]:
+    """Remove the shared-memory names that process ``pid``, now dead, left in /dev/shm: it
+    unlinks each name within microseconds of creating it (``open_shared``), but a SIGKILL
+    can land in between, and nothing else would ever remove the name. Returns those
+    removed. Only for a process the caller has reaped: a live one's name is in use."""
+    prefix = f"{NAME_PREFIX}{pid}_"
+    try:
+        names = [name for name in os.listdir(SHM_DIR) if name.startswith(prefix)]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        try:
+            posix_ipc.unlink_shared_memory("/" + name)
+            removed.append(name)
+        except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+            pass
+    return removed
 
 
 def size_shared(fd: int, nbytes: int, slots: int | None = None,

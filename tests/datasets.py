@@ -119,6 +119,26 @@ class SuicidalDataset(ImageDataset):
         return super().__getitem__(index)
 
 
+class KilledWhileMakingSegment(ImageDataset):
+    """The worker that loads ``fatal_index`` is SIGKILLed inside the window that
+    ``open_shared`` keeps as short as it can: its shared-memory object made under our name
+    prefix and its pid, not yet unlinked."""
+
+    def __init__(self, n: int, fatal_index: int):
+        super().__init__(n)
+        self.fatal_index = fatal_index
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index == self.fatal_index:
+            import posix_ipc
+
+            from arena_loader._slab import NAME_PREFIX
+            posix_ipc.SharedMemory(f"/{NAME_PREFIX}{os.getpid()}_caught", posix_ipc.O_CREX)
+            faulthandler.disable()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(index)
+
+
 def stack_reference(samples: list) -> Any:
     """What default collation must give: ``np.stack`` per leaf, lists for strings."""
     first = samples[0]

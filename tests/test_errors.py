@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -10,9 +11,11 @@ import psutil
 import pytest
 
 from arena_loader import ArenaLoader, LayoutError, LoaderTimeoutError, WorkerCrashedError
+from arena_loader._slab import NAME_PREFIX
 
 from .datasets import (
     ImageDataset,
+    KilledWhileMakingSegment,
     RaisingDataset,
     ShapeChangingDataset,
     SlowDataset,
@@ -152,6 +155,19 @@ def test_killed_worker_raises_with_pid_and_signal_promptly(signum, tmp_path):
     if signum == signal.SIGBUS:
         assert "/dev/shm" in str(error)
     assert detected_after_s < 0.5, f"crash took {detected_after_s:.3f} s to surface"
+
+
+def test_a_worker_killed_while_making_a_segment_leaves_no_name_in_dev_shm():
+    """SIGKILL cannot be caught: a worker killed between creating a shared-memory object and
+    unlinking its name leaves the name, and only the main process, which reaps it, can
+    remove it. Found in CI: one such name made every later test's leak check fail."""
+    dataset = KilledWhileMakingSegment(16, fatal_index=5)
+    with ArenaLoader(dataset, batch_size=2, num_workers=2, persistent_workers=True) as loader:
+        with pytest.raises(WorkerCrashedError) as info:
+            for _ in loader:
+                pass
+        pid = info.value.pid
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"{NAME_PREFIX}{pid}_")]
 
 
 def _alive(pid: int) -> bool:

@@ -6,11 +6,12 @@ import gc
 import os
 
 import numpy as np
+import posix_ipc
 import pytest
 
 from arena_loader import ShmCapacityError
 from arena_loader._pool import SlotPool, SlotState
-from arena_loader._slab import NAME_PREFIX, Slab, shm_available_bytes
+from arena_loader._slab import NAME_PREFIX, Slab, open_shared, shm_available_bytes
 
 
 def test_slab_is_unlinked_at_once_and_preallocated():
@@ -28,6 +29,27 @@ def test_slab_is_unlinked_at_once_and_preallocated():
     finally:
         slab.close()
         slab.close()  # idempotent
+
+
+def test_an_interrupt_between_creating_and_unlinking_leaves_no_name(monkeypatch):
+    """Ctrl-C lands right after shm_open returns (Python runs signal handlers once a C call
+    returns): the KeyboardInterrupt goes on, and the name does not stay in /dev/shm."""
+    real = posix_ipc.SharedMemory
+    made = []
+
+    def made_then_interrupted(name, *args, **kwargs):
+        made.append(real(name, *args, **kwargs))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(posix_ipc, "SharedMemory", made_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        open_shared()
+    monkeypatch.undo()
+    assert len(made) == 1
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(NAME_PREFIX)]
+    made[0].close_fd()
+    fd = open_shared()  # and the next one works
+    os.close(fd)
 
 
 def test_slab_descriptor_is_close_on_exec_also_once_passed_to_a_child():
