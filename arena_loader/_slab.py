@@ -118,24 +118,23 @@ def open_shared(tag: str = "") -> int:
                           f"{SHM_DIR}, or remount it with more inodes (mount -o "
                           "remount,nr_inodes=...)")
     name = f"/{NAME_PREFIX}{os.getpid()}_{tag}{secrets.token_hex(6)}"
-    made = True  # unless shm_open says otherwise: then the name is not ours to remove
     try:
-        # Nothing else opens it by name; shm_open sets close-on-exec, so a program exec'd by
-        # user code does not hold it.
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
-        return shm.fd
+        # Created, unlinked and returned in one statement: no line of Python runs between
+        # the steps (nothing else opens it by name; shm_open sets close-on-exec, so a program
+        # exec'd by user code does not hold it).
+        return (shm := posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)).unlink() \
+            or shm.fd
     except (OSError, posix_ipc.Error) as exc:
-        made = False
         err = _errno_of(exc) if isinstance(exc, OSError) else errno.EACCES
         raise ShmCapacityError(err, f"creating a shared-memory object in {SHM_DIR} failed "
                                     f"({exc}); fix: {_FIXES.get(err, _SPACE_FIX)}") from exc
-    finally:
-        # Also when an interrupt (Ctrl-C) landed between creating it and here. (Such an
-        # interrupt loses the descriptor to this process's exit; the name would outlive it.)
-        # A process killed inside this window (SIGKILL cannot be caught) leaves the name to
-        # whoever reaps it: ``remove_names_of``.
-        if made:
-            _unlink(name)
+    except BaseException:
+        # Python runs a signal handler once a C call returns, so Ctrl-C can still land inside
+        # that statement, after shm_open and before the unlink: the name goes here. (The
+        # descriptor goes with this process's exit; the name would outlive it.) A process
+        # SIGKILLed there leaves the name to its reaper: ``remove_names_of``.
+        _unlink(name)
+        raise
 
 
 def _unlink(name: str) -> None:
