@@ -32,6 +32,7 @@ import numpy as np
 import posix_ipc
 
 from . import _forksafe
+from ._shm_errors import FIXES, SEGMENT_SPACE_FIX, SPACE_FIX, errno_of
 from .errors import ShmCapacityError
 
 SHM_DIR = "/dev/shm"
@@ -47,39 +48,10 @@ def shm_available_inodes() -> int:
     return os.statvfs(SHM_DIR).f_favail
 
 
-# errno -> how to fix it, for every way creating, sizing or mapping shared memory fails.
-_SPACE_FIX = ("give the container more shared memory (docker run --shm-size=...), pass fewer "
-              "`slots`, or use smaller batches")
-_FIXES = {
-    errno.ENOSPC: _SPACE_FIX,
-    errno.EFBIG: "raise the file-size limit (`ulimit -f`, RLIMIT_FSIZE), pass fewer `slots`, "
-                 "or use smaller batches",
-    errno.ENOMEM: "raise the address-space limit (`ulimit -v`, RLIMIT_AS) or free memory, pass "
-                  "fewer `slots`, or use smaller batches",
-    errno.EMFILE: "raise the open-file limit (`ulimit -n`, RLIMIT_NOFILE); every batch you "
-                  "hold beyond the slab's `slots` keeps a descriptor of its own, so keep copies "
-                  "of the batches you store (x.clone(), np.array(x)) or pass a larger `slots` "
-                  "(ArenaLoader's equivalent of torch's advice to call torch.multiprocessing."
-                  "set_sharing_strategy('file_system'), which has no effect on it); or use "
-                  "fewer loaders or a smaller num_workers",
-    errno.ENFILE: "the whole system is out of file descriptors (fs.file-max): close other "
-                  "programs' files or raise fs.file-max",
-    errno.EPERM: f"make {SHM_DIR} a writable tmpfs this user may create files in and map "
-                 "(check the container's seccomp profile and mount options)",
-}
-_FIXES[errno.EACCES] = _FIXES[errno.EPERM]
-
-
-# What a one-off segment's ENOSPC fix says instead of `slots` (segments hold single batches).
-SEGMENT_SPACE_FIX = ("give the container more shared memory (docker run --shm-size=...), use "
-                     "smaller batches, or hold fewer batches (keep copies: np.array(x) / "
-                     "x.clone())")
-
-
 def _capacity_error(nbytes: int, slots: int | None, cause: str,
                     err: int = errno.ENOSPC, what: str = "the slab") -> ShmCapacityError:
     per_slot = f" ({slots} slots of {nbytes // slots:,} bytes)" if slots else ""
-    fix = _FIXES.get(err, _SPACE_FIX)
+    fix = FIXES.get(err, SPACE_FIX)
     if err == errno.ENOSPC and what == SEGMENT:
         fix = SEGMENT_SPACE_FIX
     if err == errno.ENOSPC:
@@ -89,22 +61,6 @@ def _capacity_error(nbytes: int, slots: int | None, cause: str,
     return ShmCapacityError(
         err, f"{what} needs {nbytes:,} bytes{per_slot} of shared memory, but {cause}; "
              f"fix: {fix}")
-
-
-def _errno_of(exc: OSError) -> int:
-    """posix_ipc raises OSError without an errno for some failures; its text tells which."""
-    if exc.errno is not None:
-        return exc.errno
-    text = str(exc).lower()
-    if "maximum number of files" in text:
-        return errno.EMFILE
-    if "system limit" in text:
-        return errno.ENFILE
-    if "permission" in text:
-        return errno.EACCES
-    if "memory" in text:
-        return errno.ENOMEM
-    return errno.ENOSPC
 
 
 def open_shared(tag: str = "") -> int:
@@ -125,9 +81,9 @@ def open_shared(tag: str = "") -> int:
         return (shm := posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)).unlink() \
             or shm.fd
     except (OSError, posix_ipc.Error) as exc:
-        err = _errno_of(exc) if isinstance(exc, OSError) else errno.EACCES
+        err = errno_of(exc) if isinstance(exc, OSError) else errno.EACCES
         raise ShmCapacityError(err, f"creating a shared-memory object in {SHM_DIR} failed "
-                                    f"({exc}); fix: {_FIXES.get(err, _SPACE_FIX)}") from exc
+                                    f"({exc}); fix: {FIXES.get(err, SPACE_FIX)}") from exc
     except BaseException:
         # Python runs a signal handler once a C call returns, so Ctrl-C can still land inside
         # that statement, after shm_open and before the unlink: the name goes here. (The
@@ -179,7 +135,7 @@ def size_shared(fd: int, nbytes: int, slots: int | None = None,
     try:
         os.ftruncate(fd, nbytes)
     except OSError as exc:  # EFBIG under RLIMIT_FSIZE
-        raise _capacity_error(nbytes, slots, f"ftruncate: {exc.strerror}", _errno_of(exc),
+        raise _capacity_error(nbytes, slots, f"ftruncate: {exc.strerror}", errno_of(exc),
                               what=what) from exc
 
 
@@ -191,7 +147,7 @@ def back_shared(fd: int, start: int, nbytes: int, slots: int | None = None,
         os.posix_fallocate(fd, start, nbytes)
     except OSError as exc:
         raise _capacity_error(nbytes, slots, f"posix_fallocate: {exc.strerror}",
-                              _errno_of(exc), what=what) from exc
+                              errno_of(exc), what=what) from exc
 
 
 def map_shared(fd: int, nbytes: int, slots: int | None = None,
@@ -202,7 +158,7 @@ def map_shared(fd: int, nbytes: int, slots: int | None = None,
     try:
         mapping = mmap.mmap(fd, nbytes)
     except OSError as exc:
-        raise _capacity_error(nbytes, slots, f"mmap: {exc.strerror}", _errno_of(exc),
+        raise _capacity_error(nbytes, slots, f"mmap: {exc.strerror}", errno_of(exc),
                               what=what) from exc
     _forksafe.register_mapping(mapping, _forksafe.mapping_address(mapping), nbytes)
     _forksafe.register_descriptor(mapping, fd)  # mmap holds a duplicate of fd
