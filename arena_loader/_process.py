@@ -177,18 +177,20 @@ class WorkerGroup:
             conn.close()
         for process in self._started:
             try:
-                if process.exitcode is not None:
-                    # A worker killed (SIGKILL, our terminate) while it made a one-off
-                    # segment leaves that segment's name behind: only its reaper can remove it.
-                    remove_names_of(process.pid)
+                reaped = process.exitcode is not None
+                if not reaped and pid_exists(process.pid):
+                    continue
+                # A worker killed (SIGKILL, our terminate) while it made a one-off segment
+                # leaves that segment's name behind: only its reaper can remove it.
+                remove_names_of(process.pid)
+                if reaped:
                     process.close()
-                elif not pid_exists(process.pid):
+                else:
                     # Reaped by someone else (a program that sets SIGCHLD to SIG_IGN has the
                     # kernel reap its children): the exit status is lost, but the process is
                     # gone, so release its sentinel descriptor.
                     # Private: Process.close() refuses a process it could not reap, and
                     # nothing public closes the sentinel descriptor _popen holds.
-                    remove_names_of(process.pid)
                     process._popen.close()
             except (OSError, ValueError, AttributeError):
                 pass

@@ -96,28 +96,22 @@ def open_shared(tag: str = "") -> int:
 def _unlink(name: str) -> None:
     try:
         posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        pass  # never created, or already removed by a reaper (``remove_names_of``)
+    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+        pass  # never created, or already removed (by a reaper: ``remove_names_of``)
 
 
-def remove_names_of(pid: int) -> list[str]:
+def remove_names_of(pid: int) -> None:
     """Remove the shared-memory names that process ``pid``, now dead, left in /dev/shm: it
     unlinks each name within microseconds of creating it (``open_shared``), but a SIGKILL
-    can land in between, and nothing else would ever remove the name. Returns those
-    removed. Only for a process the caller has reaped: a live one's name is in use."""
+    can land in between, and nothing else would ever remove the name. Only for a process
+    the caller has reaped: a live one's name is in use."""
     prefix = f"{NAME_PREFIX}{pid}_"
     try:
         names = [name for name in os.listdir(SHM_DIR) if name.startswith(prefix)]
     except OSError:
-        return []
-    removed = []
+        return
     for name in names:
-        try:
-            posix_ipc.unlink_shared_memory("/" + name)
-            removed.append(name)
-        except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
-            pass
-    return removed
+        _unlink("/" + name)
 
 
 def size_shared(fd: int, nbytes: int, slots: int | None = None,
