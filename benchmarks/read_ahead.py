@@ -11,12 +11,11 @@ again, and four levers measured on the CPU".
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
+
+from _alternate import alternate, case_parser
 
 CASES = {  # name: ArenaLoader keywords
     "default (prefetch_factor=2, 6 slots)": {},
@@ -44,21 +43,12 @@ def measure(options: dict, epochs: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--case", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = case_parser(__doc__).parse_args()
     if args.case:
         print(measure(CASES[args.case], args.epochs))
         return
-    rates: dict[str, list[float]] = {name: [] for name in CASES}
-    for round_ in range(args.rounds):
-        names = list(CASES)
-        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
-            out = subprocess.run([sys.executable, __file__, "--case", name, "--epochs",
-                                  str(args.epochs)], check=True, capture_output=True, text=True)
-            rates[name].append(float(out.stdout.split()[-1]))
+    rates = {name: [float(line) for line in lines] for name, lines in
+             alternate(__file__, list(CASES), args.rounds, args.epochs).items()}
     default = rates[next(iter(CASES))]
     for name, got in rates.items():
         ratios = [a / b for a, b in zip(got, default)]

@@ -269,3 +269,28 @@ def test_no_room_for_a_slot_at_its_first_use_is_an_error_that_loses_no_batch(mon
     assert len(got) == len(expected)
     for batch, reference in zip(got, expected):
         np.testing.assert_array_equal(batch, reference)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("slots", [3, 4, 5])
+def test_a_for_loop_with_fewer_slots_than_the_read_ahead_needs_no_extra_segment(slots):
+    """``slots`` below ``prefetch_factor * num_workers + 2``: the window shrinks so that the
+    batch a ``for`` loop still holds and the one being taken always leave a slot for the next
+    send. Every batch of an epoch on a sized slab is in a slot, none in a one-off segment
+    (with one slot kept out of the window, every ``next()`` found none free and sent a batch
+    to a segment: image batches ran 3x slower), and the epoch is the reference's."""
+    dataset = ImageDataset(96, shape=(16, 16), dtype=np.float32)
+    expected = reference_epoch(dataset, 4, False)
+    with ArenaLoader(dataset, batch_size=4, num_workers=2, prefetch_factor=2, slots=slots,
+                     persistent_workers=True, output="numpy") as loader:
+        for batch in loader:  # the first batches size the slab (in segments meanwhile)
+            del batch
+        for _ in range(2):
+            before = sum(loader.snapshot().slot_leases)
+            got = []
+            for batch in loader:
+                got.append(batch.copy())
+            assert sum(loader.snapshot().slot_leases) - before == len(expected)
+            assert len(got) == len(expected)
+            for batch, reference in zip(got, expected):
+                np.testing.assert_array_equal(batch, reference)

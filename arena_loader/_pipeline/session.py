@@ -56,8 +56,11 @@ class Session:
         self.ended = False  # FINISHED or CLOSED: next() raises (the hot path reads this)
         self.claim = SlabClaim(source, self.waker)
         # Sent-but-not-taken batches are at most this: torch's prefetch_factor * num_workers,
-        # or fewer when `slots` is smaller.
-        self._window_size = max(1, min(options.max_in_flight, options.slots_or_default - 1))
+        # or fewer when `slots` is smaller: two slots stay out of the window, the batch a
+        # `for` loop still holds while it asks for the next and the batch being taken (with
+        # one, the window ran out of slots at every next() and sent a batch to a one-off
+        # segment: 3x slower on image batches; docs/benchmarks.md, "Fewer slots").
+        self._window_size = max(1, min(options.max_in_flight, options.slots_or_default - 2))
         self.crew: Crew | None = None
         self.attached: list[bool] = []  # which workers were told the slab's size
         # Records and bytes received by crews already dropped (MultiProcessIterator.stats)
