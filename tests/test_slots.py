@@ -272,13 +272,13 @@ def test_no_room_for_a_slot_at_its_first_use_is_an_error_that_loses_no_batch(mon
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("slots", [3, 4, 5])
+@pytest.mark.parametrize("slots", [2, 3, 4, 5])
 def test_a_for_loop_with_fewer_slots_than_the_read_ahead_needs_no_extra_segment(slots):
-    """``slots`` below ``prefetch_factor * num_workers + 2``: the window shrinks so that the
-    batch a ``for`` loop still holds and the one being taken always leave a slot for the next
-    send. Every batch of an epoch on a sized slab is in a slot, none in a one-off segment
-    (with one slot kept out of the window, every ``next()`` found none free and sent a batch
-    to a segment: image batches ran 3x slower), and the epoch is the reference's."""
+    """``slots`` below ``prefetch_factor * num_workers + 2``: when the batch a ``for`` loop
+    still holds and the one being taken leave no slot for the next send, that send waits for
+    the next ``next()``. Every batch of an epoch on a sized slab is in a slot, none in a
+    one-off segment (sending it to a segment at every ``next()`` made image batches 3x
+    slower), and the epoch is the reference's."""
     dataset = ImageDataset(96, shape=(16, 16), dtype=np.float32)
     expected = reference_epoch(dataset, 4, False)
     with ArenaLoader(dataset, batch_size=4, num_workers=2, prefetch_factor=2, slots=slots,
@@ -291,6 +291,47 @@ def test_a_for_loop_with_fewer_slots_than_the_read_ahead_needs_no_extra_segment(
             for batch in loader:
                 got.append(batch.copy())
             assert sum(loader.snapshot().slot_leases) - before == len(expected)
+            assert len(got) == len(expected)
+            for batch, reference in zip(got, expected):
+                np.testing.assert_array_equal(batch, reference)
+
+
+@pytest.mark.timeout(60)
+def test_a_consumer_that_drops_each_batch_keeps_the_whole_read_ahead_with_one_spare_slot():
+    """``slots = prefetch_factor * num_workers + 1`` (the bench's setting) and a consumer
+    that drops each batch before asking for the next: after every ``next()`` the window is
+    torch's whole read-ahead, 4 batches sent and not taken, in slots."""
+    dataset = ImageDataset(96, shape=(16, 16), dtype=np.float32)
+    with ArenaLoader(dataset, batch_size=4, num_workers=2, prefetch_factor=2, slots=5,
+                     persistent_workers=True, output="numpy") as loader:
+        for batch in loader:  # the first batches size the slab
+            del batch
+        before = sum(loader.snapshot().slot_leases)
+        iterator = iter(loader)
+        sent = []
+        for _ in range(12):
+            batch = next(iterator)
+            state = loader.snapshot().iterators[-1]
+            sent.append(len(state.in_flight) + len(state.ready))
+            del batch
+        assert sent == [4] * 12
+        assert sum(loader.snapshot().slot_leases) - before == 12
+        del iterator
+
+
+@pytest.mark.timeout(60)
+def test_one_slot_held_by_a_for_loop_sends_the_next_batch_to_a_segment_not_into_a_wait():
+    """``slots=1``: the loop holds the only slot while asking for the next batch, which
+    nothing else will free: the batch goes to a one-off segment at once (waiting for the slot
+    would hang ``next()``), and every epoch is the reference's."""
+    dataset = ImageDataset(40, shape=(8, 8), dtype=np.float32)
+    expected = reference_epoch(dataset, 4, False)
+    with ArenaLoader(dataset, batch_size=4, num_workers=2, slots=1, persistent_workers=True,
+                     output="numpy") as loader:
+        for _ in range(2):
+            got = []
+            for batch in loader:
+                got.append(batch.copy())
             assert len(got) == len(expected)
             for batch, reference in zip(got, expected):
                 np.testing.assert_array_equal(batch, reference)

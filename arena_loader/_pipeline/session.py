@@ -56,11 +56,9 @@ class Session:
         self.ended = False  # FINISHED or CLOSED: next() raises (the hot path reads this)
         self.claim = SlabClaim(source, self.waker)
         # Sent-but-not-taken batches are at most this: torch's prefetch_factor * num_workers,
-        # or fewer when `slots` is smaller: two slots stay out of the window, the batch a
-        # `for` loop still holds while it asks for the next and the batch being taken (with
-        # one, the window ran out of slots at every next() and sent a batch to a one-off
-        # segment: 3x slower on image batches; docs/benchmarks.md, "Fewer slots").
-        self._window_size = max(1, min(options.max_in_flight, options.slots_or_default - 2))
+        # or fewer when `slots` is smaller (one slot stays out of the window for the batch
+        # being taken; a `for` loop's last batch waits for its slot: Window._choose_slot).
+        self._window_size = max(1, min(options.max_in_flight, options.slots_or_default - 1))
         self.crew: Crew | None = None
         self.attached: list[bool] = []  # which workers were told the slab's size
         # Records and bytes received by crews already dropped (MultiProcessIterator.stats)
@@ -168,7 +166,8 @@ class Session:
                     return
                 try:
                     if not window.publish(feed, order, self.crew, self.claim.arena,
-                                          self.source, self.reconcile_slots):
+                                          self.source, self.reconcile_slots,
+                                          self.handout.taken is not None):
                         return
                 except UnsendableBatchError as unsendable:
                     self.fail(unsendable.__cause__)  # e.g. indices that do not pickle

@@ -40,8 +40,9 @@ class Window:
         return len(order.in_flight) + len(order.done) < self.size
 
     def publish(self, feed: Feed, order: Reorderer, crew: Crew, arena: Arena | None,
-                source: ArenaSource, reconcile: Callable[[], int]) -> bool:
-        """Send the drawn batches the window allows; True when the next needs a draw."""
+                source: ArenaSource, reconcile: Callable[[], int], taking: bool) -> bool:
+        """Send the drawn batches the window allows; True when the next needs a draw.
+        ``taking``: ``next()`` has taken the batch it returns."""
         in_flight, done, size = order.in_flight, order.done, self.size
         while not feed.exhausted and len(in_flight) + len(done) < size:
             if feed.pending is NO_PENDING:
@@ -52,7 +53,8 @@ class Window:
             # (A free slot, the common case, without a call more.)
             slot = arena.pool.acquire(worker) if arena is not None else None
             if slot is None:
-                slot = self._choose_slot(arena, source, reconcile, worker)
+                slot = self._choose_slot(arena, source, reconcile, worker,
+                                         taking or bool(in_flight or done))
                 if slot is None:
                     return False  # a freed slot wakes the waiting next()
             else:
@@ -70,8 +72,9 @@ class Window:
         return False
 
     def _choose_slot(self, arena: Arena | None, source: ArenaSource,
-                     reconcile: Callable[[], int], worker: int) -> int | None:
-        """No free slot (``publish`` just asked the pool), or no slab yet."""
+                     reconcile: Callable[[], int], worker: int, pending: bool) -> int | None:
+        """No free slot (``publish`` just asked the pool), or no slab yet. ``pending``:
+        ``next()`` has a batch to return without this one (taken, ready or in flight)."""
         if arena is None:
             return NO_SLOT
         slot = arena.pool.acquire(worker) if reconcile() else None
@@ -80,6 +83,13 @@ class Window:
             return slot
         if source.over_limit(arena):
             self.held_blocked = True
+            return None
+        if pending and source.held(arena) <= 1:
+            # The one batch held is a `for` loop's last, dropped once this next() returns:
+            # the batch goes out at the next next(), in that slot. (A segment here, at every
+            # next() of a loop with fewer than window + 2 slots, made image batches 3x
+            # slower: docs/benchmarks.md, "Fewer slots".) Nothing pending: a segment, or
+            # next() would wait for a slot that only its caller can free.
             return None
         self.held_overflow = True
         return NO_SLOT
