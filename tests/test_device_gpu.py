@@ -45,6 +45,21 @@ def test_gpu_batches_match_host_batches(num_workers, pin_memory):
             assert loader.snapshot().pinned == pin_memory
 
 
+@pytest.mark.parametrize("slots", [2, 3, 5])
+def test_fewer_slots_with_a_gpu_deliver_every_batch_in_order(slots):
+    """The device stage on a real GPU with fewer slots than its read-ahead: two epochs arrive
+    with the host loader's contents, in order, nothing hangs."""
+    dataset = NestedDataset(40)
+    options = dict(batch_size=4, num_workers=2, persistent_workers=True)
+    expected = host_epoch(dataset, **options)
+    with ArenaLoader(dataset, device="cuda", pin_memory=True, slots=slots, **options) as loader:
+        for epoch in range(2):
+            batches = [host_copy(batch) for batch in loader]
+            assert len(batches) == len(expected)
+            for i, (batch, reference) in enumerate(zip(batches, expected)):
+                assert_batches_equal(batch, reference, f"epoch {epoch} batch {i}")
+
+
 def test_unbatched_scalar_fields_reach_the_gpu():
     """batch_size=None: 0-d fields become 0-d device arrays with the right values."""
     dataset = NestedDataset(5)

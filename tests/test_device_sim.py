@@ -136,6 +136,22 @@ def test_device_batches_match_host_batches_in_order(num_workers, pin_memory):
             assert_batches_equal(host_copy(batch), reference, f"batch {i}")
 
 
+@pytest.mark.parametrize("slots", [2, 3, 5])
+def test_fewer_slots_with_a_device_deliver_every_batch_in_order(slots):
+    """A device stage (which holds host batches while it copies them) with fewer slots than
+    its read-ahead: a send that finds no free slot waits or goes to a segment, never hangs,
+    and two epochs arrive with the host loader's contents in order."""
+    dataset = NestedDataset(40)
+    options = dict(batch_size=4, num_workers=2, persistent_workers=True)
+    expected = host_epoch(dataset, **options)
+    with ArenaLoader(dataset, device="cuda", slots=slots, **options) as loader:
+        for epoch in range(2):
+            batches = [host_copy(batch) for batch in loader]
+            assert len(batches) == len(expected)
+            for i, (batch, reference) in enumerate(zip(batches, expected)):
+                assert_batches_equal(batch, reference, f"epoch {epoch} batch {i}")
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("dataset, options", [
     (NestedDataset(5), dict(batch_size=None)),
