@@ -190,6 +190,15 @@ def host_copy(batch: Any) -> Any:
     return batch
 
 
+def assert_epoch_equal(loader: Any, expected: list, where: str = "epoch") -> None:
+    """One epoch of ``loader`` (a ``for`` loop, which holds each batch while asking for the
+    next), copied to the host, equals ``expected`` batch for batch."""
+    batches = [host_copy(batch) for batch in loader]
+    assert len(batches) == len(expected), f"{where}: {len(batches)} != {len(expected)} batches"
+    for i, (batch, reference) in enumerate(zip(batches, expected)):
+        assert_batches_equal(batch, reference, f"{where} batch {i}")
+
+
 def host_epoch(dataset: Any, **loader_options: Any) -> list:
     """One epoch of a host (device=None) ArenaLoader, copied out of the slab."""
     from arena_loader import ArenaLoader

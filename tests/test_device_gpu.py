@@ -16,7 +16,14 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
 
 from arena_loader import ArenaLoader, _device
 
-from .datasets import ImageDataset, NestedDataset, assert_batches_equal, host_copy, host_epoch
+from .datasets import (
+    ImageDataset,
+    NestedDataset,
+    assert_batches_equal,
+    assert_epoch_equal,
+    host_copy,
+    host_epoch,
+)
 
 _REASON = _device.cuda_unavailable_reason()
 pytestmark = [pytest.mark.timeout(120),
@@ -38,10 +45,7 @@ def test_gpu_batches_match_host_batches(num_workers, pin_memory):
         warnings.simplefilter("error")
         with ArenaLoader(dataset, pin_memory=pin_memory, device="cuda", **options) as loader:
             for epoch in range(2):
-                batches = [host_copy(batch) for batch in loader]
-                assert len(batches) == len(expected[epoch])
-                for i, (batch, reference) in enumerate(zip(batches, expected[epoch])):
-                    assert_batches_equal(batch, reference, f"epoch {epoch} batch {i}")
+                assert_epoch_equal(loader, expected[epoch], f"epoch {epoch}")
             assert loader.snapshot().pinned == pin_memory
 
 
@@ -54,10 +58,7 @@ def test_fewer_slots_with_a_gpu_deliver_every_batch_in_order(slots):
     expected = host_epoch(dataset, **options)
     with ArenaLoader(dataset, device="cuda", pin_memory=True, slots=slots, **options) as loader:
         for epoch in range(2):
-            batches = [host_copy(batch) for batch in loader]
-            assert len(batches) == len(expected)
-            for i, (batch, reference) in enumerate(zip(batches, expected)):
-                assert_batches_equal(batch, reference, f"epoch {epoch} batch {i}")
+            assert_epoch_equal(loader, expected, f"epoch {epoch}")
 
 
 def test_unbatched_scalar_fields_reach_the_gpu():

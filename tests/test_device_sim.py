@@ -33,6 +33,7 @@ from .datasets import (
     ShardedStream,
     SlowDataset,
     assert_batches_equal,
+    assert_epoch_equal,
     host_copy,
     host_epoch,
 )
@@ -146,10 +147,7 @@ def test_fewer_slots_with_a_device_deliver_every_batch_in_order(slots):
     expected = host_epoch(dataset, **options)
     with ArenaLoader(dataset, device="cuda", slots=slots, **options) as loader:
         for epoch in range(2):
-            batches = [host_copy(batch) for batch in loader]
-            assert len(batches) == len(expected)
-            for i, (batch, reference) in enumerate(zip(batches, expected)):
-                assert_batches_equal(batch, reference, f"epoch {epoch} batch {i}")
+            assert_epoch_equal(loader, expected, f"epoch {epoch}")
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -464,10 +462,7 @@ def test_persistent_workers_keep_delivering_across_abandoned_epochs():
         next(first)
         next(first)
         for epoch in range(2):
-            batches = [batch.copy_to_host() for batch in loader]
-            assert len(batches) == len(expected), f"epoch {epoch}"
-            for batch, reference in zip(batches, expected):
-                np.testing.assert_array_equal(batch, reference)
+            assert_epoch_equal(loader, expected, f"epoch {epoch}")
         with pytest.raises(LoaderClosedError):
             next(first)
 

@@ -11,7 +11,7 @@ import pytest
 from arena_loader import ArenaLoader, SlotsExhaustedError, get_worker_info
 from arena_loader._pool import SlotLease
 
-from .datasets import ImageDataset, reference_epoch
+from .datasets import ImageDataset, assert_epoch_equal, reference_epoch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -285,15 +285,10 @@ def test_a_for_loop_with_fewer_slots_than_the_read_ahead_needs_no_extra_segment(
                      persistent_workers=True, output="numpy") as loader:
         for batch in loader:  # the first batches size the slab (in segments meanwhile)
             del batch
-        for _ in range(2):
+        for epoch in range(2):
             before = sum(loader.snapshot().slot_leases)
-            got = []
-            for batch in loader:
-                got.append(batch.copy())
+            assert_epoch_equal(loader, expected, f"epoch {epoch}")
             assert sum(loader.snapshot().slot_leases) - before == len(expected)
-            assert len(got) == len(expected)
-            for batch, reference in zip(got, expected):
-                np.testing.assert_array_equal(batch, reference)
 
 
 @pytest.mark.timeout(60)
@@ -328,10 +323,5 @@ def test_one_slot_held_by_a_for_loop_sends_the_next_batch_to_a_segment_not_into_
     expected = reference_epoch(dataset, 4, False)
     with ArenaLoader(dataset, batch_size=4, num_workers=2, slots=1, persistent_workers=True,
                      output="numpy") as loader:
-        for _ in range(2):
-            got = []
-            for batch in loader:
-                got.append(batch.copy())
-            assert len(got) == len(expected)
-            for batch, reference in zip(got, expected):
-                np.testing.assert_array_equal(batch, reference)
+        for epoch in range(2):
+            assert_epoch_equal(loader, expected, f"epoch {epoch}")
