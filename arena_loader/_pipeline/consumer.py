@@ -93,9 +93,13 @@ class Consumer:
                 owing = None
                 if owed is not None and order.in_order and session.phase is Phase.RUNNING:
                     # (files what an interrupted read left)
-                    session.intake.receive(owing := owed[0], speculative=True)
+                    session.intake.receive(owed[0], speculative=True)
                     if handout.take(order):
                         return True
+                    # Who owes it now: filing an ended iterator's mark sends the batch it
+                    # stood for to another worker (waiting on the first cost 0.5 s).
+                    owed = order.in_flight.get(order.next_idx)
+                    owing = owed[0] if owed is not None else None
                 if session.phase is Phase.FAILED:
                     session.release_arena()  # a broken session keeps no slot of the loader's
                     raise fresh_copy(session.fatal)
@@ -124,4 +128,6 @@ class Consumer:
             window = session.window
             if not feed.exhausted and window.has_room(order):
                 session.fill_window()  # a slot freed since, or a draw left pending
+                if feed.exhausted:  # (the last iterator ended: the epoch may end now, with
+                    continue  # no wait; a wait here cost every iterable epoch 0.5 s)
             session.intake.wait(wait_s, owing)
