@@ -324,7 +324,7 @@ class ArenaSource:
                 return LeasedSlot(lease, plan, objects, pinned)
             batch = plan.assemble(host, objects, _raw_field if plan.raw else None)
             if self._to_torch is not None and (self._output == "torch" or plan.torch):
-                batch = self._to_torch(batch, plan.collated)
+                batch = self._to_torch(batch, plan.collated, plan.converted)
             return batch
         except KeyboardInterrupt:
             if slot is not None and lease is not None:  # not handed out: FILLED again, kept

@@ -219,7 +219,9 @@ class BatchFiller:
             return prepared
         if fetched.samples is not None:
             return prepare_samples(fetched.samples, indices)
-        return prepare_batch(fetched.batch, _label(self, indices))
+        # (Without a collate_fn, the batch is one sample: batch_size=None.)
+        return prepare_batch(fetched.batch, _label(self, indices),
+                             converted=self.collate_fn is None)
 
     def write(self, prepared: Prepared, fetched: Fetched, storage: np.ndarray,
               indices: Any) -> None:

@@ -32,13 +32,15 @@ def make_converter(output: str | None, lazy: bool = False) -> Callable[[Any], An
         return None
     torch = None if lazy else _import_torch()
 
-    def to_torch(value: Any, collated: bool = True) -> Any:
+    def to_torch(value: Any, collated: bool = True, converted: bool = False) -> Any:
         """``collated``: the batch was stacked by default collation, so tuples become lists
-        as in torch's ``default_collate``; a ``collate_fn``'s structure is kept as is."""
+        as in torch's ``default_collate``; ``converted``: one sample (``batch_size=None``, no
+        ``collate_fn``), whose tuples become lists as in torch's ``default_convert``; a
+        ``collate_fn``'s structure is kept as is."""
         nonlocal torch
         if torch is None:
             torch = _import_torch()
-        return _to_torch(torch, value, collated)
+        return _to_torch(torch, value, collated, converted)
 
     return to_torch
 
@@ -49,34 +51,35 @@ def _import_torch() -> Any:
     return torch
 
 
-def _to_torch(torch: Any, value: Any, collated: bool) -> Any:
+def _to_torch(torch: Any, value: Any, collated: bool, converted: bool = False) -> Any:
     if isinstance(value, np.ndarray):
         # Strings and other dtypes torch has no tensor type for stay numpy arrays.
         return torch.from_numpy(value) if value.dtype.kind in "biufc" else value
     if isinstance(value, Mapping):
-        converted = {key: _to_torch(torch, item, collated) for key, item in value.items()}
+        entries = {key: _to_torch(torch, item, collated, converted)
+                   for key, item in value.items()}
         try:
-            return type(value)(converted)
+            return type(value)(entries)
         except TypeError:  # a mapping type that is not built from a dict
-            return converted
+            return entries
     if isinstance(value, tuple) and hasattr(type(value), "_fields"):
-        return type(value)(*(_to_torch(torch, item, collated) for item in value))
+        return type(value)(*(_to_torch(torch, item, collated, converted) for item in value))
     if isinstance(value, (tuple, list)):
         if collated and type(value) is tuple and value and isinstance(value[0], (str, bytes)):
             # The strings of one object leaf inside a tuple or list sample: torch's
             # default_collate hands out the tuple its zip() made. (In a collated batch a
             # structure node's children are arrays or containers, never a str.)
             return value
-        items = [_to_torch(torch, item, collated) for item in value]
-        # torch's default_collate turns a tuple of fields into a list
-        return items if collated or type(value) is list else type(value)(items)
+        items = [_to_torch(torch, item, collated, converted) for item in value]
+        # torch's default_collate (and default_convert) turns a tuple of fields into a list
+        return items if collated or converted or type(value) is list else type(value)(items)
     if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
         for name in value.__dataclass_fields__:
             item = getattr(value, name)
-            converted = _to_torch(torch, item, collated)
-            if converted is not item:
+            new = _to_torch(torch, item, collated, converted)
+            if new is not item:
                 try:
-                    setattr(value, name, converted)
+                    setattr(value, name, new)
                 except AttributeError:  # frozen: left as numpy
                     pass
         return value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import typing
 
 import numpy as np
 import pytest
@@ -64,6 +65,49 @@ def test_nested_samples_match_torch_default_collate():
 
     for i, (a, b) in enumerate(zip(ours, theirs)):
         compare(a, b, f"batch {i}")
+
+
+class Pair(typing.NamedTuple):
+    left: torch.Tensor
+    right: int
+
+
+def unbatched_sample(i):
+    """Tuples at the top, inside a dict, inside a list, of strings; and a namedtuple."""
+    return (torch.full((2,), float(i)), (i, 2.5), {"a": (i, torch.tensor([i, i]))},
+            [(i,), "x"], ("s", "t"), Pair(torch.tensor(i), i))
+
+
+def structure(value):
+    """Types and values, leaf by leaf (tensors by dtype and values)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.tolist())
+    if isinstance(value, dict):
+        return (type(value), {key: structure(item) for key, item in value.items()})
+    if isinstance(value, (tuple, list)):
+        return (type(value), [structure(item) for item in value])
+    return (type(value), value)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("output", [None, "torch"])
+def test_unbatched_samples_get_torchs_default_convert_structure(output, num_workers):
+    """batch_size=None without a collate_fn: tuples become lists at every depth (torch's
+    default_convert), namedtuples keep their type, a tuple of strings becomes a list too;
+    with a collate_fn its structure is kept. (Unbatched tuples stayed tuples, found by a
+    user trial with webdataset's ``.batched()``.)"""
+    dataset = [unbatched_sample(i) for i in range(4)]
+    kwargs = dict(batch_size=None, num_workers=num_workers)
+    theirs = [structure(b) for b in torch.utils.data.DataLoader(dataset, **kwargs)]
+    with ArenaLoader(dataset, output=output, **kwargs) as loader:
+        ours = [structure(b) for b in loader]
+    assert ours == theirs
+    assert theirs[0][0] is list and theirs[0][1][5][0] is Pair
+    keep = dict(collate_fn=lambda sample: (sample[0], sample[1]), **kwargs)
+    theirs = [structure(b) for b in torch.utils.data.DataLoader(dataset, **keep)]
+    with ArenaLoader(dataset, output=output, **keep) as loader:
+        assert [structure(b) for b in loader] == theirs
+    assert theirs[0][0] is tuple and theirs[0][1][1][0] is tuple
 
 
 def test_torch_tensor_samples_are_accepted():

@@ -79,11 +79,12 @@ class SequenceNode:
 class Plan:
     """Where one batch's fields and object leaves are in its storage, and its structure."""
 
-    __slots__ = ("collated", "fields", "nbytes", "objects_len", "objects_offset", "raw",
-                 "single", "spec", "torch")
+    __slots__ = ("collated", "converted", "fields", "nbytes", "objects_len", "objects_offset",
+                 "raw", "single", "spec", "torch")
 
     def __init__(self, spec: Any, fields: tuple[FieldPlacement, ...], objects_offset: int,
-                 objects_len: int, nbytes: int, torch: bool, collated: bool = True):
+                 objects_len: int, nbytes: int, torch: bool, collated: bool = True,
+                 converted: bool = False):
         self.spec = spec
         self.fields = fields
         self.objects_offset = objects_offset
@@ -93,6 +94,9 @@ class Plan:
         # Stacked by default collation (tuples become lists in torch output, as torch's
         # default_collate makes them), not a collate_fn's batch (kept as it is).
         self.collated = collated
+        # One sample as it came (batch_size=None, no collate_fn): torch's default_convert
+        # turns its tuples into lists too, in torch output.
+        self.converted = converted
         # A torch dtype numpy lacks is among the fields: views need converting.
         self.raw = any(f.kind == KIND_TORCH_RAW for f in fields)
         # The batch is one array field and nothing else (samples that are one array): its
@@ -166,19 +170,25 @@ class Prepared:
             storage[start: start + len(self._objects)] = np.frombuffer(self._objects, np.uint8)
 
 
-class EqualRows(list):
+class EqualRows:
     """Rows whose dtypes promote to the first row's: the write checks (in C, as it copies)
-    that every row has the first row's shape; the per-row walk runs only if that fails."""
+    that every row has the first row's shape; the per-row walk runs only if that fails.
+    A holder, not a list subclass: numpy reads an exact list faster (1.9 us less for 256
+    rows of float32[16]), and the rows are not copied (1.2 us)."""
 
-    __slots__ = ("explain",)  # a call that raises the named error when the write fails
+    __slots__ = ("explain", "rows")
+
+    def __init__(self, rows: list, explain: Callable[[], Any]):
+        self.rows = rows
+        self.explain = explain  # a call that raises the named error when the write fails
 
 
-def write_equal_rows(storage: np.ndarray, rows: EqualRows, field: FieldPlacement) -> None:
+def write_equal_rows(storage: np.ndarray, column: EqualRows, field: FieldPlacement) -> None:
     out = np.ndarray(field.shape, field.dtype, storage, field.offset)
     try:  # numpy reads the rows as one array of the batch's shape: a row of any other
-        out[...] = rows  # shape (or a non-array) fails; dtypes only promote (checked)
+        out[...] = column.rows  # shape (or a non-array) fails; dtypes only promote (checked)
     except (ValueError, TypeError):
-        rows.explain()  # raises the error that names the sample and the fix
+        column.explain()  # raises the error that names the sample and the fix
         raise
 
 

@@ -85,8 +85,7 @@ def _column(values: list, path: str, indices: Sequence[Any],
         except (TypeError, ValueError):  # a row that is no array nor scalar: the full walk
             equal = False
         if equal:
-            rows = EqualRows(values)
-            rows.explain = lambda: _column(values, path, indices, fast=False)
+            rows = EqualRows(values, lambda: _column(values, path, indices, fast=False))
             return rows, FieldPlacement(first.dtype, (len(values), *first.shape), 0)
     # The hot path: every row an ndarray of one dtype and shape, checked by C-level maps.
     if type(first) is np.ndarray and set(map(type, values)) == {np.ndarray}:
@@ -166,7 +165,7 @@ def _leaf_placement(value: Any, path: str, label: str) -> tuple[Any, FieldPlacem
 
 
 def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
-            objects: list | None, collated: bool) -> Prepared:
+            objects: list | None, collated: bool, converted: bool = False) -> Prepared:
     offset, torch = 0, False
     for p in placements:  # placements are this batch's own: set their offsets in place
         p.offset = offset
@@ -179,7 +178,7 @@ def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
     objects_offset = offset
     nbytes = max(FIELD_ALIGNMENT, align(offset + (len(pickled) if pickled else 0)))
     plan = Plan(spec, tuple(fields), objects_offset, len(pickled) if pickled else 0, nbytes,
-                torch, collated)
+                torch, collated, converted)
     return Prepared(plan, columns, pickled)
 
 
@@ -232,9 +231,10 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any]) -> Prepared:
     return _finish(spec, columns, placements, objects, collated=True)
 
 
-def prepare_batch(batch: Any, label: str) -> Prepared:
+def prepare_batch(batch: Any, label: str, converted: bool = False) -> Prepared:
     """A batch a ``collate_fn`` made (or one sample, with ``batch_size=None``): every leaf
-    keeps its own shape and dtype."""
+    keeps its own shape and dtype. ``converted``: one sample with no ``collate_fn``, which
+    torch passes through ``default_convert``."""
     if batch is None:
         reject_none(batch, label)
     builder = SpecBuilder()
@@ -244,7 +244,8 @@ def prepare_batch(batch: Any, label: str) -> Prepared:
         column, placement = _leaf_placement(value, path, label)
         columns.append(column)
         placements.append(placement)
-    return _finish(spec, columns, placements, builder.object_values, collated=False)
+    return _finish(spec, columns, placements, builder.object_values, collated=False,
+                   converted=converted)
 
 
 def prepare_rows(sample: Any, rows: int, index: Any) -> tuple[Prepared, Any]:

@@ -20,6 +20,7 @@ RECORD_MAGIC = b"R"
 FLAG_TORCH = 1
 FLAG_SEGMENT = 2  # the storage is a one-off segment whose descriptor follows on the side
 FLAG_COLLATED = 4
+FLAG_CONVERTED = 8  # one unbatched sample, no collate_fn (Plan.converted)
 
 
 class PlanEncoder:
@@ -50,7 +51,7 @@ class PlanEncoder:
         except TypeError:  # a structure that does not hash (unhashable keys): send it each time
             sid, structure = 0xFFFFFFFF, _pickle_structure(plan.spec)
         flags = (FLAG_TORCH if plan.torch else 0) | (FLAG_SEGMENT if segment else 0) | (
-            FLAG_COLLATED if plan.collated else 0)
+            FLAG_COLLATED if plan.collated else 0) | (FLAG_CONVERTED if plan.converted else 0)
         parts = [RECORD_MAGIC, HEADER.pack(idx, slot, worker_id, 0, flags, len(plan.fields), sid,
                                            len(structure), plan.nbytes, plan.objects_offset,
                                            plan.objects_len), structure]
@@ -131,7 +132,8 @@ class PlanDecoder:
             raise ValueError(f"batch record of {len(payload)} bytes has {len(payload) - pos} "
                              "bytes after its last field")
         plan = Plan(spec, tuple(fields), objects_offset, objects_len, nbytes,
-                    bool(flags & FLAG_TORCH), bool(flags & FLAG_COLLATED))
+                    bool(flags & FLAG_TORCH), bool(flags & FLAG_COLLATED),
+                    bool(flags & FLAG_CONVERTED))
         return Record(idx, slot, worker_id, False, bool(flags & FLAG_SEGMENT), plan)
 
 
