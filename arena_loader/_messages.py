@@ -93,8 +93,11 @@ def rebuild_worker_error(failure: BatchFailed | WorkerFailed, indices: Any = Non
         where = f"while loading batch idx={idx} from its iterator of the dataset"
     else:
         where = f"while loading batch idx={idx} (indices {indices!r})"
-    message = (f"Caught {error.type_name} in DataLoader worker {failure.worker_id} {where}.\n"
-               f"Original traceback in the worker:\n{error.traceback}")
+    # torch's first line word for word (code and searches match it), then ours, then torch's
+    # "Original Traceback (most recent call last): ..." with the worker's traceback.
+    name = error.type_name.rpartition(".")[2]
+    message = (f"Caught {name} in DataLoader worker process {failure.worker_id}.\n"
+               f"{error.type_name} {where}.\nOriginal {error.traceback}")
     original = error.original()
     exc_type = type(original) if original is not None else RuntimeError
     if issubclass(exc_type, StopIteration):

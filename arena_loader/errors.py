@@ -22,6 +22,7 @@ __all__ = [
     "LoaderClosedError",
     "LoaderForkedError",
     "LoaderTimeoutError",
+    "SampleShapeError",
     "SampleTypeError",
     "ShmCapacityError",
     "SlotsExhaustedError",
@@ -102,6 +103,12 @@ class LayoutError(ArenaLoaderError, ValueError):
 class SampleTypeError(LayoutError, TypeError):
     """Default collation met a leaf it cannot batch (``None``, a ``Fraction``, a PIL image,
     ...), where torch's ``default_collate`` raises ``TypeError`` too."""
+
+
+class SampleShapeError(LayoutError, RuntimeError):
+    """Default collation met samples whose arrays differ in shape, or whose lists or tuples
+    differ in length, where torch's ``default_collate`` raises ``RuntimeError`` too (its text
+    comes first in the message)."""
 
 
 class ShmCapacityError(ArenaLoaderError, OSError, RuntimeError):

@@ -42,7 +42,7 @@ def test_worker_exception_keeps_type_and_iteration_continues(num_workers, worker
             next(iterator)
         if num_workers:
             message = str(info.value)
-            assert "worker 0" in message and "idx=2" in message and "[4, 5]" in message
+            assert "worker process 0." in message and "idx=2" in message and "[4, 5]" in message
             assert "Traceback" in message and "__getitem__" in message
             assert isinstance(info.value.__cause__, ValueError)
         for i in range(3, 6):
@@ -203,7 +203,8 @@ def test_key_error_from_worker_stays_a_readable_key_error():
         with pytest.raises(KeyError) as info:
             list(loader)
     text = str(info.value)
-    assert "Caught builtins.KeyError in DataLoader worker 0" in text and "\\n" not in text
+    assert text.startswith("Caught KeyError in DataLoader worker process 0.\nbuiltins.KeyError "
+                           "while loading") and "\\n" not in text
 
 
 def test_timeout_message_names_the_worker_and_pid():
@@ -272,12 +273,14 @@ def test_hook_exception_is_reraised_with_type_worker_idx_indices_and_traceback(h
         del iterator
     error, worker = info.value, 5 % num_workers
     message = str(error)
-    assert message.startswith(f"Caught {__name__}.CorruptSampleError in DataLoader worker "
-                              f"{worker} while loading batch idx=5 (indices [10, 11]).")
+    # torch's first line, word for word; then the type, batch and indices
+    assert message.startswith(f"Caught CorruptSampleError in DataLoader worker process {worker}.\n"
+                              f"{__name__}.CorruptSampleError while loading batch idx=5 "
+                              "(indices [10, 11]).\n")
     function, text = {"__getitem__": ("__getitem__", "sample 11 is corrupt"),
                       "__getitems__": ("_getitems", "batch [10, 11] is corrupt"),
                       "collate_fn": ("failing_collate", "cannot collate [10, 11]")}[hook]
-    assert "Original traceback in the worker:\nTraceback" in message
+    assert ".\nOriginal Traceback (most recent call last):\n" in message
     assert f", in {function}\n" in message
     assert message.rstrip().endswith(f"CorruptSampleError: {text}")
     assert (error.worker_id, error.batch_idx, error.indices) == (worker, 5, [10, 11])

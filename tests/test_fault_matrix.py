@@ -106,8 +106,8 @@ def test_worker_exception_is_reraised_with_its_type_and_iteration_goes_on(num_wo
     worker = faulty_worker(num_workers)
     assert error["type"] == "builtins.ValueError" and error["cause_type"] == "ValueError"
     assert error["message"].startswith(
-        f"Caught builtins.ValueError in DataLoader worker {worker} while loading "
-        f"{FAULT_MESSAGE_BATCH}.\nOriginal traceback in the worker:\nTraceback")
+        f"Caught ValueError in DataLoader worker process {worker}.\nbuiltins.ValueError while "
+        f"loading {FAULT_MESSAGE_BATCH}.\nOriginal Traceback (most recent call last):\n")
     assert "in __getitem__" in error["message"]
     assert error["message"].rstrip().endswith("ValueError: sample 11 is corrupt")
     assert (error["worker_id"], error["batch_idx"], error["indices"]) == (worker, 5, [10, 11])

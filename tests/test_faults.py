@@ -165,7 +165,7 @@ def test_exception_that_cannot_be_rebuilt_becomes_runtime_error():
 
     with ArenaLoader(Dataset(6), batch_size=2, num_workers=1) as loader:
         with pytest.raises(RuntimeError, match=r"(?s)Caught .*UnpicklableError in DataLoader "
-                                               r"worker 0.*a/b"):
+                                               r"worker process 0.*a/b"):
             list(loader)
 
 
@@ -250,7 +250,8 @@ def test_first_batch_objects_that_do_not_pickle_fail_only_that_batch():
     with ArenaLoader(Dataset(6), batch_size=2, num_workers=1, slots=3) as loader:
         iterator = iter(loader)
         with pytest.raises((AttributeError, pickle.PicklingError),
-                           match=r"worker 0 while loading batch idx=0 \(indices \[0, 1\]\)"):
+                           match=r"worker process 0\.\n.* while loading batch idx=0 "
+                                 r"\(indices \[0, 1\]\)"):
             next(iterator)
         assert [next(iterator)["tag"] for _ in range(2)] == [["2", "3"], ["4", "5"]]
         with pytest.raises(StopIteration):

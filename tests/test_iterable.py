@@ -124,7 +124,7 @@ def test_error_inside_the_stream_names_the_worker_and_the_epoch_goes_on():
             except ValueError as exc:
                 errors.append(str(exc))
     assert len(errors) == 1
-    assert "DataLoader worker 0" in errors[0] and "corrupt record 6" in errors[0]
+    assert "DataLoader worker process 0." in errors[0] and "corrupt record 6" in errors[0]
     assert "from its iterator of the dataset" in errors[0]
     assert set(range(1, 20, 2)) <= set(seen)  # worker 1's whole shard
     assert {0, 2} <= set(seen) and not {4, 6} & set(seen)  # batch [4, 6] failed whole

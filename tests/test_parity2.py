@@ -22,7 +22,7 @@ import pytest
 import arena_loader.errors
 import arena_loader.loader
 from arena_loader import ArenaLoader
-from arena_loader.errors import WorkerCrashedError
+from arena_loader.errors import LayoutError, SampleShapeError, WorkerCrashedError
 from arena_loader.samplers import (
     BatchSampler,
     DistributedSampler,
@@ -32,6 +32,7 @@ from arena_loader.samplers import (
 )
 
 from .datasets import ImageDataset, SuicidalDataset
+from .test_parity3 import torch_error
 from .test_torch_parity import probe_epochs, torch, tud
 
 DATA = ImageDataset(10, shape=(2,), dtype=np.int64)
@@ -275,6 +276,64 @@ def test_crash_message_ends_with_torchs_words_and_pickles(make_dataset):
     copy = pickle.loads(pickle.dumps(error))
     assert (type(copy), str(copy)) == (WorkerCrashedError, message)
     assert (copy.pid, copy.worker_id, copy.exitcode) == (error.pid, 0, error.exitcode)
+
+
+class MissingKey(IndexDataset):
+    def __getitem__(self, i):
+        if i == 1:
+            raise KeyError(f"no record {i}")
+        return super().__getitem__(i)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [2])
+def test_worker_exception_begins_with_torchs_first_line(num_workers):
+    """A dataset's exception in a worker: the same type, and the message's first line is
+    torch's word for word ("Caught KeyError in DataLoader worker process 0."), so code and
+    searches keyed on it match; the traceback follows torch's "Original Traceback"."""
+    theirs = torch_error(MissingKey(8), batch_size=2, num_workers=num_workers)
+    assert type(theirs) is KeyError
+    theirs = str(theirs)
+    with ArenaLoader(MissingKey(8), batch_size=2, num_workers=num_workers) as loader:
+        with pytest.raises(KeyError) as raised:
+            next(iter(loader))
+        ours = str(raised.value)
+    assert ours.splitlines()[0] == theirs.strip("'\"").splitlines()[0]
+    assert re.match(r"Caught KeyError in DataLoader worker process \d", ours)
+    assert "\nOriginal Traceback (most recent call last):\n" in ours
+    assert ours.rstrip().endswith("KeyError: 'no record 1'")
+
+
+UNEQUAL = {  # samples torch's default_collate cannot stack, and torch's text for them
+    "tensors": ([torch.zeros(3), torch.zeros(2)], "stack expects each tensor to be equal size"),
+    "arrays": ([np.zeros((2, 3)), np.zeros((2, 4))], "stack expects each tensor to be equal size"),
+    "field": ([{"a": np.zeros(3)}, {"a": np.zeros(4)}], "stack expects each tensor to be equal"),
+    "lists": ([[1, 2, 3], [1, 2]], "each element in list of batch should be of equal size"),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case, num_workers", [(case, 0) for case in UNEQUAL] + [
+    ("arrays", 2), ("lists", 2)])
+def test_unequal_samples_raise_torchs_runtime_error_with_torchs_text_first(case, num_workers):
+    """Samples that do not stack: a RuntimeError (SampleShapeError, also a LayoutError) whose
+    message starts with torch's text (after torch's "Caught ..." line with workers), as
+    torch's DataLoader raises; ours then names the sample, field, shapes and the fix. (A
+    ValueError before: `except RuntimeError` missed it; found by a user trial.)"""
+    samples, text = UNEQUAL[case]
+    theirs = torch_error(samples, batch_size=2, num_workers=num_workers)
+    assert isinstance(theirs, RuntimeError)
+    with ArenaLoader(samples, batch_size=2, num_workers=num_workers) as loader, \
+            pytest.raises(SampleShapeError) as ours:
+        next(iter(loader))
+    assert isinstance(ours.value, RuntimeError) and isinstance(ours.value, LayoutError)
+    mine = str(ours.value.__cause__ if num_workers else ours.value)  # the worker's own
+    torchs = str(theirs).rstrip().splitlines()[-1].removeprefix("RuntimeError: ")
+    assert mine.startswith(text)
+    # torch's whole sentence, shapes and entries too (torch's workers stacking tensors into
+    # shared memory say "Trying to resize storage that is not resizable" instead)
+    assert mine.startswith(torchs) or (case == "tensors" and num_workers)
+    assert "sample 1" in mine and "collate_fn" in mine
 
 
 # ---------------------------------------------------------------------------------------------

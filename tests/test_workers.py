@@ -56,8 +56,9 @@ def test_worker_init_fn_error_is_raised_with_its_type(num_workers, worker_mode):
     with ArenaLoader(ImageDataset(8), batch_size=2, num_workers=num_workers,
                      worker_init_fn=init, worker_mode=worker_mode) as loader:
         iterator = iter(loader)
-        with pytest.raises(OSError, match=r"(?s)Caught builtins.OSError in DataLoader worker \d "
-                                          r"while starting.*cannot open shard") as info:
+        pattern = (r"(?s)Caught OSError in DataLoader worker process \d\.\n"
+                   r"builtins.OSError while starting.*cannot open shard")
+        with pytest.raises(OSError, match=pattern) as info:
             for _ in iterator:
                 pass
         assert not live_children()

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import LayoutError
+from ..errors import LayoutError, SampleShapeError
 from .plan import (
     FIELD_ALIGNMENT,
     KIND_NUMBER,
@@ -118,9 +118,11 @@ def _column(values: list, path: str, indices: Sequence[Any],
                               "type for every sample, or pass a collate_fn")
         rows.append(array)
     shape = rows[0].shape
-    for array, index in zip(rows, indices):
+    for entry, (array, index) in enumerate(zip(rows, indices)):
         if array.shape != shape:
-            raise LayoutError(
+            raise SampleShapeError(
+                f"stack expects each tensor to be equal size, but got {list(shape)} at entry 0 "
+                f"and {list(array.shape)} at entry {entry} (torch's words). "
                 f"sample {index!r}: field {path} has shape {list(array.shape)} but sample "
                 f"{indices[0]!r} has {list(shape)}; default collation stacks samples, so they "
                 "must have equal shapes (torch.stack raises here too): pad or crop them, or "

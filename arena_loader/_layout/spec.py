@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import LayoutError, SampleTypeError
+from ..errors import LayoutError, SampleShapeError, SampleTypeError
 from .plan import KIND_TORCH, KIND_TORCH_RAW, FieldLeaf, MappingNode, ObjectLeaf, SequenceNode
 
 # Python scalar types and the dtype torch's default_collate gives a batch of them.
@@ -154,9 +154,14 @@ def _structure_error(node: Any, value: Any, index: Any) -> None:
         expected = f"a {node.type.__name__} of {len(node.children)} items"
         actual = (f"a {type(value).__name__} of {len(value)} items"
                   if isinstance(value, (tuple, list)) else describe(value))
-    raise LayoutError(f"sample {index!r}: {node.path} must be {expected} like the batch's first "
-                      f"sample, got {actual}; return the same structure (keys, lengths) for "
-                      "every sample, or pass a collate_fn")
+    message = (f"sample {index!r}: {node.path} must be {expected} like the batch's first "
+               f"sample, got {actual}; return the same structure (keys, lengths) for every "
+               "sample, or pass a collate_fn")
+    if isinstance(node, SequenceNode) and isinstance(value, (tuple, list)):
+        # A length that differs: torch's default_collate raises RuntimeError, with this text.
+        raise SampleShapeError("each element in list of batch should be of equal size "
+                               f"(torch's words). {message}")
+    raise LayoutError(message)
 
 
 # torch's default_collate text for a leaf it cannot batch (torch/utils/data/_utils/collate.py).
