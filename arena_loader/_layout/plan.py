@@ -173,8 +173,10 @@ class Prepared:
 class EqualRows:
     """Rows whose dtypes promote to the first row's: the write checks (in C, as it copies)
     that every row has the first row's shape; the per-row walk runs only if that fails.
-    A holder, not a list subclass: numpy reads an exact list faster (1.9 us less for 256
-    rows of float32[16]), and the rows are not copied (1.2 us)."""
+    A holder of the rows list, not a list subclass: numpy's assignment takes its fast path
+    for an exact list, and the rows are not copied (a worker's load of a tiny batch, timed
+    alone: 60.0 -> 58.1 us; the loader's rate did not move beyond noise: docs/benchmarks.md,
+    fifth session)."""
 
     __slots__ = ("explain", "rows")
 
