@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ._fetch import BatchFiller, Fetched, StreamPosition
+from ._fetch import BatchFiller, Fetched, SameShapeRows, StreamPosition
 from ._forksafe import close_on_exec_inherited, started_by_fork
 from ._layout import PlanEncoder
 from ._messages import BatchFailed, RemoteError, WorkerFailed
@@ -187,6 +187,7 @@ class WorkerState:
         # worker_threads > 1 (map-style, automatic batching): the worker's extra threads
         self.threads: SampleThreads | None = None
         self._segment: Segment | None = None  # the current batch's one-off segment, if any
+        self._same_shape = SameShapeRows()  # the commonest batch, without a plan built
 
     def start_threads(self, infos: list[WorkerInfo]) -> None:
         if len(infos) > 1:
@@ -205,6 +206,7 @@ class WorkerState:
         os.close(setup.slab.fd)
         self.slab = np.frombuffer(slab_mmap, dtype=np.uint8)
         self.slot_nbytes = slot_nbytes
+        self._same_shape.forget()
 
     def fetch(self, entry: Entry) -> tuple[Fetched | None, Any]:
         """(the batch, its indices); (None, None) when an iterable's iterator is done."""
@@ -251,13 +253,21 @@ class WorkerState:
         """Load batch ``entry.idx``, write it into its slot (or, if it has none or does not
         fit, a one-off segment sent over the descriptor socket) and return its completion."""
         try:
-            fetched, indices = self.fetch(entry)
+            filler, slot = self.setup.filler, entry.slot
+            if filler.plain and self.threads is None:  # the commonest batch: fewer layers
+                samples = filler.fetch_samples(entry.indices)
+                fetched, indices = Fetched(rows=len(samples), samples=samples), entry.indices
+            else:
+                fetched, indices = self.fetch(entry)
             # The replica's state after this batch goes just before its record.
-            state = encode(Status.STATE, entry.idx, entry.slot, stream_state(
-                self.setup.filler.dataset, self._stream)) if self._stateful else b""
+            state = encode(Status.STATE, entry.idx, slot, stream_state(
+                filler.dataset, self._stream)) if self._stateful else b""
             if fetched is None:
-                return state + encode(Status.ENDED, entry.idx, entry.slot)
-            filler = self.setup.filler
+                return state + encode(Status.ENDED, entry.idx, slot)
+            # Samples that are each one array, shaped as the last batch's: written at once.
+            samples, same_shape = fetched.samples, self._same_shape
+            if samples is not None and slot >= 0 and same_shape.write(samples, slot):
+                return state + encode(Status.LOADED, entry.idx, slot, same_shape.plan_record)
             prepared = filler.prepare(fetched, indices)
             # The plan record carries no idx or slot, so batches of one structure send equal
             # bodies, which the main process decodes once (_pipeline.completions).
@@ -265,6 +275,8 @@ class WorkerState:
             storage = self._storage(entry, prepared.nbytes)
             filler.write(prepared, fetched, storage, indices)
             if self._segment is None:
+                if samples is not None and prepared.equal_rows:
+                    same_shape.learn(prepared, plan, self.slab, self.slot_nbytes)
                 return state + encode(Status.LOADED, entry.idx, entry.slot, plan)
             send_segment(self.setup.fd_socket, entry.idx, self._segment)
             return state + encode(Status.SEGMENT, entry.idx, entry.slot, plan)

@@ -152,6 +152,12 @@ class Prepared:
     def nbytes(self) -> int:
         return self.plan.nbytes
 
+    @property
+    def equal_rows(self) -> bool:
+        """The batch is one field of rows written by ``write_equal_rows`` (samples that are
+        each one array, of dtypes that promote to the first's)."""
+        return len(self._columns) == 1 and type(self._columns[0]) is EqualRows
+
     def write(self, storage: np.ndarray) -> None:
         """Write every field (one C call each where the data allows) and the objects."""
         for field, column in zip(self.plan.fields, self._columns):

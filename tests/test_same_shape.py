@@ -1,0 +1,135 @@
+"""The commonest batch, written straight (``_fetch.SameShapeRows``): once a worker has written
+a batch of samples that are each one array, later batches of that dtype and shape skip the
+planner. These batches come after each worker's first, where only the straight path runs:
+every check the planner makes must still hold there."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from arena_loader import ArenaLoader, LayoutError, SampleShapeError
+
+pytestmark = pytest.mark.timeout(60)
+
+MODES = [(2, "process"), (2, "thread"), (1, "process")]
+
+
+class Rows:
+    """float32 rows of 6 values; ``odd`` maps an index to the sample returned there."""
+
+    def __init__(self, n: int, odd: dict | None = None):
+        self.n, self.odd = n, odd or {}
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i in self.odd:
+            return self.odd[i]
+        return np.arange(6, dtype=np.float32) + i
+
+
+def stacked(dataset, indices):
+    return np.stack([np.asarray(dataset[i]) for i in indices])
+
+
+@pytest.mark.parametrize("num_workers, worker_mode", MODES)
+def test_a_row_of_another_shape_late_in_the_epoch_names_the_sample(num_workers, worker_mode):
+    """Sample 27 (batch 6: every worker has written batches before it) has 5 values: torch's
+    RuntimeError naming the sample, for that batch only; the next batch loads."""
+    dataset = Rows(40, {27: np.zeros(5, np.float32)})
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers,
+                     worker_mode=worker_mode) as loader:
+        iterator = iter(loader)
+        for b in range(6):
+            np.testing.assert_array_equal(next(iterator), stacked(dataset, range(4 * b, 4 * b + 4)))
+        with pytest.raises(SampleShapeError, match=r"sample 27: field sample has shape \[5\] "
+                                                   r"but sample 24 has \[6\]"):
+            next(iterator)
+        for b in range(7, 10):
+            np.testing.assert_array_equal(next(iterator), stacked(dataset, range(4 * b, 4 * b + 4)))
+        del iterator
+
+
+@pytest.mark.parametrize("num_workers, worker_mode", MODES)
+def test_a_row_that_is_no_array_late_in_the_epoch_names_the_sample(num_workers, worker_mode):
+    """A list where the others are arrays (of the same length, so numpy alone would stack
+    it): the planner's LayoutError naming the sample, as on a worker's first batch."""
+    dataset = Rows(40, {30: [0.0] * 6})
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers,
+                     worker_mode=worker_mode) as loader:
+        iterator = iter(loader)
+        for _ in range(7):
+            next(iterator)
+        with pytest.raises(LayoutError, match=r"sample 30: field sample is list where "
+                                              r"sample 28 has float32\[6\]"):
+            next(iterator)
+        np.testing.assert_array_equal(next(iterator), stacked(dataset, range(32, 36)))
+        del iterator
+
+
+@pytest.mark.parametrize("num_workers, worker_mode", MODES)
+def test_a_wider_dtype_late_in_the_epoch_types_its_batch_as_torch(num_workers, worker_mode):
+    """A float64 row in batch 6 makes that batch float64 (torch's promotion), an int64 row in
+    batch 8 leaves its batch float32 (float beats int); every value equals torch's."""
+    torch = pytest.importorskip("torch")
+    odd = {26: np.full(6, 0.1, np.float64), 33: np.arange(6, dtype=np.int64) * 2**40}
+    dataset = Rows(40, odd)
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers, worker_mode=worker_mode,
+                     output="numpy") as loader:
+        batches = [np.array(b) for b in loader]
+    expected = [torch.utils.data.default_collate(
+        [torch.from_numpy(np.asarray(dataset[i])) for i in range(b, b + 4)]).numpy()
+        for b in range(0, 40, 4)]
+    assert [b.dtype for b in batches] == [e.dtype for e in expected]
+    assert batches[6].dtype == np.float64 and batches[8].dtype == np.float32
+    for ours, theirs in zip(batches, expected):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("num_workers, worker_mode", MODES)
+def test_batches_of_fewer_rows_and_new_shapes_are_laid_out_anew(num_workers, worker_mode):
+    """A batch sampler of uneven sizes (one row among them: numpy would broadcast it over a
+    batch of four) and samples whose shape changes every few batches: each batch is its own
+    samples stacked, nothing of the batch learned before."""
+
+    class Growing(Rows):  # 4 values, then 1 (numpy would broadcast it over 4), 6, 7
+        def __getitem__(self, i):
+            return np.arange((4, 1, 6, 7)[i // 12], dtype=np.float32) + i
+
+    dataset = Growing(48)
+    sizes = [4, 4, 4, 4, 1, 4, 3, 4, 4, 4, 4, 2, 4, 2]  # 12 rows of each shape
+    starts = [int(s) for s in np.cumsum([0, *sizes])]
+    batch_sampler = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
+    with ArenaLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
+                     worker_mode=worker_mode) as loader:
+        for _ in range(2):  # persistent or not, the second epoch too
+            batches = [np.array(b) for b in loader]
+            assert len(batches) == len(batch_sampler)
+            for ours, indices in zip(batches, batch_sampler):
+                np.testing.assert_array_equal(ours, stacked(dataset, indices))
+
+
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+def test_rows_learned_before_the_slab_grew_go_to_the_new_slab(worker_mode):
+    """Persistent workers learn the small rows on the first slab; the last batches outgrow
+    it, so the next epoch maps a larger one: the small rows must be written there, not into
+    the first slab's memory."""
+
+    class Outgrowing(Rows):
+        def __getitem__(self, i):
+            return np.full(1024 if i >= 32 else 16, i, dtype=np.float64)
+
+    dataset = Outgrowing(40)
+    expected = [stacked(dataset, range(b, b + 4)) for b in range(0, 40, 4)]
+    with ArenaLoader(dataset, batch_size=4, num_workers=2, worker_mode=worker_mode,
+                     persistent_workers=True, output="numpy") as loader:
+        slot_sizes = set()
+        for _ in range(3):
+            for ours, theirs in zip(loader, expected, strict=True):
+                np.testing.assert_array_equal(ours, theirs)
+                slot_sizes.add(loader.snapshot().slot_nbytes)
+        assert len(slot_sizes) == 2, slot_sizes  # the slab grew once
