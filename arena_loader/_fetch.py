@@ -293,9 +293,11 @@ class SameShapeRows:
 
     def write(self, samples: list, slot: int) -> bool:
         """True: ``samples`` are in ``slot``, laid out as ``plan_record`` says."""
-        first, dtype = samples[0], self._dtype
-        if (dtype is None or type(first) is not np.ndarray or first.dtype != dtype
-                or first.shape != self._shape or len(samples) != self._rows):
+        dtype = self._dtype
+        if dtype is None or len(samples) != self._rows:
+            return False
+        first = samples[0]
+        if type(first) is not np.ndarray or first.dtype != dtype or first.shape != self._shape:
             return False
         try:
             if np.result_type(*samples) != dtype:
