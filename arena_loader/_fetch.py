@@ -10,7 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from ._layout import Prepared, prepare_batch, prepare_rows, prepare_samples, rows_view
+from ._layout import (
+    Prepared,
+    prepare_batch,
+    prepare_rows,
+    prepare_samples,
+    promote_to,
+    rows_view,
+)
 from ._messages import listed
 from ._rows import RowWriter
 from ._sample_threads import FirstFailure, SampleThreads
@@ -51,9 +58,6 @@ class BatchFiller:
         self._read_into = (getattr(dataset, "read_into", None)
                            if collate_fn is None and auto_collation and not iterable else None)
         self._direct_sample: tuple[Any, Any] | None = None  # read_into: a sample to plan from
-        # Map-style, one __getitem__ per sample, default collation: ``fetch_samples``.
-        self.plain = (not iterable and auto_collation and collate_fn is None
-                      and self._getitems is None and self._read_into is None)
         self._direct_plans: dict[int, Prepared] = {}  # read_into: plans by row count
 
     @property
@@ -99,33 +103,17 @@ class BatchFiller:
             if threads is not None and self._read_into is None:
                 return self._fetch_concurrently(indices, threads, storage_for)
             return self._fetch(indices)
-        except (StopIteration, IndexError) as exc:
-            explained = self._fetch_error(indices, exc)
+        except StopIteration as exc:  # escaping from __next__ it would end the epoch silently
+            raise RuntimeError(f"the dataset or collate_fn raised StopIteration while loading "
+                               f"indices {indices!r}; raise IndexError or another error "
+                               "instead") from exc
+        except IndexError as exc:
+            explained = self._explain_index_error(indices, exc)
             if explained is None:
                 raise
             raise explained from exc
 
-    def fetch_samples(self, indices: Any) -> list:
-        """``fetch(indices).samples`` for a ``plain`` filler, with ``fetch``'s errors, and
-        without building a ``Fetched`` (the commonest batch: ``SameShapeRows``)."""
-        try:
-            dataset = self.dataset
-            return [dataset[i] for i in indices]
-        except (StopIteration, IndexError) as exc:
-            explained = self._fetch_error(indices, exc)
-            if explained is None:
-                raise
-            raise explained from exc
-
-    def _fetch_error(self, indices: Any, exc: BaseException) -> BaseException | None:
-        """What to raise instead of ``exc`` from the dataset (None: ``exc`` itself)."""
-        if isinstance(exc, StopIteration):  # escaping __next__ it would end the epoch silently
-            return RuntimeError(f"the dataset or collate_fn raised StopIteration while loading "
-                                f"indices {indices!r}; raise IndexError or another error "
-                                "instead")
-        return self._explain_index_error(indices, exc)
-
-    def _explain_index_error(self, indices: Any, exc: BaseException) -> IndexError | None:
+    def _explain_index_error(self, indices: Any, exc: IndexError) -> IndexError | None:
         """An IndexError that says whether the sampler left range(len(dataset)) or the
         dataset has fewer samples than its len() claims. Only on this error path: indices
         are never checked up front, since torch lets a dataset accept any key."""
@@ -262,9 +250,9 @@ class SameShapeRows:
     """The commonest batch, straight: samples that are each one array of the dtype and shape
     of the last batch the general path wrote as equal rows (``Prepared.equal_rows``), as many,
     into a slot. Checked as ``prepare_samples`` checks them (the dtypes promote to the
-    first's: ``np.result_type``; every row has the first's shape: the write, in C) and
-    answered with that batch's plan record, so no plan is built. Anything else (or a check
-    that fails) is left to the general path, which names the sample at fault."""
+    first's: ``promote_to``; every row has the first's shape: the write, in C) and answered
+    with that batch's plan record, so no plan is built. Anything else (or a check that
+    fails) is left to the general path, which names the sample at fault."""
 
     __slots__ = ("_dtype", "_outs", "_rows", "_shape", "_slab", "_slot_nbytes", "plan_record")
 
@@ -285,9 +273,8 @@ class SameShapeRows:
               slot_nbytes: int) -> None:
         """``prepared`` (equal rows) was just written into a slot of ``slab``."""
         field = prepared.plan.fields[0]
-        if slab is not self._slab or slot_nbytes != self._slot_nbytes or (
-                field.dtype, field.shape) != (self._dtype, (self._rows, *self._shape)):
-            self._outs = {}
+        if (field.dtype, field.shape) != (self._dtype, (self._rows, *self._shape)):
+            self._outs = {}  # arrays of the old shape (a new slab: ``forget``)
         self._dtype, self._shape, self._rows = field.dtype, field.shape[1:], field.shape[0]
         self._slab, self._slot_nbytes, self.plan_record = slab, slot_nbytes, plan_record
 
@@ -299,11 +286,8 @@ class SameShapeRows:
         first = samples[0]
         if type(first) is not np.ndarray or first.dtype != dtype or first.shape != self._shape:
             return False
-        try:
-            if np.result_type(*samples) != dtype:
-                return False  # promoted: the general path types the batch as torch would
-        except (TypeError, ValueError):
-            return False
+        if not promote_to(samples, dtype):
+            return False  # promoted: the general path types the batch as torch would
         out = self._outs.get(slot)
         if out is None:
             out = self._outs[slot] = np.ndarray((self._rows, *self._shape), dtype, self._slab,

@@ -254,11 +254,7 @@ class WorkerState:
         fit, a one-off segment sent over the descriptor socket) and return its completion."""
         try:
             filler, slot = self.setup.filler, entry.slot
-            if filler.plain and self.threads is None:  # the commonest batch: fewer layers
-                samples = filler.fetch_samples(entry.indices)
-                fetched, indices = Fetched(rows=len(samples), samples=samples), entry.indices
-            else:
-                fetched, indices = self.fetch(entry)
+            fetched, indices = self.fetch(entry)
             # The replica's state after this batch goes just before its record.
             state = encode(Status.STATE, entry.idx, slot, stream_state(
                 filler.dataset, self._stream)) if self._stateful else b""

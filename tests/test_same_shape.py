@@ -113,11 +113,28 @@ def test_batches_of_fewer_rows_and_new_shapes_are_laid_out_anew(num_workers, wor
                 np.testing.assert_array_equal(ours, stacked(dataset, indices))
 
 
+@pytest.mark.parametrize("num_workers, worker_mode", MODES)
+def test_rows_of_one_value_after_rows_of_four_fill_their_own_shape(num_workers, worker_mode):
+    """Twelve batches of 4-value rows, then twelve of 1-value rows, in the same slots: numpy
+    would broadcast a (4, 1) batch over an array of the old (4, 4) shape without a word, so
+    what was learned for the old shape must not be used for the new."""
+
+    class Narrowing(Rows):
+        def __getitem__(self, i):
+            return np.arange(4 if i < 48 else 1, dtype=np.float32) + i
+
+    dataset = Narrowing(96)
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers, worker_mode=worker_mode,
+                     slots=4) as loader:
+        for b, batch in enumerate(loader):
+            np.testing.assert_array_equal(batch, stacked(dataset, range(4 * b, 4 * b + 4)))
+
+
 @pytest.mark.parametrize("worker_mode", ["process", "thread"])
 def test_rows_learned_before_the_slab_grew_go_to_the_new_slab(worker_mode):
-    """Persistent workers learn the small rows on the first slab; the last batches outgrow
-    it, so the next epoch maps a larger one: the small rows must be written there, not into
-    the first slab's memory."""
+    """Persistent workers write the small rows straight on the first slab; the last batches
+    outgrow it, so the next epoch runs on a larger one (new workers, rows learned anew): every
+    batch of every epoch is its samples, and the slab grew once."""
 
     class Outgrowing(Rows):
         def __getitem__(self, i):

@@ -191,6 +191,15 @@ class EqualRows:
         self.explain = explain  # a call that raises the named error when the write fails
 
 
+def promote_to(rows: list, dtype: np.dtype) -> bool:
+    """Whether numpy promotes the rows' dtypes to ``dtype`` (the first row's: torch's
+    promotion then agrees); False for a row that is neither an array nor a scalar."""
+    try:
+        return np.result_type(*rows) == dtype
+    except (TypeError, ValueError):
+        return False
+
+
 def write_equal_rows(storage: np.ndarray, column: EqualRows, field: FieldPlacement) -> None:
     out = np.ndarray(field.shape, field.dtype, storage, field.offset)
     try:  # numpy reads the rows as one array of the batch's shape: a row of any other

@@ -23,6 +23,7 @@ from .plan import (
     Plan,
     Prepared,
     align,
+    promote_to,
 )
 from .spec import (
     PYTHON_NUMBER_DTYPES,
@@ -79,14 +80,10 @@ def _column(values: list, path: str, indices: Sequence[Any],
     # The hottest path: arrays of at least one dimension whose dtypes promote to the first
     # one's (numpy's promotion then agrees with torch's); every row's shape is checked by the
     # write itself (write_equal_rows), in C, and a row that fails it gets the full walk.
-    if fast and type(first) is np.ndarray and first.ndim and not first.dtype.hasobject:
-        try:
-            equal = np.result_type(*values) == first.dtype
-        except (TypeError, ValueError):  # a row that is no array nor scalar: the full walk
-            equal = False
-        if equal:
-            rows = EqualRows(values, lambda: _column(values, path, indices, fast=False))
-            return rows, FieldPlacement(first.dtype, (len(values), *first.shape), 0)
+    if (fast and type(first) is np.ndarray and first.ndim and not first.dtype.hasobject
+            and promote_to(values, first.dtype)):
+        rows = EqualRows(values, lambda: _column(values, path, indices, fast=False))
+        return rows, FieldPlacement(first.dtype, (len(values), *first.shape), 0)
     # The hot path: every row an ndarray of one dtype and shape, checked by C-level maps.
     if type(first) is np.ndarray and set(map(type, values)) == {np.ndarray}:
         shapes, dtypes = set(map(_SHAPE, values)), set(map(_DTYPE, values))
