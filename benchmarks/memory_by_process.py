@@ -28,7 +28,7 @@ import numpy as np
 import psutil
 
 from arena_loader import ArenaLoader
-from arena_loader.bench.harness import proportional_bytes, shm_mappings
+from arena_loader.bench.harness import proportional_bytes, shm_objects
 from arena_loader.bench.workloads import PooledArrays
 
 
@@ -44,7 +44,7 @@ def peak_by_process(loader) -> dict[str, int]:
                 try:
                     if i:
                         now[f"worker {i}"] = proportional_bytes(process.pid)
-                    for inode, nbytes in shm_mappings(process.pid).items():
+                    for inode, nbytes in shm_objects(process.pid).items():
                         shm[inode] = max(shm.get(inode, 0), nbytes)
                 except (OSError, psutil.Error):
                     continue

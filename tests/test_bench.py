@@ -494,6 +494,26 @@ def test_bench_rejects_an_unknown_loader_name(capsys):
         main(["--loaders", "ArenaLoader,fastest", "--out", "/nonexistent"])
 
 
+def test_shared_memory_held_by_a_file_descriptor_alone_counts():
+    """An unlinked /dev/shm object that a process holds open but maps nowhere (a batch in
+    torch's queue: the worker's resource sharer keeps its fd until the main process takes
+    it) counts its pages; one mapped and open counts once."""
+    import os
+
+    import posix_ipc
+
+    held = posix_ipc.SharedMemory(f"/arena_loader_test_fd_{os.getpid()}", posix_ipc.O_CREX)
+    held.unlink()
+    try:
+        os.ftruncate(held.fd, 8 << 20)
+        os.pwrite(held.fd, b"x" * (5 * 4096), 0)
+        inode = os.fstat(held.fd).st_ino
+        assert harness.shm_objects(os.getpid())[inode] == 5 * 4096
+    finally:
+        os.close(held.fd)
+    assert inode not in harness.shm_objects(os.getpid())
+
+
 def test_shared_memory_counts_the_pages_an_object_has_not_the_size_it_maps():
     """A /dev/shm object mapped at 8 MB with three pages written counts three pages: the
     bench's memory is what the objects hold (a slab reserves its slots as they are used)."""
@@ -518,6 +538,6 @@ def test_shared_memory_counts_the_pages_an_object_has_not_the_size_it_maps():
             os.stat(f"/proc/self/map_files/{span}")
         except PermissionError:
             pytest.skip("/proc/<pid>/map_files cannot be read here: mapped sizes are counted")
-        assert harness.shm_mappings(os.getpid())[inode] == 3 * 4096
+        assert harness.shm_objects(os.getpid())[inode] == 3 * 4096
     finally:
         mapping.close()

@@ -76,13 +76,18 @@ def environment() -> dict[str, Any]:
     }
 
 
-def shm_mappings(pid: int) -> dict[int, int]:
-    """Bytes of each /dev/shm object ``pid`` maps (unlinked ones too, as torch's are), keyed
-    by inode: shared memory that this run's processes hold, whatever other programs on the
-    machine do with /dev/shm. An object's bytes are the pages it has (``st_blocks``, what
-    ``df /dev/shm`` counts), not the size mapped: a slab whose slots are reserved as they are
-    first used holds only those (read through ``/proc/<pid>/map_files``; where that cannot be
-    read, the size mapped)."""
+def shm_objects(pid: int) -> dict[int, int]:
+    """Bytes of each /dev/shm object ``pid`` maps or holds open (unlinked ones too, as
+    torch's are), keyed by inode: shared memory that this run's processes hold, whatever
+    other programs on the machine do with /dev/shm. An object's bytes are the pages it has
+    (``st_blocks``, what ``df /dev/shm`` counts), not the size mapped: a slab whose slots are
+    reserved as they are first used holds only those (read through ``/proc/<pid>/map_files``;
+    where that cannot be read, the size mapped). Objects held by a file descriptor only
+    count too: a batch torch's worker has put in its queue is an fd that the worker keeps
+    (multiprocessing's resource sharer) until the main process takes the batch, mapped by no
+    process meanwhile; counting mappings alone left out 38.5 of torch's 48 MB of image
+    batches with a consumer slower than its workers (docs/benchmarks.md, "Shared memory
+    held by a file descriptor")."""
     sizes: dict[int, int] = {}
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
@@ -98,6 +103,15 @@ def shm_mappings(pid: int) -> dict[int, int]:
             except OSError:
                 nbytes = sizes.get(inode, 0) + end - start
             sizes[inode] = nbytes
+    fds = f"/proc/{pid}/fd"
+    for fd in os.listdir(fds):
+        try:
+            if not os.readlink(f"{fds}/{fd}").startswith(SHM_DIR + "/"):
+                continue
+            stat = os.stat(f"{fds}/{fd}")
+        except OSError:
+            continue  # closed between listing and reading
+        sizes.setdefault(stat.st_ino, stat.st_blocks * 512)
     return sizes
 
 
@@ -116,8 +130,8 @@ def proportional_bytes(pid: int) -> int:
 class MemorySampler:
     """A daemon thread that keeps peaks of the RSS of this process and the summed RSS of its
     descendants (every 10 ms, from statm), and every 50 ms (smaps_rollup and maps cost
-    ~1 ms a process) of: the /dev/shm objects those processes map (each counted once), and
-    ``peak_memory``, their proportional set sizes plus that shared memory at the same
+    ~1 ms a process) of: the /dev/shm objects those processes map or hold open (each counted
+    once), and ``peak_memory``, their proportional set sizes plus that shared memory at the same
     instant, so memory shared by several processes is counted once. ``also``: more
     processes whose proportional memory counts in ``peak_memory`` (the bench process a
     case was forked from, which shares its pages with the case's processes)."""
@@ -177,7 +191,7 @@ class MemorySampler:
         for pid in [*self._also, self._me.pid, *(child.pid for child in children)]:
             try:
                 private += proportional_bytes(pid)
-                for inode, nbytes in shm_mappings(pid).items():
+                for inode, nbytes in shm_objects(pid).items():
                     shm[inode] = max(shm.get(inode, 0), nbytes)
             except (OSError, ValueError):
                 continue  # the process exited between listing and reading
