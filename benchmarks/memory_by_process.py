@@ -17,6 +17,12 @@ and the slab's slots reserved as they are first used): ArenaLoader main 125, wor
 59, shared memory 55 (all 5 slots are in use in steady state: window 4 + the batch held);
 torch main 146, workers 89 and 89, shared memory 18-28 (two runs). docs/benchmarks.md,
 "Engine v3, sixth stage".
+
+Again 2026-11-26, seventh session, with /dev/shm objects held open by a descriptor counted
+too (torch's batches in its queue): ArenaLoader main 125, workers 59-60 and 59, shared memory
+46; torch main 122, workers 64 and 64, shared memory **46** (two runs each; the 18-28 above
+left out torch's queued batches). docs/benchmarks.md, "Shared memory held by a file
+descriptor".
 """
 
 from __future__ import annotations
