@@ -498,6 +498,7 @@ def test_shared_memory_held_by_a_file_descriptor_alone_counts():
     """An unlinked /dev/shm object that a process holds open but maps nowhere (a batch in
     torch's queue: the worker's resource sharer keeps its fd until the main process takes
     it) counts its pages; one mapped and open counts once."""
+    import mmap
     import os
 
     import posix_ipc
@@ -509,6 +510,9 @@ def test_shared_memory_held_by_a_file_descriptor_alone_counts():
         os.pwrite(held.fd, b"x" * (5 * 4096), 0)
         inode = os.fstat(held.fd).st_ino
         assert harness.shm_objects(os.getpid())[inode] == 5 * 4096
+        with mmap.mmap(held.fd, 8 << 20) as mapping:  # mapped and open: its pages, once
+            mapping[5 * 4096: 6 * 4096] = b"y" * 4096
+            assert harness.shm_objects(os.getpid())[inode] == 6 * 4096
     finally:
         os.close(held.fd)
     assert inode not in harness.shm_objects(os.getpid())
