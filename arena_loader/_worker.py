@@ -273,9 +273,9 @@ class WorkerState:
             if self._segment is None:
                 if samples is not None and prepared.equal_rows:
                     same_shape.learn(prepared, plan, self.slab, self.slot_nbytes)
-                return state + encode(Status.LOADED, entry.idx, entry.slot, plan)
+                return state + encode(Status.LOADED, entry.idx, slot, plan)
             send_segment(self.setup.fd_socket, entry.idx, self._segment)
-            return state + encode(Status.SEGMENT, entry.idx, entry.slot, plan)
+            return state + encode(Status.SEGMENT, entry.idx, slot, plan)
         finally:
             self._close_segment()
 

@@ -17,11 +17,17 @@ def case_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
+def rotation(names: list[str], round_: int) -> list[str]:
+    """The cases in round ``round_``'s order: case ``round_`` first."""
+    shift = round_ % len(names)
+    return names[shift:] + names[:shift]
+
+
 def alternate(script: str, names: list[str], rounds: int, epochs: int) -> dict[str, list[str]]:
     """Each case's last line of output, round by round: ``script --case NAME --epochs N``."""
     outputs: dict[str, list[str]] = {name: [] for name in names}
     for round_ in range(rounds):
-        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+        for name in rotation(names, round_):
             out = subprocess.run([sys.executable, script, "--case", name, "--epochs",
                                   str(epochs)], check=True, capture_output=True, text=True)
             outputs[name].append(out.stdout.splitlines()[-1])

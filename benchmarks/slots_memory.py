@@ -20,9 +20,11 @@ import tempfile
 import time
 from typing import Any
 
+from _alternate import rotation
+
 from arena_loader import ArenaLoader
 from arena_loader.bench.harness import Budget, measure_apart
-from arena_loader.bench.loaders import Setup, _torch_loader
+from arena_loader.bench.loaders import LOADERS, TORCH, Setup
 from arena_loader.bench.workloads import Sizes, standard_workloads
 
 
@@ -52,11 +54,12 @@ def compare(workload: Any, slots: list[int], step_s: float, rounds: int,
                                    prefetch_factor=2, persistent_workers=True, slots=n), step_s)
 
     cases = {f"ArenaLoader slots={n}": (lambda n=n: arena(n)) for n in slots}
-    cases["torch"] = lambda: Stepped(_torch_loader(dataset, setup), step_s)
+    torch_kind = next(kind for kind in LOADERS if kind.name == TORCH)
+    cases["torch"] = lambda: Stepped(torch_kind.build(dataset, setup), step_s)
     names = list(cases)
     runs: dict[str, list[dict]] = {case: [] for case in names}
     for round_ in range(rounds):
-        for case in names[round_ % len(names):] + names[: round_ % len(names)]:
+        for case in rotation(names, round_):
             runs[case].append(measure_apart(cases[case], Budget(1.5, 50)))
     for case, got in runs.items():
         speed = [a["steady_batches_per_s"] / t["steady_batches_per_s"]
