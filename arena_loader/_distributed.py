@@ -6,11 +6,12 @@ from __future__ import annotations
 import math
 import os
 import sys
+import warnings
 from collections.abc import Iterator, Sized
 
 import numpy as np
 
-from ._options import torch_worded
+from ._options import LoaderOptions, torch_worded
 from ._torch_compat import initialized_distributed
 
 
@@ -113,3 +114,22 @@ def _distributed_default(name: str, variable: str) -> int:
         raise ValueError(
             f"{name} must be an int; it defaults to the {variable} environment variable, "
             f"which is {value!r}; set {variable} to an integer or pass {name}=...") from None
+
+
+def warn_if_every_rank_loads_all(options: LoaderOptions) -> None:
+    """Warn when ``torch.distributed`` runs several ranks and the loader draws from its default
+    sampler: every rank then loads the whole dataset. Trainers such as Lightning put a
+    DistributedSampler into torch's DataLoader themselves, which they cannot do for an
+    ArenaLoader (not a DataLoader subclass): silent, each rank would train on every sample."""
+    if options.iterable or options.sampler is not None or options.batch_sampler is not None:
+        return
+    dist = initialized_distributed()
+    if dist is None or (world_size := dist.get_world_size()) <= 1:
+        return
+    warnings.warn(
+        f"torch.distributed runs {world_size} ranks and this ArenaLoader has no sampler of "
+        "yours: every rank loads the whole dataset. Trainers such as Lightning give torch's "
+        "DataLoader a DistributedSampler; they cannot give ArenaLoader one. Pass "
+        "sampler=arena_loader.DistributedSampler(dataset, shuffle=...) (its set_epoch is called "
+        "by Lightning, or call it each epoch), or a sampler of your own to keep this order on "
+        "every rank", UserWarning, stacklevel=3)

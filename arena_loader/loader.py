@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from ._arena import ArenaSource
+from ._distributed import warn_if_every_rank_loads_all
 from ._inprocess import InProcessIterator
 from ._options import LoaderOptions, is_iterable_dataset
 from ._pipeline.iterator import MultiProcessIterator
@@ -169,6 +170,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
         if os.getpid() != self._pid:
             self._adopt_after_fork()
         options = self.options
+        warn_if_every_rank_loads_all(options)
         plan = self._resume.begin_epoch(self)  # a loaded state: its epoch's draws replayed
         # Given back if the iterator is never used (not a resumed epoch's: its draws replay
         # the interrupted run's, even when nothing of that epoch is left to hand out).

@@ -14,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.timeout(120)
 
 RANK_SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, sys, warnings
     import numpy as np
     import torch.distributed as dist
     from arena_loader import ArenaLoader
@@ -28,11 +28,20 @@ RANK_SCRIPT = textwrap.dedent("""
         for epoch in range(2):
             sampler.set_epoch(epoch)
             epochs.append([int(i) for batch in loader for i in batch])
+    def warned(**options):  # the warnings an epoch of a loader with these options gives
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with ArenaLoader(dataset, batch_size=25, **options) as loader:
+                seen = [int(i) for batch in loader for i in batch]
+        return seen, [str(w.message) for w in caught if "every rank" in str(w.message)]
+    whole, unsharded = warned()
+    _, sharded = warned(sampler=sampler)
     gathered = [None, None]
     dist.all_gather_object(gathered, epochs)  # every rank sees both ranks' indices
     dist.destroy_process_group()
     print(json.dumps({"rank": sampler.rank, "replicas": sampler.num_replicas,
-                      "epochs": epochs, "gathered": gathered}))
+                      "epochs": epochs, "gathered": gathered, "whole": whole,
+                      "unsharded": unsharded, "sharded": sharded}))
 """)
 
 
@@ -45,7 +54,8 @@ def free_port() -> int:
 def test_two_gloo_ranks_split_the_dataset_and_set_epoch_reshuffles():
     """Each rank takes num_replicas/rank from the initialised process group; their index sets
     are disjoint and cover the dataset (50 = 2 x 25, no padding), and set_epoch changes the
-    order while both ranks agree on the permutation."""
+    order while both ranks agree on the permutation. A loader with its default sampler (what
+    Lightning cannot replace in an ArenaLoader) warns that every rank loads everything."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": "2"}
     ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT], env={**env, "RANK": str(r)},
@@ -71,3 +81,7 @@ def test_two_gloo_ranks_split_the_dataset_and_set_epoch_reshuffles():
         assert sorted(mine[0] + mine[1]) == list(range(50))
     for r in results:
         assert r["epochs"][0] != r["epochs"][1]
+        assert r["whole"] == list(range(50))
+        assert len(r["unsharded"]) == 1 and "torch.distributed runs 2 ranks" in r["unsharded"][0]
+        assert "sampler=arena_loader.DistributedSampler(dataset" in r["unsharded"][0]
+        assert r["sharded"] == []

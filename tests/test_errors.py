@@ -10,7 +10,13 @@ import numpy as np
 import psutil
 import pytest
 
-from arena_loader import ArenaLoader, LayoutError, LoaderTimeoutError, WorkerCrashedError
+from arena_loader import (
+    ArenaLoader,
+    LayoutError,
+    LoaderTimeoutError,
+    SampleTypeError,
+    WorkerCrashedError,
+)
 from arena_loader._slab import NAME_PREFIX
 
 from .datasets import (
@@ -113,7 +119,8 @@ def test_nested_structure_mismatch_names_the_path(num_workers):
 
 
 def test_object_dtype_and_none_samples_are_rejected_clearly():
-    """Object arrays and None samples get a LayoutError that says what to do."""
+    """Object arrays get torch's TypeError (and a LayoutError) and None samples a LayoutError,
+    each saying what to do; a collate_fn's object array is handed out as it is, as torch's."""
     class ObjectArrays:
         def __len__(self):
             return 2
@@ -125,8 +132,12 @@ def test_object_dtype_and_none_samples_are_rejected_clearly():
         def __getitem__(self, i):
             return None if i == 1 else super().__getitem__(i)
 
-    with pytest.raises(LayoutError, match="object-dtype"):
+    with pytest.raises(SampleTypeError, match=r"found object \(sample 0 is an object-dtype"):
         list(ArenaLoader(ObjectArrays(), batch_size=2))
+    with pytest.raises(TypeError, match=r"found object \(field sample\['a'\] of sample 0"):
+        list(ArenaLoader([{"a": np.array([None], dtype=object)}] * 2, batch_size=2))
+    kept = next(iter(ArenaLoader(ObjectArrays(), batch_size=2, collate_fn=np.stack)))
+    assert kept.dtype == object and kept.tolist() == [[None, 1], [None, 1]]
     with pytest.raises(LayoutError, match=r"dataset\[1\] returned None"):
         for _ in ArenaLoader(NoneSamples(4), batch_size=2, num_workers=1):
             pass
@@ -374,8 +385,8 @@ class BadSampleDataset(ImageDataset):
 @pytest.mark.parametrize("kind, bad, pattern", [
     ("none", 3, r"dataset\[3\] returned None; .*filter missing samples"),
     ("none", 0, r"dataset\[0\] returned None; .*filter missing samples"),
-    ("object", 3, r"sample 3: field sample is an object-dtype array \(object\), which cannot "
-                  r"be stored in shared memory; convert it to a numeric"),
+    ("object", 3, r"found object \(sample 3 is an object-dtype array \(object\), which "
+                  r"default collation cannot batch; convert it to a numeric"),
 ])
 def test_none_or_object_sample_fails_only_its_batch(kind, bad, pattern, num_workers):
     """A None sample (also as the very first, which the layout is learnt from) or a later

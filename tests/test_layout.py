@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from arena_loader import LayoutError
+from arena_loader import LayoutError, SampleTypeError
 from arena_loader._layout import (
     FIELD_ALIGNMENT,
     PlanDecoder,
@@ -165,8 +165,13 @@ def test_structure_mismatch_is_named():
 def test_none_and_object_arrays_are_layout_errors():
     with pytest.raises(LayoutError, match=r"dataset\[4\] returned None"):
         plan_and_write([np.zeros(1), None], [3, 4])
-    with pytest.raises(LayoutError, match="object-dtype"):
+    with pytest.raises(SampleTypeError, match=r"found object .* object-dtype"):
         prepare_samples([np.array([1, "a"], dtype=object)], [0])
+    with pytest.raises(SampleTypeError, match=r"field sample\['x'\] of sample 7 is an obj"):
+        prepare_samples([{"x": np.array([1, "a"], dtype=object)}], [7])
+    # What a collate_fn returned: an object leaf, pickled and handed out as it is.
+    out, _ = round_trip(prepare_batch({"x": np.array([1, "a"], dtype=object)}, "batch"))
+    assert out["x"].dtype == object and out["x"].tolist() == [1, "a"]
 
 
 def test_integers_outside_int64_are_a_layout_error():

@@ -33,6 +33,7 @@ from .spec import (
     describe,
     flatten,
     is_tensor,
+    object_array_error,
     reject_none,
     tensor_array,
 )
@@ -138,10 +139,8 @@ def _column(values: list, path: str, indices: Sequence[Any],
 
 def _check_dtype(dtype: np.dtype, path: str, index: Any) -> None:
     if dtype.hasobject:
-        raise LayoutError(
-            f"sample {index!r}: field {path} is an object-dtype array ({dtype}), which cannot "
-            "be stored in shared memory; convert it to a numeric or fixed-width string dtype, "
-            "or return a list")
+        where = f"sample {index!r}" if path == "sample" else f"field {path} of sample {index!r}"
+        raise object_array_error(dtype, where)
 
 
 def _leaf_placement(value: Any, path: str, label: str) -> tuple[Any, FieldPlacement]:
@@ -155,11 +154,6 @@ def _leaf_placement(value: Any, path: str, label: str) -> tuple[Any, FieldPlacem
     if is_tensor(value):
         array, kind, raw_name = tensor_array(value)
         return array, FieldPlacement(array.dtype, array.shape, 0, kind, raw_name)
-    if value.dtype.hasobject:
-        raise LayoutError(
-            f"{label}: field {path} is an object-dtype array ({value.dtype}), which cannot be "
-            "stored in shared memory; convert it to a numeric or fixed-width string dtype, or "
-            "return a list")
     return value, FieldPlacement(value.dtype, value.shape, 0)
 
 

@@ -46,11 +46,14 @@ def _slab_holds(tensor: Any) -> bool:
 
 
 def _is_field(value: Any) -> bool:
-    """A leaf stored as an array in the slab: numpy arrays, numeric numpy scalars (a
+    """A leaf stored as an array in the slab: numpy arrays but object ones, numeric numpy
+    scalars (a
     ``np.str_`` is a str to torch's ``default_collate``, so an object leaf), Python numbers,
     dense tensors."""
-    if isinstance(value, np.ndarray) or type(value) in PYTHON_NUMBER_DTYPES:
+    if type(value) in PYTHON_NUMBER_DTYPES:
         return True
+    if isinstance(value, np.ndarray):  # object arrays travel pickled, as torch's do
+        return not value.dtype.hasobject
     if isinstance(value, np.generic):
         return not isinstance(value, np.character)
     return is_tensor(value) and _slab_holds(value)
@@ -173,6 +176,14 @@ _TORCH_UNSTACKABLE = ("Batches of {} tensors are not currently supported by the 
 _SPARSE_LAYOUTS = ("sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc")
 
 
+def object_array_error(dtype: np.dtype, where: str) -> SampleTypeError:
+    """torch's ``TypeError`` for an object-dtype array under default collation."""
+    return SampleTypeError(
+        f"{TORCH_COLLATE_TYPE_ERROR.format(dtype)} ({where} is an object-dtype array "
+        f"({dtype}), which default collation cannot batch; convert it to a numeric or "
+        "fixed-width string dtype, return a list, or pass a collate_fn)")
+
+
 def collate_objects(values: list, path: str, in_sequence: bool, indices: Sequence[Any]) -> Any:
     """One object leaf's values under default collation, as torch's ``default_collate`` gives
     them: str and bytes as they are (a tuple inside a tuple or list sample, the list otherwise),
@@ -185,6 +196,8 @@ def collate_objects(values: list, path: str, in_sequence: bool, indices: Sequenc
     where = f"sample {indices[0]!r}"
     if path != "sample":
         where = f"field {path} of {where}"
+    if isinstance(first, np.ndarray):  # of dtype object (other arrays are fields)
+        raise object_array_error(first.dtype, where)
     if is_tensor(first):
         torch = sys.modules["torch"]
         kind = ("nested" if first.is_nested else "sparse"
