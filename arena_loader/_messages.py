@@ -105,12 +105,11 @@ def rebuild_worker_error(failure: BatchFailed | WorkerFailed, indices: Any = Non
     if issubclass(exc_type, KeyError):
         message = _ReadableMessage(message)  # KeyError's str() is the repr of its argument
     try:
-        if issubclass(exc_type, OSError) and getattr(original, "errno", None) is not None:
-            exc = exc_type(original.errno, message)  # keeps .errno (ENOSPC, EMFILE, ...)
-        else:
-            exc = exc_type(message)
+        exc = exc_type(message)
     except Exception:  # an exception type whose constructor wants other arguments
         exc = RuntimeError(message)
+    if isinstance(exc, OSError) and getattr(original, "errno", None) is not None:
+        exc.errno = original.errno  # kept (ENOSPC, EMFILE, ...); str() stays torch's text
     exc.__cause__ = original
     exc.worker_id = failure.worker_id  # type: ignore[attr-defined]
     exc.batch_idx = idx  # type: ignore[attr-defined]
@@ -129,6 +128,8 @@ def fresh_copy(error: BaseException) -> BaseException:
     try:
         clone = type(error).__new__(type(error), *error.args)
         clone.__dict__.update(error.__dict__)
+        if isinstance(error, OSError):
+            clone.errno = error.errno  # (a slot, not in __dict__)
     except Exception:  # an exception type with an unusual __new__: raise the original
         return error
     clone.__cause__ = error.__cause__

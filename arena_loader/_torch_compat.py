@@ -105,11 +105,28 @@ def iterable_length(samples: int, batch_size: int | None, drop_last: bool) -> in
     return samples // batch_size if drop_last else -(-samples // batch_size)
 
 
-def warn_pin_memory_device(pin_memory_device: str) -> None:
-    """torch's warning, word for word, at ``iter()`` with ``pin_memory_device`` set."""
-    warnings.warn("pin_memory_device is deprecated, the current accelerator will be used as "
-                  f"the device,ignore pin_memory_device='{pin_memory_device}'.", UserWarning,
-                  stacklevel=3)
+def check_no_timeout_in_process(timeout: float) -> None:
+    """torch's ``AssertionError`` at ``iter()`` for a ``timeout`` with ``num_workers=0`` (its
+    single-process iterator has nothing to wait for)."""
+    if timeout > 0:
+        raise AssertionError(
+            f"_SingleProcessDataLoaderIter requires timeout == 0 (torch's words): timeout="
+            f"{timeout!r} bounds the wait for a worker's batch, and num_workers=0 has no worker; "
+            "pass timeout=0, or num_workers > 0")
+
+
+def warn_pin_memory(pin_memory_device: str, unpinned: str | None) -> None:
+    """torch's warnings, word for word, as ``iter()`` makes a new iterator with
+    ``pin_memory=True`` (not when persistent workers' iterator is reused): ``pin_memory_device``
+    is deprecated; ``unpinned``: why no memory is page-locked (no accelerator)."""
+    if pin_memory_device:
+        warnings.warn("pin_memory_device is deprecated, the current accelerator will be used "
+                      f"as the device,ignore pin_memory_device='{pin_memory_device}'.",
+                      UserWarning, stacklevel=3)
+    if unpinned is not None:
+        warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then "
+                      f"device pinned memory won't be used. ({unpinned}; batches stay in "
+                      "pageable host memory)", UserWarning, stacklevel=3)
 
 
 class LengthCheckedIterator:

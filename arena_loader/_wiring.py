@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -204,9 +203,10 @@ class LiveIterators:
             persistent.close()
 
 
-def open_cuda(options: LoaderOptions) -> tuple[Any, Any]:
-    """(slab pinner or None, device copier or None) for ``pin_memory`` / ``device``. Without
-    CUDA, ``device`` is an error and ``pin_memory`` a warning (host batches), as in torch."""
+def open_cuda(options: LoaderOptions) -> tuple[Any, Any, str | None]:
+    """(slab pinner or None, device copier or None, why nothing is pinned or None) for
+    ``pin_memory`` / ``device``. Without CUDA, ``device`` is an error and ``pin_memory`` a
+    warning at each new iterator (host batches), as in torch."""
     try:
         from . import _device  # numba.cuda is imported only here, only when asked for
     except ImportError as exc:
@@ -220,15 +220,12 @@ def open_cuda(options: LoaderOptions) -> tuple[Any, Any]:
         copier = (_device.DeviceCopier(gpu, options.slots_or_default, options.pin_memory,
                                         options.output, options.held_batch_limit)
                   if options.device is not None else None)
-        return pinner, copier
+        return pinner, copier, None
     if options.device is not None:
         raise RuntimeError(f"device={options.device!r} needs a CUDA GPU, but {reason}; pass "
                            "device=None for host batches, or install arena_loader[cuda] on a "
                            "machine with a GPU")
-    warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then "
-                  f"device pinned memory won't be used. ({reason}; batches stay in pageable "
-                  "host memory)", stacklevel=3)
-    return None, None
+    return None, None, reason
 
 
 def close_all(source: ArenaSource, live: weakref.WeakSet, pid: int) -> None:

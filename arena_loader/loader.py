@@ -22,10 +22,11 @@ from ._torch_compat import (
     ShardedDataPipe,
     TorchIteratorAttribute,
     UnusedIteratorDraws,
+    check_no_timeout_in_process,
     distributed_settings,
     is_iter_datapipe,
     iterable_length,
-    warn_pin_memory_device,
+    warn_pin_memory,
 )
 from ._wiring import (
     EpochSeeds,
@@ -97,9 +98,9 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
         )
         if worker_threads > 1:
             warn_thread_unsafe(dataset, worker_threads)
-        self._pinner, self._device = (
+        self._pinner, self._device, self._unpinned = (
             open_cuda(self.options) if pin_memory or self.options.device is not None
-            else (None, None))
+            else (None, None, None))
         # The attributes torch's DataLoader exposes, read-only by convention, with torch's
         # values: a batch_sampler takes over batch_size and drop_last, prefetch_factor is 2
         # by default with workers, a start method name reads as its context.
@@ -175,8 +176,6 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
         # Given back if the iterator is never used (not a resumed epoch's: its draws replay
         # the interrupted run's, even when nothing of that epoch is left to hand out).
         draws = None if plan.resumed else UnusedIteratorDraws.take(self)
-        if self.pin_memory and self.pin_memory_device:
-            warn_pin_memory_device(self.pin_memory_device)
         # Random draws in torch's order: the DataPipe seed, the workers' base seed (for a new
         # iterator only), then the sampler's own at its first index.
         if self._datapipe is not None:
@@ -184,6 +183,8 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
         persistent = self._iterators.persistent
         reuse = (options.num_workers > 0 and options.persistent_workers
                  and persistent is not None and not persistent.broken)
+        if self.pin_memory and not reuse:
+            warn_pin_memory(self.pin_memory_device, self._unpinned)
         base_seed = self._resume.base_seed(self._seeds, reuse)
         if self._datapipe is not None and options.num_workers > 0 and self._resume.drew_seed:
             # torch's new worker iterator draws the DataPipe seed once more, in its _reset(),
@@ -194,6 +195,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
         if self._device is not None and options.persistent_workers:
             self._device.detach()  # no device thread may read the persistent iterator now
         if options.num_workers == 0:
+            check_no_timeout_in_process(options.timeout)
             iterator: Any = InProcessIterator(self, self._filler, self._source, plan)
         elif reuse:
             self._iterators.persistent.reset(plan)

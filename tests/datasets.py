@@ -4,6 +4,7 @@ in-process reference that every loader batch is compared with."""
 from __future__ import annotations
 
 import collections
+import errno
 import faulthandler
 import os
 import signal
@@ -245,7 +246,7 @@ class BatchedFetchDataset(ImageDataset):
 
 
 def fail_init(worker_id: int) -> None:
-    raise OSError(f"cannot open shard for worker {worker_id}")
+    raise FileNotFoundError(errno.ENOENT, f"cannot open shard for worker {worker_id}")
 
 
 def _torch_worker_info() -> Any:

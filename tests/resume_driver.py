@@ -101,7 +101,8 @@ def make_loader(name: str, **overrides: Any) -> ArenaLoader:
     if config.get("generator") is not None:
         config["generator"] = torch.Generator().manual_seed(config["generator"])
     config.setdefault("batch_size", BATCH_SIZE)
-    return ArenaLoader(dataset, timeout=30, **config)
+    # (torch refuses a timeout with num_workers=0)
+    return ArenaLoader(dataset, timeout=30 if config.get("num_workers") else 0, **config)
 
 
 def _epoch(loader: ArenaLoader, epoch: int) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -51,15 +52,27 @@ def no_cuda(monkeypatch):
 
 
 def test_pin_memory_without_cuda_warns_like_torch_and_gives_host_batches(no_cuda):
-    """No accelerator: pin_memory=True warns (torch's words) and batches stay on the host."""
-    with pytest.warns(UserWarning, match=r"'pin_memory' argument is set as true but no "
-                                         r"accelerator is found.*no CUDA GPU was found"):
+    """No accelerator: pin_memory=True warns (torch's words) as each new iterator is made, as
+    torch does (not when persistent workers' iterator is reused), and batches stay on the
+    host."""
+    no_accelerator = (r"'pin_memory' argument is set as true but no accelerator is found.*"
+                      r"no CUDA GPU was found")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing at construction
         loader = ArenaLoader(DATA, batch_size=2, pin_memory=True)
     with loader:
-        batches = [batch.copy() for batch in loader]
+        for _ in range(2):
+            with pytest.warns(UserWarning, match=no_accelerator):
+                batches = [batch.copy() for batch in loader]
         assert not loader.snapshot().pinned
     assert len(batches) == 3
     np.testing.assert_array_equal(batches[2][1], DATA[5])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ArenaLoader(DATA, batch_size=2, pin_memory=True, num_workers=1,
+                         persistent_workers=True) as loader:
+            assert [len([b.copy() for b in loader]) for _ in range(3)] == [3, 3, 3]
+    assert sum("no accelerator" in str(w.message) for w in caught) == 1
 
 
 def test_device_without_cuda_is_an_error_naming_device(no_cuda):

@@ -522,7 +522,8 @@ def _ctrl_c_matrix(num_workers, persistent, threads=1):
     expected = list(range(0, 40, 2))
     longest = 0  # lines of the longest next(): k must reach past it
     k = 0
-    with ArenaLoader(_Indexed(), batch_size=2, num_workers=num_workers, timeout=10,
+    with ArenaLoader(_Indexed(), batch_size=2, num_workers=num_workers,
+                     timeout=10 if num_workers else 0,
                      persistent_workers=persistent, worker_threads=threads) as loader:
         for epoch in range(4):
             # After the abandoned epoch, iter() drains it: interrupted at every line of that,
@@ -559,7 +560,8 @@ def _ctrl_c_matrix(num_workers, persistent, threads=1):
                 assert snapshot.free_slots == loader.slots, (epoch, snapshot.slot_states)
         assert k > longest, (k, longest)  # every line of next() was a target at least once
     for close_k in (3, 9, 17, 40):  # each on a fresh loader whose workers run
-        loader = ArenaLoader(_Indexed(), batch_size=2, num_workers=num_workers, timeout=10,
+        loader = ArenaLoader(_Indexed(), batch_size=2, num_workers=num_workers,
+                             timeout=10 if num_workers else 0,
                              persistent_workers=persistent, worker_threads=threads)
         iterator = iter(loader)
         next(iterator)
@@ -584,7 +586,7 @@ def test_ctrl_c_at_any_line_of_next_loses_no_batch(num_workers):
     expected = list(range(0, 40, 2))
     for k in range(1, 60, 4):
         with ArenaLoader(_Indexed(), batch_size=2, num_workers=num_workers,
-                         timeout=10) as loader:
+                         timeout=10 if num_workers else 0) as loader:
             iterator, got, interrupts = iter(loader), [], 0
             tracer = _InterruptAt(k)
             while len(got) <= len(expected):
@@ -630,7 +632,8 @@ def test_ctrl_c_at_any_line_of_next_loses_no_batch_error(num_workers, persistent
 def _ctrl_c_error_matrix(num_workers, persistent=False, threads=1, step=1):
     expected = [i if i != 12 else "ValueError" for i in range(0, 40, 2)]
     longest, k = 0, 0
-    with ArenaLoader(_FailsAt13(), batch_size=2, num_workers=num_workers, timeout=10,
+    with ArenaLoader(_FailsAt13(), batch_size=2, num_workers=num_workers,
+                     timeout=10 if num_workers else 0,
                      persistent_workers=persistent, worker_threads=threads) as loader:
         while k <= longest + 3:
             k += step

@@ -138,7 +138,8 @@ def test_forked_child_keeps_its_batches_while_the_parent_reuses_their_slots(via,
     dropped them and refilled every slot many times over."""
     n, batch_size = 64, 4
     loader = ArenaLoader(FullDataset(n), batch_size=batch_size, num_workers=num_workers,
-                         slots=max(2, 2 * num_workers + 1), timeout=10)
+                         slots=max(2, 2 * num_workers + 1),
+                         timeout=10 if num_workers else 0)
     iterator = iter(loader)
     _HELD[:] = [next(iterator), next(iterator)]
     try:
@@ -162,7 +163,7 @@ def test_loader_used_in_a_forked_child_starts_its_own_arena_and_workers(via, num
     goes on unharmed."""
     n, batch_size = 24, 4
     loader = ArenaLoader(FullDataset(n), batch_size=batch_size, num_workers=num_workers,
-                         persistent_workers=persistent, timeout=5)
+                         persistent_workers=persistent, timeout=5 if num_workers else 0)
     assert_epoch(loader, n, batch_size)
     parent_workers = set(getattr(iter(loader), "worker_pids", [])) if persistent else set()
 
@@ -241,7 +242,8 @@ def test_parent_iterator_used_in_a_forked_child_raises_loader_forked_error(num_w
     """An iterator made before the fork raises LoaderForkedError in the child at once (it
     never reads the parent's pipes or slots), naming both pids and the fix."""
     loader = ArenaLoader(FullDataset(16), batch_size=4, num_workers=num_workers,
-                         persistent_workers=num_workers > 0, timeout=5)
+                         persistent_workers=num_workers > 0,
+                         timeout=5 if num_workers else 0)
     iterator = iter(loader)
     first = next(iterator)
 
@@ -519,7 +521,8 @@ def attempt(limit, value):
     soft, hard = resource.getrlimit(limit)
     resource.setrlimit(limit, (value, hard))
     try:
-        loader = ArenaLoader(Big(), batch_size=32, num_workers=int(sys.argv[1]), timeout=20)
+        loader = ArenaLoader(Big(), batch_size=32, num_workers=int(sys.argv[1]),
+                             timeout=20 if int(sys.argv[1]) else 0)
         try:
             next(iter(loader))
             return {"raised": None}
@@ -588,7 +591,8 @@ def test_dropped_loaders_stop_their_workers_without_the_cyclic_gc(gc_disabled, n
     fds = []
     for round_number in range(8):
         loader = ArenaLoader(FullDataset(16), batch_size=4, num_workers=num_workers,
-                             persistent_workers=persistent, timeout=10)
+                             persistent_workers=persistent,
+                             timeout=10 if num_workers else 0)
         iterator = iter(loader)
         batch = next(iterator)
         np.testing.assert_array_equal(batch, expected_batch(range(4)))

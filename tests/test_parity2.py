@@ -394,6 +394,20 @@ def test_iterable_dataset_attributes_read_as_torchs():
         assert describe(ours) == describe(tud.DataLoader(stream, batch_size=3))
 
 
+def test_timeout_without_workers_fails_at_iter_as_torchs():
+    """timeout > 0 with num_workers=0: torch's AssertionError (its text in ours) at iter(),
+    not at construction; timeout=0 loads."""
+    theirs = tud.DataLoader(DATA, timeout=5)
+    with pytest.raises(AssertionError) as their_error:
+        iter(theirs)
+    with ArenaLoader(DATA, timeout=5) as loader:
+        with pytest.raises(AssertionError, match="pass timeout=0, or num_workers > 0") as ours:
+            iter(loader)
+    assert str(their_error.value) in str(ours.value)
+    with ArenaLoader(DATA, timeout=0) as loader:
+        assert len(list(loader)) == len(DATA)
+
+
 def test_pin_memory_warnings_contain_torchs_text():
     """pin_memory_device with pin_memory: torch's deprecation warning at iter(); without an
     accelerator, torch's 'no accelerator' text inside ours."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 import numpy as np
 import pytest
 
@@ -56,19 +58,21 @@ def test_worker_init_fn_error_is_raised_with_its_type(num_workers, worker_mode):
     with ArenaLoader(ImageDataset(8), batch_size=2, num_workers=num_workers,
                      worker_init_fn=init, worker_mode=worker_mode) as loader:
         iterator = iter(loader)
-        pattern = (r"(?s)Caught OSError in DataLoader worker process \d\.\n"
-                   r"builtins.OSError while starting.*cannot open shard")
-        with pytest.raises(OSError, match=pattern) as info:
+        pattern = (r"(?s)^Caught FileNotFoundError in DataLoader worker process \d\.\n"
+                   r"builtins.FileNotFoundError while starting.*cannot open shard")
+        with pytest.raises(FileNotFoundError, match=pattern) as info:
             for _ in iterator:
                 pass
         assert not live_children()
         error = info.value
+        assert error.errno == errno.ENOENT  # kept, while str() starts with torch's words
         assert 0 <= error.worker_id < num_workers and error.batch_idx is None
         assert f"cannot open shard for worker {error.worker_id}" in str(error)
         assert ", in fail_init\n" in str(error) and isinstance(error.__cause__, OSError)
         with pytest.raises(OSError) as again:
             next(iterator)
         assert type(again.value) is type(error) and str(again.value) == str(error)
+        assert again.value.errno == errno.ENOENT
         del iterator, info, again, error
         failing["init"] = False  # forked workers of the next epoch see the new value
         assert sum(1 for _ in loader) == 4
