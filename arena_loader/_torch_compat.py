@@ -105,14 +105,14 @@ def iterable_length(samples: int, batch_size: int | None, drop_last: bool) -> in
     return samples // batch_size if drop_last else -(-samples // batch_size)
 
 
-def check_no_timeout_in_process(timeout: float) -> None:
+def check_no_timeout_in_process(options: Any) -> None:
     """torch's ``AssertionError`` at ``iter()`` for a ``timeout`` with ``num_workers=0`` (its
     single-process iterator has nothing to wait for)."""
-    if timeout > 0:
+    if options.num_workers == 0 and options.timeout > 0:
         raise AssertionError(
             f"_SingleProcessDataLoaderIter requires timeout == 0 (torch's words): timeout="
-            f"{timeout!r} bounds the wait for a worker's batch, and num_workers=0 has no worker; "
-            "pass timeout=0, or num_workers > 0")
+            f"{options.timeout!r} bounds the wait for a worker's batch, and num_workers=0 has "
+            "no worker; pass timeout=0, or num_workers > 0")
 
 
 def warn_pin_memory(pin_memory_device: str, unpinned: str | None) -> None:

@@ -171,6 +171,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
         if os.getpid() != self._pid:
             self._adopt_after_fork()
         options = self.options
+        check_no_timeout_in_process(options)  # (before anything is drawn or begun)
         warn_if_every_rank_loads_all(options)
         plan = self._resume.begin_epoch(self)  # a loaded state: its epoch's draws replayed
         # Given back if the iterator is never used (not a resumed epoch's: its draws replay
@@ -195,7 +196,6 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
         if self._device is not None and options.persistent_workers:
             self._device.detach()  # no device thread may read the persistent iterator now
         if options.num_workers == 0:
-            check_no_timeout_in_process(options.timeout)
             iterator: Any = InProcessIterator(self, self._filler, self._source, plan)
         elif reuse:
             self._iterators.persistent.reset(plan)

@@ -47,9 +47,8 @@ def _slab_holds(tensor: Any) -> bool:
 
 def _is_field(value: Any) -> bool:
     """A leaf stored as an array in the slab: numpy arrays but object ones, numeric numpy
-    scalars (a
-    ``np.str_`` is a str to torch's ``default_collate``, so an object leaf), Python numbers,
-    dense tensors."""
+    scalars (a ``np.str_`` is a str to torch's ``default_collate``, so an object leaf), Python
+    numbers, dense tensors."""
     if type(value) in PYTHON_NUMBER_DTYPES:
         return True
     if isinstance(value, np.ndarray):  # object arrays travel pickled, as torch's do
