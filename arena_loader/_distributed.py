@@ -116,16 +116,17 @@ def _distributed_default(name: str, variable: str) -> int:
             f"which is {value!r}; set {variable} to an integer or pass {name}=...") from None
 
 
-def warn_if_every_rank_loads_all(options: LoaderOptions) -> None:
+def warn_if_every_rank_loads_all(options: LoaderOptions) -> bool:
     """Warn when ``torch.distributed`` runs several ranks and the loader draws from its default
     sampler: every rank then loads the whole dataset. Trainers such as Lightning put a
     DistributedSampler into torch's DataLoader themselves, which they cannot do for an
-    ArenaLoader (not a DataLoader subclass): silent, each rank would train on every sample."""
+    ArenaLoader (not a DataLoader subclass): silent, each rank would train on every sample.
+    True once warned (the loader warns once)."""
     if options.iterable or options.sampler is not None or options.batch_sampler is not None:
-        return
+        return False
     dist = initialized_distributed()
     if dist is None or (world_size := dist.get_world_size()) <= 1:
-        return
+        return False
     warnings.warn(
         f"torch.distributed runs {world_size} ranks and this ArenaLoader has no sampler of "
         "yours: every rank loads the whole dataset. Trainers such as Lightning give torch's "
@@ -133,3 +134,4 @@ def warn_if_every_rank_loads_all(options: LoaderOptions) -> None:
         "sampler=arena_loader.DistributedSampler(dataset, shuffle=...) (its set_epoch is called "
         "by Lightning, or call it each epoch), or a sampler of your own to keep this order on "
         "every rank", UserWarning, stacklevel=3)
+    return True

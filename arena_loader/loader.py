@@ -150,6 +150,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
                                    held_batch_limit=None if on_device else held_batch_limit)
         self._iterators = LiveIterators()
         self._closed = False
+        self._warned_unsharded = False  # torch.distributed with the default sampler: once
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, close_all, self._source, self._iterators.live,
                                            self._pid)
@@ -172,7 +173,8 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
             self._adopt_after_fork()
         options = self.options
         check_no_timeout_in_process(options)  # (before anything is drawn or begun)
-        warn_if_every_rank_loads_all(options)
+        if not self._warned_unsharded:
+            self._warned_unsharded = warn_if_every_rank_loads_all(options)
         plan = self._resume.begin_epoch(self)  # a loaded state: its epoch's draws replayed
         # Given back if the iterator is never used (not a resumed epoch's: its draws replay
         # the interrupted run's, even when nothing of that epoch is left to hand out).

@@ -33,6 +33,7 @@ RANK_SCRIPT = textwrap.dedent("""
             warnings.simplefilter("always")
             with ArenaLoader(dataset, batch_size=25, **options) as loader:
                 seen = [int(i) for batch in loader for i in batch]
+                list(loader)  # a second epoch: warned once per loader
         return seen, [str(w.message) for w in caught if "every rank" in str(w.message)]
     whole, unsharded = warned()
     _, sharded = warned(sampler=sampler)
