@@ -27,6 +27,7 @@ import logging
 import mmap
 import os
 import select
+import signal
 import threading
 import time
 import weakref
@@ -128,6 +129,36 @@ def handing_over(fds: list[int]):
         yield
     finally:
         _handed_over.fds = frozenset()
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """A Ctrl-C while a worker process starts is raised once it has started, not inside the
+    start. During a fork, the main thread's next Python code is in the at-fork hooks (ours,
+    logging's), where Python swallows what the SIGINT handler raises ("Exception ignored in"):
+    the Ctrl-C was lost, and the training loop went on. And a child forked just as it arrived
+    could raise it before its bootstrap and run the caller's code as a second process
+    (CPython's race: torch's workers have it too). Inside this block the handler only records
+    the signal (a forked child inherits that handler until ``worker_main`` ignores SIGINT); the
+    caller's own handler gets it at the end. In another thread there is nothing to do: the
+    handler runs in the main thread, outside this thread's hooks."""
+    caught: list[Any] = []
+    previous = None
+    # (None: a handler set outside Python, which could not be put back; it is left alone)
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is not None):
+        with contextlib.suppress(ValueError):  # (not the main interpreter)
+            previous = signal.signal(signal.SIGINT, lambda _signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+            if caught:
+                if callable(previous):
+                    previous(signal.SIGINT, caught[0])  # (the default raises KeyboardInterrupt)
+                elif previous == signal.SIG_DFL:
+                    os.kill(os.getpid(), signal.SIGINT)
 
 
 def register_mapping(owner: Any, address: int, nbytes: int) -> None:
@@ -307,11 +338,13 @@ def _after_fork_in_child() -> None:
         if state is not None:
             _, read_fd, write_fd = state
             try:
-                os.write(write_fd, b"\0")
-            except OSError:
-                pass
-            os.close(write_fd)
-            os.close(read_fd)
+                try:
+                    os.write(write_fd, b"\0")
+                except OSError:
+                    pass
+            finally:  # (even if interrupted: the parent then reads EOF, not a 10 s wait)
+                os.close(write_fd)
+                os.close(read_fd)
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,

@@ -644,3 +644,40 @@ def test_registered_one_off_mapping_is_private_in_a_forked_child():
     mapping.close()
     assert our_slab_mappings() == []
 
+
+
+class _InterruptedChildWrites:
+    """``os`` for ``_forksafe``, whose write() raises KeyboardInterrupt in a forked child: a
+    Ctrl-C landing on the child's "batches copied" byte."""
+
+    def __init__(self, parent_pid: int):
+        self._parent_pid = parent_pid
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def write(self, fd, data):
+        if os.getpid() != self._parent_pid:
+            raise KeyboardInterrupt
+        return os.write(fd, data)
+
+
+@pytest.mark.timeout(60)
+def test_a_child_interrupted_in_its_at_fork_hook_does_not_stall_the_parent(monkeypatch):
+    """A Ctrl-C in a freshly forked worker's hook, at the byte that tells the parent its held
+    batches are copied, still closes the pipe: the parent's fork returns at once (it waited
+    the whole 10 s COPY_TIMEOUT_S per worker before), and every epoch is whole."""
+    from arena_loader import _forksafe
+
+    monkeypatch.setattr(_forksafe, "os", _InterruptedChildWrites(os.getpid()))
+    with ArenaLoader(FullDataset(8), batch_size=2, num_workers=2) as loader:
+        held = next(iter(loader))  # held across the next fork: the parent waits for the copy
+        for _ in range(2):
+            start = time.monotonic()
+            iterator = iter(loader)
+            first = next(iterator)
+            assert time.monotonic() - start < _forksafe.COPY_TIMEOUT_S / 2
+            rest = [batch for batch in iterator]
+            assert len(rest) + 1 == 4 and first.shape == held.shape
+            del first, rest, iterator
+    assert not live_children()
