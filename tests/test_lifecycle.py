@@ -302,6 +302,35 @@ def test_interpreter_exit_mid_epoch_is_clean(persistent, context):
     assert wait_until(lambda: not any(_running(p) for p in pids), timeout_s=2.0)
 
 
+def test_interpreter_exit_while_a_daemon_thread_iterates_is_silent():
+    """A script whose daemon thread is inside next() when the main thread ends exits at once,
+    prints nothing (the thread stays blocked, as one on torch's queue does) and leaves no
+    worker."""
+    script = textwrap.dedent(f"""
+        import sys, threading, time
+        sys.path.insert(0, {os.getcwd()!r})
+        from tests.datasets import SlowDataset
+        from arena_loader import ArenaLoader
+        loader = ArenaLoader(SlowDataset(100, range(4, 100), 30), batch_size=2, num_workers=2)
+        started = threading.Event()
+
+        def train():
+            for _ in loader:
+                started.set()
+
+        threading.Thread(target=train, daemon=True).start()
+        started.wait(20)
+        time.sleep(0.2)  # the thread now waits in next() for a batch that takes 30 s
+        print(" ".join(map(str, loader.snapshot().iterators[0].worker_pids)), flush=True)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=30, check=False)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    pids = [int(p) for p in result.stdout.split()]
+    assert len(pids) == 2
+    assert wait_until(lambda: not any(_running(p) for p in pids), timeout_s=2.0)
+
+
 def test_ctrl_c_while_waiting_for_a_batch_interrupts_and_cleans_up():
     """SIGINT to the main process while next() waits raises KeyboardInterrupt there; the
     workers (which ignore SIGINT) are then stopped by close()."""
