@@ -304,8 +304,8 @@ def test_interpreter_exit_mid_epoch_is_clean(persistent, context):
 
 def test_interpreter_exit_while_a_daemon_thread_iterates_is_silent():
     """A script whose daemon thread is inside next() when the main thread ends exits at once,
-    prints nothing (the thread stays blocked, as one on torch's queue does) and leaves no
-    worker."""
+    prints nothing (the thread ends with SystemExit, which threading does not print) and
+    leaves no worker."""
     script = textwrap.dedent(f"""
         import sys, threading, time
         sys.path.insert(0, {os.getcwd()!r})

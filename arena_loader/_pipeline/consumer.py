@@ -7,13 +7,12 @@ a dead worker, ``close()`` from another thread); an interrupt at any line loses 
 from __future__ import annotations
 
 import gc
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from .. import _forksafe
 from .._messages import fresh_copy
-from ..errors import LoaderClosedError, LoaderTimeoutError, forked_iterator_error
+from ..errors import LoaderTimeoutError, forked_iterator_error
 from .handout import timeout_message
 from .phase import POLL_S, Phase
 
@@ -26,13 +25,6 @@ class Consumer:
         self.session = session
 
     def next_batch(self) -> Any:
-        try:
-            return self._locked_next()
-        except LoaderClosedError:
-            _park_if_exiting()
-            raise
-
-    def _locked_next(self) -> Any:
         session = self.session
         if _forksafe.generation() != session.generation:
             raise forked_iterator_error(session.pid)
@@ -139,14 +131,3 @@ class Consumer:
                 if feed.exhausted:  # (the last iterator ended: the epoch may end now, with
                     continue  # no wait; a wait here cost every iterable epoch 0.5 s)
             session.intake.wait(wait_s, owing)
-
-
-def _park_if_exiting() -> None:
-    """The loader was closed because the interpreter is exiting (its main thread is done: only
-    daemon threads run now) and this is one of those threads: wait here for the end, as a
-    thread blocked on torch's queue does, rather than print a ``LoaderClosedError`` traceback
-    on the way out."""
-    main = threading.main_thread()
-    if threading.current_thread() is not main and not main.is_alive():
-        while True:
-            time.sleep(3600)

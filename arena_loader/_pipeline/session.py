@@ -88,7 +88,7 @@ class Session:
         if self.phase is Phase.FINISHED:
             raise StopIteration
         if self.phase is Phase.CLOSED:
-            raise LoaderClosedError("this iterator was closed; call iter(loader) for a new one")
+            raise _closed_error()
 
     # -- epochs -----------------------------------------------------------------------
 
@@ -282,3 +282,13 @@ class Session:
         self.reclaim_done()
         self.reconcile_slots()
         self.claim.release()
+
+
+def _closed_error() -> BaseException:
+    """``LoaderClosedError``; but ``SystemExit`` in a daemon thread once the interpreter is
+    exiting (its main thread is done, and at exit the loader closed): that thread then ends
+    quietly (threading prints no SystemExit) rather than with a traceback on the way out."""
+    main = threading.main_thread()
+    if threading.current_thread() is not main and not main.is_alive():
+        return SystemExit()
+    return LoaderClosedError("this iterator was closed; call iter(loader) for a new one")
