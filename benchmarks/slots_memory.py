@@ -59,9 +59,11 @@ class Stepped:
 def drop_pages_on_reuse() -> None:
     """From now on (in this process: the measuring child), a slot handed out gives its pages
     back first (an experiment: it reads the pool's private slab address)."""
+    acquire = SlotPool.acquire
+    if getattr(acquire, "drops_pages", False):
+        return  # (wrapped already: a case built twice in one process)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    acquire = SlotPool.acquire
 
     def acquire_dropping(pool: SlotPool, worker: int = -1) -> int | None:
         slot = acquire(pool, worker)
@@ -70,6 +72,7 @@ def drop_pages_on_reuse() -> None:
             raise OSError(ctypes.get_errno(), "madvise(MADV_REMOVE)")
         return slot
 
+    acquire_dropping.drops_pages = True  # type: ignore[attr-defined]
     SlotPool.acquire = acquire_dropping  # type: ignore[method-assign]
 
 
