@@ -106,3 +106,100 @@ def test_device_leg_passes_under_the_simulator():
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert " passed" in summary and "skipped" not in summary, summary
+
+
+def _device_memory(address: int, nbytes: int):
+    """A numba ``MemoryPointer`` to ``address`` with no context (none is needed to build
+    arrays over it), its pointer of the type numba's driver uses (ctypes' in numba's own
+    ``numba.cuda``, cuda-python's ``CUdeviceptr`` in numba-cuda's)."""
+    import ctypes
+
+    from numba.cuda.cudadrv import driver
+
+    kinds = [ctypes.c_uint64]
+    binding = getattr(driver, "binding", None)
+    if binding is None:
+        try:
+            from cuda.bindings import driver as binding
+        except ImportError:
+            pass
+    if binding is not None:
+        kinds.append(binding.CUdeviceptr)
+    for kind in kinds:
+        memory = driver.MemoryPointer(None, kind(address), nbytes)
+        try:
+            if memory.device_pointer_value == address:
+                return memory
+        except (TypeError, ValueError):  # int() of a ctypes pointer, under numba-cuda
+            pass
+    raise AssertionError(f"no pointer type of {kinds} gives numba's driver the address")
+
+
+def test_device_arrays_lie_over_their_bytes_and_keep_the_lease_alive(monkeypatch):
+    """Each field's device array is built from numba's classes without a driver call (so it
+    runs here, without a GPU; numba's public call, the fallback, is made to fail): it points
+    at its bytes of the buffer, with the field's shape and dtype, and it alone keeps the
+    buffer's lease alive (its slices carry the same owner: numba's views take their base's)."""
+    import gc
+    import weakref
+
+    from arena_loader._device import cuda
+
+    if cuda.SIMULATED:
+        pytest.skip("the simulator makes host arrays")
+
+    def public_call(*args, **kwargs):
+        raise AssertionError("device_array fell back to from_cuda_array_interface")
+
+    monkeypatch.setattr(cuda.cuda, "from_cuda_array_interface", public_call)
+
+    class Lease:
+        pass
+
+    buffer = _device_memory(0x10000, 4096)
+    lease = Lease()
+    array = cuda.device_array(buffer, 64, 24, np.dtype("<f4"), (2, 3), lease)
+    interface = array.__cuda_array_interface__
+    assert interface["data"][0] == 0x10000 + 64
+    assert (interface["shape"], interface["typestr"], interface["strides"]) == ((2, 3), "<f4",
+                                                                                 None)
+    assert array.strides == (12, 4) and array.gpu_data.owner is lease
+    alive = weakref.ref(lease)
+    del lease
+    gc.collect()
+    assert alive() is not None
+    del array
+    gc.collect()
+    assert alive() is None
+
+
+def test_device_arrays_from_a_numba_whose_classes_differ_use_its_public_call(monkeypatch):
+    """If numba's classes refuse device_array's arguments (another numba-cuda), the field's
+    array comes from ``from_cuda_array_interface`` with the same bytes and owner, from then
+    on."""
+    from arena_loader._device import cuda
+
+    if cuda.SIMULATED:
+        pytest.skip("the simulator makes host arrays")
+    from numba.cuda.cudadrv import devicearray
+
+    made = []
+
+    def refuse(*args, **kwargs):
+        made.append("direct")
+        raise TypeError("unexpected keyword argument 'gpu_data'")
+
+    def public_call(interface, owner, sync):
+        made.append((interface["data"], interface["shape"], interface["typestr"], owner, sync))
+        return "public"
+
+    monkeypatch.setattr(cuda, "_direct", True)  # restored after the test: it goes False here
+    monkeypatch.setattr(devicearray, "DeviceNDArray", refuse)
+    monkeypatch.setattr(cuda.cuda, "from_cuda_array_interface", public_call)
+    buffer = _device_memory(0x20000, 4096)
+    lease = object()
+    dtype = np.dtype("<i2")
+    assert cuda.device_array(buffer, 8, 12, dtype, (6,), lease) == "public"
+    assert cuda.device_array(buffer, 20, 4, dtype, (2,), lease) == "public"
+    assert made == ["direct", ((0x20008, False), (6,), "<i2", lease, False),
+                    ((0x20014, False), (2,), "<i2", lease, False)]

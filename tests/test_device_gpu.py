@@ -70,10 +70,10 @@ def test_unbatched_scalar_fields_reach_the_gpu():
             assert_batches_equal(host_copy(batch), reference)
 
 
-@pytest.mark.parametrize("output", [None, "torch"])
+@pytest.mark.parametrize("output", [None, "torch", "slices"])
 def test_held_gpu_batches_are_not_overwritten(output):
-    """A device batch the consumer holds (a numba array, or a torch tensor, which alone
-    keeps the buffer's lease) keeps its contents while later batches arrive."""
+    """A device batch the consumer holds (a numba array, a slice of one, or a torch tensor,
+    which alone keeps the buffer's lease) keeps its contents while later batches arrive."""
     if output == "torch":
         torch = pytest.importorskip("torch")
         if not torch.cuda.is_available():
@@ -81,14 +81,15 @@ def test_held_gpu_batches_are_not_overwritten(output):
     dataset = ImageDataset(64, shape=(256,))
     expected = host_epoch(dataset, batch_size=4)
     with ArenaLoader(dataset, batch_size=4, num_workers=2, pin_memory=True, device="cuda",
-                     slots=8, output=output) as loader:
+                     slots=8, output="torch" if output == "torch" else None) as loader:
         held = []
         for i, batch in enumerate(loader):
             if i < 4:
-                held.append(batch)
+                held.append(batch[1:] if output == "slices" else batch)
         for i, batch in enumerate(held):
             got = batch.cpu().numpy() if output == "torch" else batch.copy_to_host()
-            np.testing.assert_array_equal(got, expected[i])
+            np.testing.assert_array_equal(got, expected[i][1:] if output == "slices"
+                                          else expected[i])
 
 
 def test_torch_output_is_zero_copy_cuda_tensors():

@@ -160,15 +160,15 @@ class DeviceFields:
     lease alive: a numba device array, or for ``raw`` (a converter follows, e.g. to torch)
     an object with the field's ``__cuda_array_interface__``.
 
-    Each is made from its interface in one call: numba's slice, view and reshape of the whole
-    buffer cost about 25 us each a field on an H100."""
+    Each is made in one call: numba's slice, view and reshape of the whole buffer cost about
+    25 us each a field on an H100."""
 
-    __slots__ = ("_lease", "_pointer", "_raw")
+    __slots__ = ("_lease", "_memory", "_raw")
 
     def __init__(self, lease: Any, raw: bool = False):
         self._lease = lease
         self._raw = raw
-        self._pointer = None if SIMULATED else lease.__cuda_array_interface__["data"][0]
+        self._memory = None if SIMULATED else lease.memory  # the buffer's MemoryPointer
 
     def field(self, offset: int, nbytes: int, dtype: np.dtype, shape: tuple) -> Any:
         """The device array of ``shape`` and ``dtype`` at byte ``offset`` of the buffer."""
@@ -180,11 +180,50 @@ class DeviceFields:
         if dtype.names is not None or dtype.subdtype is not None:  # a record: numba's views
             whole = cuda.as_cuda_array(self._lease, sync=False)
             return whole[offset: offset + nbytes].view(dtype).reshape(shape)
-        interface = {"shape": tuple(shape), "strides": None, "typestr": dtype.str,
-                     "data": (self._pointer + offset if nbytes else 0, False), "version": 3}
         if self._raw:
-            return _Interface(interface, self._lease)
-        return cuda.from_cuda_array_interface(interface, owner=self._lease, sync=False)
+            return _Interface(_interface(self._memory, offset, nbytes, dtype, shape),
+                              self._lease)
+        return device_array(self._memory, offset, nbytes, dtype, shape, self._lease)
+
+
+def _interface(memory: Any, offset: int, nbytes: int, dtype: np.dtype, shape: tuple) -> dict:
+    return {"shape": tuple(shape), "strides": None, "typestr": dtype.str, "version": 3,
+            "data": (memory.device_pointer_value + offset if nbytes else 0, False)}
+
+
+_direct = True  # numba's classes take the arguments device_array gives them
+
+
+def device_array(memory: Any, offset: int, nbytes: int, dtype: np.dtype, shape: tuple,
+                 owner: Any) -> Any:
+    """A numba device array over bytes ``[offset, offset + nbytes)`` of ``memory`` (a numba
+    ``MemoryPointer`` of the current context) that keeps ``owner`` alive, as its slices do
+    (numba's views carry their base's owner).
+
+    What ``cuda.from_cuda_array_interface`` makes, from numba's public classes, without its
+    two driver calls (the current context; the context of the pointer, known here): each is a
+    ctypes call that lets the GIL go, so the consumer thread takes it in between, and the
+    call cost the device thread 27 us a field in the loader against 9 alone (H200, 4 MiB
+    batches: docs/benchmarks.md, "The GPU checks again"). A numba whose classes take other
+    arguments gets the public call from the first failure on."""
+    global _direct
+    if _direct and nbytes:
+        try:
+            from numba.cuda.cudadrv.devicearray import DeviceNDArray
+            from numba.cuda.cudadrv.driver import MemoryPointer
+
+            base = memory.device_pointer
+            pointer = type(base)(memory.device_pointer_value + offset)  # ctypes or binding
+            data = MemoryPointer(memory.context, pointer, nbytes, owner=owner)
+            strides, step = [], dtype.itemsize
+            for extent in reversed(shape):
+                strides.append(step)
+                step *= extent
+            return DeviceNDArray(shape, tuple(reversed(strides)), dtype, gpu_data=data)
+        except Exception:
+            _direct = False
+    return cuda.from_cuda_array_interface(_interface(memory, offset, nbytes, dtype, shape),
+                                          owner=owner, sync=False)
 
 
 def torch_converter(gpu: int) -> Callable[[Any], Any]:

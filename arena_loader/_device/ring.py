@@ -27,6 +27,11 @@ class DeviceLease:
         return self._buffer.__cuda_array_interface__
 
     @property
+    def memory(self) -> Any:
+        """The buffer's numba ``MemoryPointer`` (its context, pointer and size)."""
+        return self._buffer.gpu_data
+
+    @property
     def __array_interface__(self) -> dict:  # the simulator's device arrays are numpy arrays
         return self._buffer._ary.__array_interface__
 
