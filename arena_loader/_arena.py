@@ -20,7 +20,7 @@ from . import _forksafe
 from ._layout import KIND_TORCH_RAW, FieldPlacement, Plan
 from ._leases import HeldLimit
 from ._messages import listed
-from ._output import make_converter, torch_raw_view
+from ._output import NUMPY_UNPINNED, make_converter, torch_raw_view
 from ._pool import SlotPool, SlotState
 from ._slab import Slab
 from .errors import LoaderClosedError, SlotsExhaustedError, forked_iterator_error
@@ -152,7 +152,8 @@ class ArenaSource:
     """
 
     def __init__(self, slots: int, pinner: Pinner | None = None, lease_only: bool = False,
-                 output: str | None = None, held_batch_limit: int | None = None):
+                 output: str | None = None, held_batch_limit: int | None = None,
+                 pin_batch: Callable[[Any], Any] | None = None):
         self.slots = slots
         self.held_batch_limit = held_batch_limit
         self._limit = HeldLimit(held_batch_limit,
@@ -162,6 +163,10 @@ class ArenaSource:
         self._output = output
         self._to_torch = None if output == "numpy" or lease_only else make_converter("torch",
                                                                                    lazy=True)
+        # pin_memory without a device: the batch's tensors copied into torch's page-locked
+        # memory (_output.tensor_pinner); its slot goes back as the views die.
+        self._pin_batch = pin_batch
+        self._warned_unpinned = False
         self.slot_nbytes: int | None = None  # fixed by the first arena
         self._arena: Arena | None = None
         self._claimed = False
@@ -325,6 +330,11 @@ class ArenaSource:
             batch = plan.assemble(host, objects, _raw_field if plan.raw else None)
             if self._to_torch is not None and (self._output == "torch" or plan.torch):
                 batch = self._to_torch(batch, plan.collated, plan.converted)
+            if self._pin_batch is not None:
+                if not (self._output == "torch" or plan.torch) and not self._warned_unpinned:
+                    self._warned_unpinned = True
+                    warnings.warn(NUMPY_UNPINNED, UserWarning, stacklevel=2)
+                batch = self._pin_batch(batch)
             return batch
         except KeyboardInterrupt:
             if slot is not None and lease is not None:  # not handed out: FILLED again, kept

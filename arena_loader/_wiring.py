@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +16,7 @@ import numpy as np
 from ._arena import ArenaSource
 from ._fetch import BatchFiller
 from ._options import LoaderOptions
+from ._output import NUMPY_UNPINNED, tensor_pinner
 from ._pipeline.iterator import MultiProcessIterator
 from ._torch_compat import (
     draw_torch_seed,
@@ -203,10 +205,26 @@ class LiveIterators:
             persistent.close()
 
 
-def open_cuda(options: LoaderOptions) -> tuple[Any, Any, str | None]:
-    """(slab pinner or None, device copier or None, why nothing is pinned or None) for
-    ``pin_memory`` / ``device``. Without CUDA, ``device`` is an error and ``pin_memory`` a
-    warning at each new iterator (host batches), as in torch."""
+def open_gpu_options(options: LoaderOptions) -> tuple[Any, Any, Any, str | None]:
+    """(slab pinner, device copier, batch pinner, why nothing is pinned), each or None, for
+    ``pin_memory`` and ``device``. Without a device, ``pin_memory`` copies a batch's tensors
+    into torch's page-locked memory, as torch does (``_output.tensor_pinner``): the slab is
+    not page-locked, since a slot is rewritten once its batch is dropped, which
+    ``x = x.cuda(non_blocking=True)`` does before its copy has run."""
+    if options.device is not None:
+        return (*open_cuda(options), None, None)
+    if not options.pin_memory:
+        return None, None, None, None
+    if options.output == "numpy":
+        warnings.warn(NUMPY_UNPINNED, UserWarning, stacklevel=3)
+        return None, None, None, None
+    return (None, None, *tensor_pinner())
+
+
+def open_cuda(options: LoaderOptions) -> tuple[Any, Any]:
+    """(slab pinner or None, device copier) for ``device`` (with ``pin_memory``, the slab is
+    page-locked in place: only the device stage copies from it). Without CUDA it is an error
+    naming ``device``."""
     try:
         from . import _device  # numba.cuda is imported only here, only when asked for
     except ImportError as exc:
@@ -215,17 +233,13 @@ def open_cuda(options: LoaderOptions) -> tuple[Any, Any, str | None]:
         reason = _device.cuda_unavailable_reason()
     if reason is None:
         gpu = _device.resolve_gpu(options.gpu_index)
-        pinner = (_device.HostPinner(gpu, staging=options.device is not None)
-                  if options.pin_memory else None)
-        copier = (_device.DeviceCopier(gpu, options.slots_or_default, options.pin_memory,
-                                        options.output, options.held_batch_limit)
-                  if options.device is not None else None)
-        return pinner, copier, None
-    if options.device is not None:
-        raise RuntimeError(f"device={options.device!r} needs a CUDA GPU, but {reason}; pass "
-                           "device=None for host batches, or install arena_loader[cuda] on a "
-                           "machine with a GPU")
-    return None, None, reason
+        pinner = _device.HostPinner(gpu) if options.pin_memory else None
+        copier = _device.DeviceCopier(gpu, options.slots_or_default, options.pin_memory,
+                                      options.output, options.held_batch_limit)
+        return pinner, copier
+    raise RuntimeError(f"device={options.device!r} needs a CUDA GPU, but {reason}; pass "
+                       "device=None for host batches, or install arena_loader[cuda] on a "
+                       "machine with a GPU")
 
 
 def close_all(source: ArenaSource, live: weakref.WeakSet, pid: int) -> None:

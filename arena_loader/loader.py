@@ -35,7 +35,7 @@ from ._wiring import (
     default_samplers,
     epoch_batches,
     make_filler,
-    open_cuda,
+    open_gpu_options,
 )
 from .errors import LoaderClosedError, LoaderForkedError
 from .snapshot import LoaderSnapshot
@@ -98,9 +98,8 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
         )
         if worker_threads > 1:
             warn_thread_unsafe(dataset, worker_threads)
-        self._pinner, self._device, self._unpinned = (
-            open_cuda(self.options) if pin_memory or self.options.device is not None
-            else (None, None, None))
+        self._pinner, self._device, self._pin_batch, self._unpinned = open_gpu_options(
+            self.options)
         # The attributes torch's DataLoader exposes, read-only by convention, with torch's
         # values: a batch_sampler takes over batch_size and drop_last, prefetch_factor is 2
         # by default with workers, a start method name reads as its context.
@@ -146,7 +145,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
         # copying from is not one of them).
         on_device = self._device is not None
         self._source = ArenaSource(self.slots, pinner=self._pinner, lease_only=on_device,
-                                   output=output,
+                                   output=output, pin_batch=self._pin_batch,
                                    held_batch_limit=None if on_device else held_batch_limit)
         self._iterators = LiveIterators()
         self._closed = False
@@ -248,7 +247,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
         fork-started ``Pool``, an inner loader in a forked worker): its arena, workers and
         pipes belong to the parent, so this process starts afresh with its own
         (docs/design.md, "Fork safety")."""
-        if self._device is not None or self._pinner is not None:
+        if self._device is not None or self._pin_batch is not None:
             raise LoaderForkedError(
                 f"this ArenaLoader (pin_memory={self.pin_memory}, device={self.device!r}) was "
                 f"created in process {self._pid} and CUDA does not survive fork; create the "

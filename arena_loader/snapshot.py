@@ -49,7 +49,7 @@ class LoaderSnapshot:
     # after close(), or when /dev/shm had no room and every batch gets a segment).
     slab_nbytes: int | None
     slab_address: int | None
-    pinned: bool  # the slab is page-locked in place (pin_memory=True with CUDA)
+    pinned: bool  # the slab is page-locked in place (pin_memory=True with device="cuda")
     in_use: bool  # an iterator is using the loader's slab now
     # Each slot's state, one of SLOT_STATES, by slot number; empty while no slab exists.
     slot_states: tuple[str, ...]

@@ -45,10 +45,12 @@ def test_device_cpu_gives_host_batches():
 
 @pytest.fixture
 def no_cuda(monkeypatch):
-    """CUDA looks absent, whatever this machine has."""
+    """CUDA looks absent, to numba and to torch, whatever this machine has."""
     from arena_loader import _device
 
     monkeypatch.setattr(_device, "cuda_unavailable_reason", lambda: "no CUDA GPU was found")
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 def test_pin_memory_without_cuda_warns_like_torch_and_gives_host_batches(no_cuda):
@@ -56,7 +58,7 @@ def test_pin_memory_without_cuda_warns_like_torch_and_gives_host_batches(no_cuda
     torch does (not when persistent workers' iterator is reused), and batches stay on the
     host."""
     no_accelerator = (r"'pin_memory' argument is set as true but no accelerator is found.*"
-                      r"no CUDA GPU was found")
+                      r"torch finds no CUDA GPU")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing at construction
         loader = ArenaLoader(DATA, batch_size=2, pin_memory=True)
@@ -203,3 +205,115 @@ def test_device_arrays_from_a_numba_whose_classes_differ_use_its_public_call(mon
     assert cuda.device_array(buffer, 20, 4, dtype, (2,), lease) == "public"
     assert made == ["direct", ((0x20008, False), (6,), "<i2", lease, False),
                     ((0x20014, False), (2,), "<i2", lease, False)]
+
+
+@pytest.fixture
+def fake_pinning(monkeypatch):
+    """torch sees a GPU, and ``Tensor.pin_memory()`` makes a copy (torch's CPU build has no
+    page-locked memory): records each tensor it copied."""
+    torch = pytest.importorskip("torch")
+    copied: list = []
+
+    def pin_memory(tensor, device=None):
+        copied.append(tuple(tensor.shape))  # (not the tensor: it would keep its slot)
+        return tensor.clone()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    return copied
+
+
+class TensorPairs:
+    """A torch dataset of (image, label) samples."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int):
+        import torch
+
+        return torch.full((4, 3), float(index)), torch.tensor(index)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_pin_memory_gives_tensor_copies_and_frees_the_slot_at_once(fake_pinning, num_workers):
+    """pin_memory=True without a device: each tensor handed out is its pin_memory() copy,
+    as torch's pin thread makes one, so no batch the consumer holds keeps a slot (a slot is
+    rewritten once dropped: a page-locked one under an asynchronous copy would reach the GPU
+    with the next batch's rows)."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither torch's no-accelerator warning nor ours
+        loader = ArenaLoader(TensorPairs(), batch_size=4, num_workers=num_workers,
+                             pin_memory=True)
+        with loader:
+            held = list(loader)
+            assert loader.snapshot().held_batches == 0
+            assert not loader.snapshot().pinned  # the slab is not page-locked
+    assert len(fake_pinning) == 2 * len(held) == 6
+    for i, (images, labels) in enumerate(held):
+        torch.testing.assert_close(images[:, 0, 0], torch.arange(4 * i, 4 * i + 4.0))
+        assert labels.tolist() == list(range(4 * i, 4 * i + 4))
+    assert all(type(batch) is list for batch in held)
+
+
+def test_pin_memory_with_numpy_batches_warns_that_they_stay_pageable(fake_pinning):
+    """Numpy batches are not page-locked (torch pins tensors only): a warning says so once,
+    at construction for output='numpy', else at the first numpy batch."""
+    unpinned = r"pin_memory=True page-locks torch tensors only.*output='torch'"
+    with pytest.warns(UserWarning, match=unpinned):
+        loader = ArenaLoader(DATA, batch_size=2, pin_memory=True, output="numpy")
+    with loader, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len([batch.copy() for batch in loader]) == 3
+    with ArenaLoader(DATA, batch_size=2, pin_memory=True) as loader:
+        with pytest.warns(UserWarning, match=unpinned) as caught:
+            batches = [batch.copy() for epoch in range(2) for batch in loader]
+    assert sum("page-locks torch tensors only" in str(w.message) for w in caught) == 1
+    np.testing.assert_array_equal(batches[4][1], DATA[3])
+    assert fake_pinning == []
+
+
+def test_pinned_batches_have_the_structure_torch_pinning_gives(fake_pinning):
+    """``_output.pin_tensors`` walks a batch as torch's ``pin_memory`` does (the function
+    torch's pin thread runs, here the oracle): the same types and values (tuples stay
+    tuples), every tensor pinned, objects with a pin_memory() method pinned by it, numpy and
+    strings kept."""
+    import collections
+
+    import torch
+    from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
+
+    from arena_loader._output import pin_tensors
+
+    Pair = collections.namedtuple("Pair", "left right")
+
+    class Custom:
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def pin_memory(self):
+            return Custom(self.tensor.pin_memory())
+
+    def batch():
+        return {"pair": Pair(torch.ones(2), torch.zeros(1)), "tuple": (torch.ones(1), "name"),
+                "list": [torch.ones(3), np.ones(2)], "custom": Custom(torch.ones(1)),
+                "ordered": collections.OrderedDict(a=torch.ones(1)), "text": "abc", "n": 3}
+
+    ours, theirs = pin_tensors(batch()), torch_pin_memory(batch())
+    assert len(fake_pinning) == 2 * 6
+
+    def shape_of(value):
+        if isinstance(value, dict):
+            return type(value), {key: shape_of(item) for key, item in value.items()}
+        if isinstance(value, (tuple, list)):
+            return type(value), [shape_of(item) for item in value]
+        if isinstance(value, Custom):
+            return Custom, shape_of(value.tensor)
+        if isinstance(value, (torch.Tensor, np.ndarray)):
+            return type(value), value.tolist()
+        return value
+
+    ours, theirs = shape_of(ours), shape_of(theirs)
+    assert ours == theirs, (ours, theirs)

@@ -167,3 +167,35 @@ def test_bfloat16_tensors_arrive_as_bfloat16_cuda_tensors():
         batches = list(loader)
     assert [batch.dtype for batch in batches] == [torch.bfloat16] * 2
     assert batches[1].cpu().float()[:, 0].tolist() == [1.0, 1.25, 1.5, 1.75]
+
+
+def test_non_blocking_copies_of_pinned_batches_reach_the_gpu_intact():
+    """pin_memory=True without a device, as torch users write the loop: ``x =
+    x.cuda(non_blocking=True)`` drops the host batch before its copy has run (the GPU is kept
+    busy first, so copies run late). Every batch reaches the GPU with its own rows, and every
+    tensor handed out is pinned, as with torch's DataLoader. (With the slab page-locked in
+    place, its slots were rewritten under 244 of 256 such copies.)"""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+
+    class Rows:
+        def __len__(self):
+            return 128
+
+        def __getitem__(self, index):
+            return torch.full((1 << 16,), float(index))
+
+    kept, pinned = [], []
+    with ArenaLoader(Rows(), batch_size=4, num_workers=2, pin_memory=True) as loader:
+        for _epoch in range(2):
+            for i, x in enumerate(loader):
+                pinned.append(x.is_pinned())
+                torch.cuda._sleep(1_000_000)  # ~0.5 ms of GPU time ahead of the copy
+                x = x.cuda(non_blocking=True)
+                kept.append((i, x))
+    torch.cuda.synchronize()
+    assert len(kept) == 64 and all(pinned)
+    wrong = [i for i, x in kept if not bool((x == torch.arange(
+        4 * i, 4 * i + 4, dtype=torch.float32, device=x.device)[:, None]).all())]
+    assert wrong == [], f"batches {wrong} reached the GPU with other rows"

@@ -1,4 +1,5 @@
-"""Page-locking a slab in place, once per arena, for ``pin_memory=True``."""
+"""Page-locking a slab in place, once per arena, for ``pin_memory=True`` with ``device``: the
+device stage alone copies from it, and holds each slot until its copy is done."""
 
 from __future__ import annotations
 
@@ -37,9 +38,8 @@ class HostPinner:
     Called by ``Arena`` with the slab array, on whichever thread makes the arena.
     """
 
-    def __init__(self, gpu: int, staging: bool):
+    def __init__(self, gpu: int):
         self.gpu = gpu
-        self._staging = staging  # a device stage copies through staging buffers on failure
         self._warned = False
 
     def __call__(self, array: np.ndarray) -> PinnedSlab | None:
@@ -49,9 +49,8 @@ class HostPinner:
         except Exception as exc:
             if not self._warned:
                 self._warned = True
-                then = (f"batches are copied to the GPU through {STAGING_BUFFERS} pinned "
-                        "staging buffers instead (one more host copy per batch)"
-                        if self._staging else "batches stay in pageable host memory")
                 warnings.warn(f"pin_memory=True: page-locking the {array.nbytes}-byte slab in "
-                              f"place failed ({exc!r}); {then}", stacklevel=2)
+                              f"place failed ({exc!r}); batches are copied to the GPU through "
+                              f"{STAGING_BUFFERS} pinned staging buffers instead (one more host "
+                              "copy per batch)", stacklevel=2)
             return None
