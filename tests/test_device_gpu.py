@@ -26,8 +26,17 @@ from .datasets import (
 )
 
 _REASON = _device.cuda_unavailable_reason()
+
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(_REASON is not None, reason=f"needs a CUDA GPU: {_REASON}")]
+
+
+def _torch_cuda():
+    """torch, if it is installed and sees the GPU (else the test is skipped)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    return torch
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -75,9 +84,7 @@ def test_held_gpu_batches_are_not_overwritten(output):
     """A device batch the consumer holds (a numba array, a slice of one, or a torch tensor,
     which alone keeps the buffer's lease) keeps its contents while later batches arrive."""
     if output == "torch":
-        torch = pytest.importorskip("torch")
-        if not torch.cuda.is_available():
-            pytest.skip("torch has no CUDA here")
+        _torch_cuda()
     dataset = ImageDataset(64, shape=(256,))
     expected = host_epoch(dataset, batch_size=4)
     with ArenaLoader(dataset, batch_size=4, num_workers=2, pin_memory=True, device="cuda",
@@ -94,9 +101,7 @@ def test_held_gpu_batches_are_not_overwritten(output):
 
 def test_torch_output_is_zero_copy_cuda_tensors():
     """output='torch' gives CUDA tensors over the loader's device buffer (no copy)."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA here")
+    torch = _torch_cuda()
     dataset = NestedDataset(12)
     expected = host_epoch(dataset, batch_size=4)
     with ArenaLoader(dataset, batch_size=4, pin_memory=True, device="cuda",
@@ -133,9 +138,7 @@ def test_every_field_dtype_and_empty_fields_reach_the_gpu(output):
     """Each field becomes its own device array (or tensor) with the host batch's dtype,
     shape and values, an empty field included."""
     if output == "torch":
-        torch = pytest.importorskip("torch")
-        if not torch.cuda.is_available():
-            pytest.skip("torch has no CUDA here")
+        _torch_cuda()
     expected = host_epoch(ManyDtypes(), batch_size=4)
     with ArenaLoader(ManyDtypes(), batch_size=4, pin_memory=True, device="cuda",
                      output=output) as loader:
@@ -152,9 +155,7 @@ def test_every_field_dtype_and_empty_fields_reach_the_gpu(output):
 
 def test_bfloat16_tensors_arrive_as_bfloat16_cuda_tensors():
     """A torch dataset's bfloat16 rows (stored as raw bits) reach the GPU as bfloat16."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA here")
+    torch = _torch_cuda()
 
     class Halves:
         def __len__(self):
@@ -175,9 +176,7 @@ def test_non_blocking_copies_of_pinned_batches_reach_the_gpu_intact():
     busy first, so copies run late). Every batch reaches the GPU with its own rows, and every
     tensor handed out is pinned, as with torch's DataLoader. (With the slab page-locked in
     place, its slots were rewritten under 244 of 256 such copies.)"""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA here")
+    torch = _torch_cuda()
 
     class Rows:
         def __len__(self):
