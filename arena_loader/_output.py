@@ -113,11 +113,7 @@ def tensor_pinner() -> tuple[Callable[[Any], Any] | None, str | None]:
         return None, "torch is not installed: without device='cuda' only tensors are pinned"
     if not torch.cuda.is_available():
         return None, "torch finds no CUDA GPU"
-
-    def pin(batch: Any) -> Any:
-        return pin_tensors(batch)
-
-    return pin, None
+    return pin_tensors, None
 
 
 def pin_tensors(value: Any) -> Any:

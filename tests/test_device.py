@@ -358,3 +358,25 @@ def test_ctrl_c_while_a_batch_is_pinned_loses_and_repeats_nothing(fake_pinning, 
         assert snapshot.held_batches == 0 and set(snapshot.slot_states) <= {"free"}
         assert sum(snapshot.slot_leases) > 10  # (the interrupted batches were in slots)
     assert interrupts == 2 and labels == list(range(40))
+
+
+def test_a_pinning_loader_used_in_a_forked_child_is_a_loader_forked_error(fake_pinning):
+    """pin_memory=True without a device pins through torch's CUDA, which a forked child
+    cannot use: iter() there is a LoaderForkedError naming pin_memory and the fix."""
+    from arena_loader.errors import LoaderForkedError
+
+    from .test_fork import run_in_child
+
+    loader = ArenaLoader(TensorPairs(), batch_size=4, pin_memory=True)
+    assert len(list(loader)) == 3
+
+    def in_child():
+        try:
+            iter(loader)
+        except LoaderForkedError as exc:
+            return str(exc)
+        return "no error"
+
+    message = run_in_child("os.fork", in_child)
+    assert "pin_memory=True" in message and "CUDA does not survive fork" in message, message
+    loader.close()
