@@ -8,6 +8,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator, Sized
+from typing import Any
 
 import numpy as np
 
@@ -116,6 +117,28 @@ def _distributed_default(name: str, variable: str) -> int:
             f"which is {value!r}; set {variable} to an integer or pass {name}=...") from None
 
 
+class EpochSetter:
+    """``loader.set_epoch(epoch)``, which torch's DataLoader lacks but trainers call on a
+    loader that has it (Hugging Face's ``Trainer`` calls it each epoch, as Accelerate's
+    prepared loaders have one; it gives no ArenaLoader a sampler of its own). Passed on as
+    those loaders pass it: to the batch sampler's ``set_epoch``, else the sampler's (a
+    ``DistributedSampler`` reshuffles), else the dataset's (a Hugging Face
+    ``IterableDataset``'s shuffle). It takes effect at the next ``iter()``."""
+
+    batch_sampler: Any
+    sampler: Any
+    dataset: Any
+
+    def set_epoch(self, epoch: int) -> None:
+        batch_sampler = self.batch_sampler
+        for owner in (batch_sampler, getattr(batch_sampler, "sampler", None), self.sampler,
+                      self.dataset):
+            set_epoch = getattr(owner, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+                return
+
+
 def warn_if_every_rank_loads_all(options: LoaderOptions) -> bool:
     """Warn when ``torch.distributed`` runs several ranks and the loader draws from its default
     sampler: every rank then loads the whole dataset. Trainers such as Lightning put a
@@ -132,6 +155,7 @@ def warn_if_every_rank_loads_all(options: LoaderOptions) -> bool:
         "yours: every rank loads the whole dataset. Trainers such as Lightning give torch's "
         "DataLoader a DistributedSampler; they cannot give ArenaLoader one. Pass "
         "sampler=arena_loader.DistributedSampler(dataset, shuffle=...) (its set_epoch is called "
-        "by Lightning, or call it each epoch), or a sampler of your own to keep this order on "
+        "by Lightning, and by Hugging Face's Trainer through loader.set_epoch; else call "
+        "loader.set_epoch(epoch) each epoch), or a sampler of your own to keep this order on "
         "every rank", UserWarning, stacklevel=3)
     return True

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from ._arena import ArenaSource
-from ._distributed import warn_if_every_rank_loads_all
+from ._distributed import EpochSetter, warn_if_every_rank_loads_all
 from ._inprocess import InProcessIterator
 from ._options import LoaderOptions, is_iterable_dataset
 from ._pipeline.iterator import MultiProcessIterator
@@ -43,7 +43,7 @@ from .snapshot import LoaderSnapshot
 T_co = TypeVar("T_co", covariant=True)
 
 
-class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
+class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co]):
     """Iterate over ``dataset`` in batches that workers write straight into shared memory.
 
     The options are ``torch.utils.data.DataLoader``'s, with the same defaults and meanings
@@ -54,7 +54,8 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, Generic[T_co]):
     ``device`` (copies to that GPU on the loader's stream), ``worker_mode="thread"``,
     ``worker_threads=K`` (K threads per worker; the dataset must then be thread-safe).
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch, as torchdata's
-    ``StatefulDataLoader``. README ("Quick start", "Resuming") and docs/design.md say more.
+    ``StatefulDataLoader``; ``set_epoch(epoch)`` reaches the sampler (trainers call it).
+    README ("Quick start", "Resuming") and docs/design.md say more.
     """
 
     def __init__(

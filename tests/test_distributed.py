@@ -26,7 +26,7 @@ RANK_SCRIPT = textwrap.dedent("""
     epochs = []
     with ArenaLoader(dataset, batch_size=4, sampler=sampler, num_workers=1) as loader:
         for epoch in range(2):
-            sampler.set_epoch(epoch)
+            loader.set_epoch(epoch)  # (to the sampler, as Hugging Face's Trainer calls it)
             epochs.append([int(i) for batch in loader for i in batch])
     def warned(**options):  # the warnings an epoch of a loader with these options gives
         with warnings.catch_warnings(record=True) as caught:
@@ -86,3 +86,64 @@ def test_two_gloo_ranks_split_the_dataset_and_set_epoch_reshuffles():
         assert len(r["unsharded"]) == 1 and "torch.distributed runs 2 ranks" in r["unsharded"][0]
         assert "sampler=arena_loader.DistributedSampler(dataset" in r["unsharded"][0]
         assert r["sharded"] == []
+
+
+def test_loader_set_epoch_reaches_the_batch_sampler_the_sampler_or_the_dataset():
+    """``loader.set_epoch(e)``, which Hugging Face's Trainer calls each epoch on a loader that
+    has it: a DistributedSampler then gives torch's DistributedSampler's order for that
+    epoch; a batch sampler with its own set_epoch gets it instead; with neither, a dataset
+    with one (a Hugging Face IterableDataset shuffles by it)."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from arena_loader import ArenaLoader
+    from arena_loader.samplers import DistributedSampler
+
+    dataset = np.arange(30, dtype=np.int64)
+    theirs = torch.utils.data.DistributedSampler(dataset, num_replicas=3, rank=1, seed=5)
+    sampler = DistributedSampler(dataset, num_replicas=3, rank=1, seed=5)
+    orders = []
+    with ArenaLoader(dataset, batch_size=4, sampler=sampler) as loader:
+        for epoch in (0, 1, 2):
+            loader.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            orders.append([int(i) for batch in loader for i in batch])
+            assert orders[-1] == list(theirs), epoch
+    assert orders[0] != orders[1] != orders[2]
+
+    class Epochs:
+        def __init__(self):
+            self.epochs = []
+
+        def set_epoch(self, epoch):
+            self.epochs.append(epoch)
+
+    class EpochBatches(Epochs):
+        sampler = None
+
+        def __iter__(self):
+            yield [0, 1]
+
+        def __len__(self):
+            return 1
+
+    class EpochSampler(Epochs):
+        def __iter__(self):
+            return iter(range(4))
+
+        def __len__(self):
+            return 4
+
+    class EpochDataset(Epochs):
+        def __getitem__(self, index):
+            return np.int64(index)
+
+        def __len__(self):
+            return 4
+
+    data, batches, indices = EpochDataset(), EpochBatches(), EpochSampler()
+    ArenaLoader(data, batch_sampler=batches).set_epoch(4)
+    ArenaLoader(data, sampler=indices, batch_size=2).set_epoch(5)
+    assert (batches.epochs, indices.epochs, data.epochs) == ([4], [5], [])
+    ArenaLoader(data, batch_size=2).set_epoch(6)
+    assert data.epochs == [6]
