@@ -331,10 +331,11 @@ class ArenaSource:
             if self._to_torch is not None and (self._output == "torch" or plan.torch):
                 batch = self._to_torch(batch, plan.collated, plan.converted)
             if self._pin_batch is not None:
-                if not (self._output == "torch" or plan.torch) and not self._warned_unpinned:
+                numpy_left: list = []
+                batch = self._pin_batch(batch, numpy_left)
+                if numpy_left and not self._warned_unpinned:
                     self._warned_unpinned = True
                     warnings.warn(NUMPY_UNPINNED, UserWarning, stacklevel=2)
-                batch = self._pin_batch(batch)
             return batch
         except KeyboardInterrupt:
             if slot is not None and lease is not None:  # not handed out: FILLED again, kept

@@ -91,10 +91,10 @@ def _to_torch(torch: Any, value: Any, collated: bool, converted: bool = False) -
 
 NUMPY_UNPINNED = (
     "pin_memory=True page-locks torch tensors only (copied into torch's page-locked memory, as "
-    "torch's DataLoader does); numpy batches are views of the slab, in pageable memory (a "
-    "page-locked slot is rewritten once its batch is dropped, even while an asynchronous copy "
-    "to the GPU still reads it). Pass output='torch' for pinned tensors, or device='cuda' for "
-    "page-locked copies to the GPU")
+    "torch's DataLoader does); numpy arrays in batches are views of the slab, in pageable "
+    "memory (a page-locked slot is rewritten once its batch is dropped, even while an "
+    "asynchronous copy to the GPU still reads it). Pass output='torch' for pinned tensors, or "
+    "device='cuda' for page-locked copies to the GPU")
 
 
 def tensor_pinner() -> tuple[Callable[[Any], Any] | None, str | None]:
@@ -116,18 +116,23 @@ def tensor_pinner() -> tuple[Callable[[Any], Any] | None, str | None]:
     return pin_tensors, None
 
 
-def pin_tensors(value: Any) -> Any:
+def pin_tensors(value: Any, numpy_left: list | None = None) -> Any:
     """``value`` with each torch tensor replaced by its ``pin_memory()`` copy, through the
     containers torch's ``pin_memory`` walks, with its results (torch 2.13): an object with a
     ``pin_memory()`` method is pinned by it, mappings, sequences and tuples keep their type
-    where it can be rebuilt; anything else (numpy arrays, strings) is kept as is."""
+    where it can be rebuilt; anything else (numpy arrays, strings) is kept as is. Numeric
+    numpy arrays kept are listed in ``numpy_left`` (their shapes)."""
     pin = getattr(value, "pin_memory", None)
     if pin is not None:
         return pin()
-    if isinstance(value, (str, bytes, np.ndarray)):
+    if isinstance(value, np.ndarray):
+        if numpy_left is not None and value.dtype.kind in "biufc":
+            numpy_left.append(value.shape)
+        return value
+    if isinstance(value, (str, bytes)):
         return value
     if isinstance(value, Mapping):
-        entries = {key: pin_tensors(item) for key, item in value.items()}
+        entries = {key: pin_tensors(item, numpy_left) for key, item in value.items()}
         try:
             if isinstance(value, MutableMapping):  # a copy keeps what its type holds besides
                 clone = copy.copy(value)
@@ -137,10 +142,10 @@ def pin_tensors(value: Any) -> Any:
         except TypeError:
             return entries
     if isinstance(value, tuple):
-        items = [pin_tensors(item) for item in value]
+        items = [pin_tensors(item, numpy_left) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, Sequence):
-        items = [pin_tensors(item) for item in value]
+        items = [pin_tensors(item, numpy_left) for item in value]
         try:
             if isinstance(value, MutableSequence):
                 clone = copy.copy(value)

@@ -381,3 +381,47 @@ def test_a_pinning_loader_used_in_a_forked_child_is_a_loader_forked_error(fake_p
     message = run_in_child("os.fork", in_child)
     assert "pin_memory=True" in message and "CUDA does not survive fork" in message, message
     loader.close()
+
+
+class SimpleCustomBatch:
+    """torch's documented custom batch type: its own pin_memory() pins its tensors."""
+
+    def __init__(self, data):
+        import torch
+
+        transposed = list(zip(*data))
+        self.inp = torch.stack(transposed[0], 0)
+        self.tgt = torch.stack(transposed[1], 0)
+
+    def pin_memory(self):
+        self.inp = self.inp.pin_memory()
+        self.tgt = self.tgt.pin_memory()
+        return self
+
+
+def collate_custom(batch):
+    return SimpleCustomBatch(batch)
+
+
+def test_pin_memory_calls_a_custom_batch_types_own_pin_memory(fake_pinning):
+    """torch's documented custom batch (a collate_fn returning an object with pin_memory()):
+    with pin_memory=True its method pins its tensors, as torch's pin thread calls it; the
+    values are torch's DataLoader's, the held batches keep no slot, and nothing warns of
+    numpy left unpinned."""
+    import torch
+
+    dataset = TensorPairs(16)
+    theirs = [(batch.inp, batch.tgt) for batch in torch.utils.data.DataLoader(
+        dataset, batch_size=4, collate_fn=collate_custom)]
+    fake_pinning.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no numpy left unpinned: nothing to warn about
+        with ArenaLoader(dataset, batch_size=4, collate_fn=collate_custom, num_workers=2,
+                         pin_memory=True) as loader:
+            held = list(loader)
+            assert loader.snapshot().held_batches == 0
+    assert all(type(batch) is SimpleCustomBatch for batch in held)
+    assert fake_pinning == [(4, 4, 3), (4,)] * 4
+    for batch, (inp, tgt) in zip(held, theirs, strict=True):
+        torch.testing.assert_close(batch.inp, inp)
+        torch.testing.assert_close(batch.tgt, tgt)
