@@ -167,6 +167,9 @@ class ArenaSource:
         # memory (_output.tensor_pinner); its slot goes back as the views die.
         self._pin_batch = pin_batch
         self._warned_unpinned = False
+        # A warning found while a batch was handed out, given at the start of the next
+        # next() (warn_pending): a warnings filter that makes it an error there loses nothing.
+        self.pending_warning: str | None = None
         self.slot_nbytes: int | None = None  # fixed by the first arena
         self._arena: Arena | None = None
         self._claimed = False
@@ -335,12 +338,19 @@ class ArenaSource:
                 batch = self._pin_batch(batch, numpy_left)
                 if numpy_left and not self._warned_unpinned:
                     self._warned_unpinned = True
-                    warnings.warn(NUMPY_UNPINNED, UserWarning, stacklevel=2)
+                    self.pending_warning = NUMPY_UNPINNED  # given by the next next()
             return batch
         except KeyboardInterrupt:
             if slot is not None and lease is not None:  # not handed out: FILLED again, kept
                 arena.pool.unlease(lease)
             raise
+
+    def warn_pending(self, stacklevel: int) -> None:
+        """Give the pending warning (the caller checked ``pending_warning``), before the
+        ``next()`` that gives it has taken any batch."""
+        message, self.pending_warning = self.pending_warning, None
+        if message is not None:
+            warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
 
     def close(self) -> None:
         """No new arena; the loader's own is closed now, or by ``unclaim`` if a session still

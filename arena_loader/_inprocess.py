@@ -55,6 +55,8 @@ class InProcessIterator:
         # DataLoader iterator may be): without the lock two threads could take the same
         # pending batch.
         with self._lock:
+            if self._source.pending_warning is not None:
+                self._source.warn_pending(stacklevel=2)
             self._next()
             if self._failed:
                 raise self._stash.pop()

@@ -425,3 +425,28 @@ def test_pin_memory_calls_a_custom_batch_types_own_pin_memory(fake_pinning):
     for batch, (inp, tgt) in zip(held, theirs, strict=True):
         torch.testing.assert_close(batch.inp, inp)
         torch.testing.assert_close(batch.tgt, tgt)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_unpinned_numpy_warning_made_an_error_loses_no_batch(fake_pinning, num_workers):
+    """With warnings made errors (``-W error``), the numpy-not-pinned warning is raised by
+    the next() after the first numpy batch, before it takes a batch, and points at the
+    caller's line: every batch still comes, once, in order."""
+    got, raised = [], []
+    with ArenaLoader(DATA, batch_size=2, pin_memory=True, num_workers=num_workers) as loader:
+        iterator = iter(loader)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            while True:
+                try:
+                    got.append(next(iterator)[:, 0].tolist())
+                except UserWarning as warning:
+                    raised.append(str(warning))
+                except StopIteration:
+                    break
+    assert got == [[float(DATA[k][0]), float(DATA[k + 1][0])] for k in (0, 2, 4)]
+    assert len(raised) == 1 and "page-locks torch tensors only" in raised[0]
+    with pytest.warns(UserWarning, match="page-locks torch tensors only") as caught:
+        with ArenaLoader(DATA, batch_size=2, pin_memory=True, num_workers=num_workers) as loader:
+            assert len([batch.copy() for batch in loader]) == 3
+    assert [Path(w.filename).name for w in caught] == ["test_device.py"]

@@ -30,6 +30,8 @@ class Consumer:
             raise forked_iterator_error(session.pid)
         with session.consumer_lock:
             try:
+                if session.source.pending_warning is not None:
+                    session.source.warn_pending(stacklevel=3)
                 self._next_batch()
             except StopIteration:
                 session.end_epoch()
