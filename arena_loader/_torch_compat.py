@@ -140,11 +140,14 @@ class LengthCheckedIterator:
         self._reported_len = reported_len
         self._num_workers = num_workers
         self._yielded = 0
+        self._kept: list = []  # a batch whose warning a filter raised: the next next()'s
 
     def __iter__(self) -> LengthCheckedIterator:
         return self
 
     def __next__(self) -> Any:
+        if self._kept:
+            return self._kept.pop()
         batch = next(self._iterator)
         self._yielded += 1
         if self._yielded > self._reported_len:
@@ -157,7 +160,11 @@ class LengthCheckedIterator:
                     "configuring the IterableDataset replica at each worker. Please see "
                     "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
                     "for examples.")
-            warnings.warn(message, UserWarning, stacklevel=2)
+            try:
+                warnings.warn(message, UserWarning, stacklevel=2)
+            except BaseException:  # made an error by a filter (-W error): the batch is kept
+                self._kept.append(batch)
+                raise
         return batch
 
     def __getattr__(self, name: str) -> Any:

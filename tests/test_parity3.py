@@ -507,3 +507,44 @@ def test_the_sampler_draws_inside_iter_like_torch(num_workers):
     theirs = run(tud.DataLoader)
     for _ in range(3):
         assert run(ArenaLoader) == theirs
+
+
+def test_an_iterable_dataset_longer_than_its_len_warns_as_torch_and_loses_nothing():
+    """len(loader) read, then more batches than it said: torch's warning, in its words, at
+    each batch beyond it, as torch gives them; made an error by a filter (-W error), it is
+    raised and the batch comes with the next next() (torch's DataLoader drops that batch)."""
+
+    class LongerThanItsLen(tud.IterableDataset):
+        def __len__(self):
+            return 3
+
+        def __iter__(self):
+            return iter(np.arange(5, dtype=np.int64))
+
+    dataset = LongerThanItsLen()
+
+    def epoch(make):
+        loader = make(dataset, batch_size=1)
+        assert len(loader) == 3
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batches = [int(batch[0]) for batch in loader]
+        return batches, [str(w.message) for w in caught if "Length of" in str(w.message)]
+
+    ours, theirs = epoch(ArenaLoader), epoch(torch.utils.data.DataLoader)
+    assert ours[0] == theirs[0] == [0, 1, 2, 3, 4]
+    assert ours[1] == theirs[1] and len(ours[1]) == 2
+    assert "was reported to be 3(when accessing len(dataloader)), but 4 samples" in ours[1][0]
+    loader = ArenaLoader(dataset, batch_size=1)
+    len(loader)
+    iterator, got, raised = iter(loader), [], 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        while True:
+            try:
+                got.append(int(next(iterator)[0]))
+            except UserWarning:
+                raised += 1
+            except StopIteration:
+                break
+    assert (got, raised) == ([0, 1, 2, 3, 4], 2)
