@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dis
 import gc
 import linecache
 import os
@@ -444,6 +445,35 @@ class _Indexed:
         return np.full(2, i, dtype=np.int64)
 
 
+_COMPREHENSIONS: dict = {}  # code object -> its inlined comprehensions' bytecode ranges
+
+
+def _in_inlined_comprehension(frame) -> bool:
+    """The frame runs a list, dict or set comprehension inlined in it (Python 3.12+, PEP 709).
+    An exception a trace function raises at a line event there skips the enclosing function's
+    ``except`` and ``with`` exits (seen on 3.12.1 and 3.13.0: workers orphaned, a lock left
+    held), while a real Ctrl-C there runs them (its KeyboardInterrupt comes at an instruction,
+    through the exception table): not a fault to inject."""
+    if sys.version_info < (3, 12):
+        return False
+    code = frame.f_code
+    ranges = _COMPREHENSIONS.get(code)
+    if ranges is None:
+        ranges, start, open_loops = [], 0, 0
+        for instruction in dis.get_instructions(code):
+            # (one LOAD_FAST_AND_CLEAR per loop variable, one END_FOR per loop: nested ones
+            # close with the outermost)
+            if instruction.opname == "LOAD_FAST_AND_CLEAR":
+                start = instruction.offset if open_loops == 0 else start
+                open_loops += 1
+            elif instruction.opname == "END_FOR" and open_loops:
+                open_loops -= 1
+                if open_loops == 0:
+                    ranges.append((start, instruction.offset))
+        _COMPREHENSIONS[code] = ranges
+    return any(start <= frame.f_lasti <= end for start, end in ranges)
+
+
 class _InterruptAt:
     """A trace function raising KeyboardInterrupt at the k-th line run in arena_loader's own
     code (samplers aside: a generator that raises is finished, as torch's would be) in the
@@ -470,7 +500,7 @@ class _InterruptAt:
             # function's exception raised at it inside a `with` block, after a conditional
             # return, escapes the block's exception table: its lock stays held (a hang).
             if linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip()\
-                    .startswith(("with ", "try:")):
+                    .startswith(("with ", "try:")) or _in_inlined_comprehension(frame):
                 return self
             self.count += 1
             if self.count == self.k:
