@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import importlib.util
 import multiprocessing as mp
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -202,6 +204,10 @@ def spdl_missing() -> str | None:
         from spdl.pipeline import SharedMemorySegmentPool, iterate_in_subprocess  # noqa: F401
     except ImportError as error:
         return f"spdl is installed but has no SharedMemorySegmentPool: {error}"
+    if sys.version_info >= (3, 13) and importlib.metadata.version("spdl") == "0.8.0":
+        # Its arena sets a pickler's persistent_id, read-only on CPython 3.13: every batch
+        # fails with "'_pickle.Pickler' object attribute 'persistent_id' is read-only".
+        return "spdl 0.8.0 does not run on Python 3.13+ (it sets Pickler.persistent_id)"
     return None
 
 
