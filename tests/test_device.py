@@ -1,5 +1,7 @@
 """The device options in the main test process, which never imports numba's CUDA simulator:
-option errors, the no-CUDA paths, import hygiene, and the simulator run of the device leg."""
+option errors, the no-CUDA paths, import hygiene, the simulator run of the device leg, the
+device arrays built without a driver, and ``pin_memory`` without a device (torch's
+``Tensor.pin_memory`` faked: CPU torch has no page-locked memory)."""
 
 from __future__ import annotations
 
