@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One prepared run of every check that needs a CUDA GPU (the `device` tool's machines, or any
 # machine with a GPU, a CUDA build of torch and numba-cuda): the real-GPU tests, then
-# bench_h2d.py at 16 MiB and 4 MiB. With OLD=path/to/a/copy/of/arena_loader's/parent, the
-# 16 MiB bench runs for that code first, in the same call (a same-machine A/B).
+# bench_h2d.py at 16 MiB and 4 MiB, then pinned_non_blocking.py. With
+# OLD=path/to/a/copy/of/arena_loader's/parent, the 16 MiB bench runs for that code first, in
+# the same call (a same-machine A/B).
 #
 # On the device tool's machines posix_ipc is missing; fetch its wheel here first, into a
 # folder git ignores, and carry it (device README):
@@ -34,3 +35,5 @@ timeout 150 python3 benchmarks/bench_h2d.py 2>&1 | tee "$OUTDIR/h2d_16.log" | gr
 echo "== this code, 4 MiB"
 timeout 150 python3 benchmarks/bench_h2d.py --batch-mib 4 --batches 1600 2>&1 \
     | tee "$OUTDIR/h2d_4.log" | grep -v environment
+echo "== pin_memory batches under late non_blocking copies"
+timeout 60 python3 benchmarks/pinned_non_blocking.py 2>&1 | tee "$OUTDIR/pinned.log"
