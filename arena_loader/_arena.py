@@ -153,7 +153,7 @@ class ArenaSource:
 
     def __init__(self, slots: int, pinner: Pinner | None = None, lease_only: bool = False,
                  output: str | None = None, held_batch_limit: int | None = None,
-                 pin_batch: Callable[[Any], Any] | None = None):
+                 pin_batch: Callable[[Any, list], Any] | None = None):
         self.slots = slots
         self.held_batch_limit = held_batch_limit
         self._limit = HeldLimit(held_batch_limit,

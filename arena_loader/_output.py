@@ -97,7 +97,7 @@ NUMPY_UNPINNED = (
     "device='cuda' for page-locked copies to the GPU")
 
 
-def tensor_pinner() -> tuple[Callable[[Any], Any] | None, str | None]:
+def tensor_pinner() -> tuple[Callable[[Any, list], Any] | None, str | None]:
     """``pin_memory=True`` without ``device``: the function that gives a batch whose torch
     tensors are copies in torch's page-locked memory, as torch's pin-memory thread does, or
     None and why not (torch's warning names it at ``iter()``).
