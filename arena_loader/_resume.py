@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -149,6 +150,7 @@ class LoaderResume:
         self.drew_seed = False  # whether this epoch's iter() drew a base seed
         self.position: EpochPosition | None = None
         self._pending: dict[str, Any] | None = None
+        self._follower: object | None = None  # the epoch whose stage moves the position
 
     # -- iter() ------------------------------------------------------------------------------
 
@@ -194,6 +196,22 @@ class LoaderResume:
                 "load_state_dict() and iter(); call iter() right after load_state_dict()")
         self.drew_seed, self._base_seed = True, seed
         return seed
+
+    def follower(self, plan: EpochPlan) -> tuple[Callable[[], EpochPosition],
+                                                  Callable[[EpochPosition], None]]:
+        """For a stage that takes batches ahead of the consumer (the pin stage): the host
+        iterator now moves a copy of the epoch's position; ``track()`` copies that after each
+        batch the stage takes, and ``follow(copy)`` makes it the consumer's position (what
+        ``state_dict()`` reads) once the consumer has that batch. Only the latest epoch's
+        stage moves it."""
+        host = plan.position = plan.position.copy()
+        token = self._follower = object()
+
+        def follow(position: EpochPosition) -> None:
+            if self._follower is token:
+                self.position = position
+
+        return host.copy, follow
 
     def _new_position(self, loader: Any, pending: dict[str, Any] | None) -> EpochPosition:
         workers = None

@@ -91,6 +91,13 @@ class EpochPosition:
         self.last_worker = last_worker
         self.finished = False  # the iterator raised StopIteration
 
+    def copy(self) -> EpochPosition:
+        twin = EpochPosition(self.next_idx, None if self.workers is None else [
+            WorkerPosition(w.state, w.batches, w.ended) for w in self.workers],
+            self.last_worker, self.yielded)
+        twin.finished = self.finished
+        return twin
+
     def handed(self, worker: int, state: bytes | None) -> None:
         """A batch (or its error) of ``worker`` went to the consumer; ``state``: its replica's
         state after it (None: none taken)."""

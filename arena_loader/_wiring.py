@@ -182,6 +182,20 @@ class LiveIterators:
             self._face = weakref.ref(face)
         return face
 
+    def staged(self, owner: Any, stager: Any, iterator: Any, owns_host: bool,
+               positions: Any) -> Any:
+        """``iterator`` behind the loader's stage (``_stage.Stager``), if it has one (else,
+        for the persistent iterator, behind its face that keeps the loader alive)."""
+        if stager is None:
+            return iterator if owns_host else self.persistent_face(owner, iterator)
+        if owns_host:
+            # Closed by the staged iterator, after its thread stopped (and its copies from
+            # the slab completed).
+            self.live.discard(iterator)
+        wrapped = stager.wrap(owner, iterator, owns_host, positions)
+        self.live.add(wrapped)
+        return wrapped
+
     def watched(self, draws: Any, source: ArenaSource, epoch: Any,
                 new_persistent: MultiProcessIterator | None) -> Any:
         """``epoch``, whose random draws are given back if it is dropped unused (a probe

@@ -14,6 +14,7 @@ from ._arena import ArenaSource
 from ._distributed import EpochSetter, warn_if_every_rank_loads_all
 from ._inprocess import InProcessIterator
 from ._options import LoaderOptions, is_iterable_dataset
+from ._pin_stage import BatchPinner
 from ._pipeline.iterator import MultiProcessIterator
 from ._resume import LoaderResume, Resumable
 from ._sample_threads import warn_thread_unsafe
@@ -101,6 +102,10 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
             warn_thread_unsafe(dataset, worker_threads)
         self._pinner, self._device, self._pin_batch, self._unpinned = open_gpu_options(
             self.options)
+        # With workers, a thread pins each batch while the training step runs, as torch's
+        # pin thread does; without, next() pins it, as torch's single-process iterator does.
+        self._pinning = BatchPinner(self._pin_batch) if (
+            self._pin_batch is not None and num_workers > 0) else None
         # The attributes torch's DataLoader exposes, read-only by convention, with torch's
         # values: a batch_sampler takes over batch_size and drop_last, prefetch_factor is 2
         # by default with workers, a start method name reads as its context.
@@ -146,7 +151,8 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         # copying from is not one of them).
         on_device = self._device is not None
         self._source = ArenaSource(self.slots, pinner=self._pinner, lease_only=on_device,
-                                   output=output, pin_batch=self._pin_batch,
+                                   output=output,
+                                   pin_batch=None if self._pinning else self._pin_batch,
                                    held_batch_limit=None if on_device else held_batch_limit)
         self._iterators = LiveIterators()
         self._closed = False
@@ -176,6 +182,8 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         if not self._warned_unsharded:
             self._warned_unsharded = warn_if_every_rank_loads_all(options)
         plan = self._resume.begin_epoch(self)  # a loaded state: its epoch's draws replayed
+        # The pin thread takes batches ahead of you: the host moves a copy of the position.
+        positions = self._resume.follower(plan) if self._pinning is not None else None
         # Given back if the iterator is never used (not a resumed epoch's: its draws replay
         # the interrupted run's, even when nothing of that epoch is left to hand out).
         draws = None if plan.resumed else UnusedIteratorDraws.take(self)
@@ -195,14 +203,15 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
             self._seeds.datapipe_seed()
         plan.batches = epoch_batches(options, self.sampler, self.batch_sampler, self._filler,
                                      plan.first_idx)
-        if self._device is not None and options.persistent_workers:
-            self._device.detach()  # no device thread may read the persistent iterator now
+        stager = self._stager
+        if stager is not None and options.persistent_workers:
+            stager.detach()  # no stage's thread may read the persistent iterator now
         if options.num_workers == 0:
             iterator: Any = InProcessIterator(self, self._filler, self._source, plan)
         elif reuse:
             self._iterators.persistent.reset(plan)
             return self._iterators.watched(draws, self._source, self._checked_length(
-                self._on_device(self._iterators.persistent, owns_host=False)), None)
+                self._staged(self._iterators.persistent, False, positions)), None)
         else:
             self.check_worker_number_rationality()
             if self._iterators.persistent is not None:
@@ -219,7 +228,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
             iterator.close()
             raise LoaderClosedError("this ArenaLoader was closed; create a new one")
         return self._iterators.watched(draws, self._source, self._checked_length(
-            self._on_device(iterator, owns_host=not options.persistent_workers)),
+            self._staged(iterator, not options.persistent_workers, positions)),
             iterator if options.persistent_workers else None)
 
     def _checked_length(self, iterator: Any) -> Any:
@@ -229,19 +238,14 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         return LengthCheckedIterator(iterator, self.dataset, self._IterableDataset_len_called,
                                      self.num_workers)
 
-    def _on_device(self, iterator: Any, owns_host: bool) -> Any:
-        """``iterator`` behind the device copy stage, if there is one (else, for the
-        persistent iterator, behind its face that keeps the loader alive)."""
-        if self._device is None:
-            if owns_host:
-                return iterator
-            return self._iterators.persistent_face(self, iterator)
-        if owns_host:
-            # Closed by the device iterator, after its last copy from the slab completed.
-            self._iterators.live.discard(iterator)
-        wrapped = self._device.wrap(self, iterator, owns_host)
-        self._iterators.live.add(wrapped)
-        return wrapped
+    @property
+    def _stager(self) -> Any:
+        """The stage between the host iterator and you: the device copies, or the pin
+        thread (``pin_memory`` with workers); None."""
+        return self._device if self._device is not None else self._pinning
+
+    def _staged(self, iterator: Any, owns_host: bool, positions: Any) -> Any:
+        return self._iterators.staged(self, self._stager, iterator, owns_host, positions)
 
     def _adopt_after_fork(self) -> None:
         """First use in a process forked from the one that made this loader (``os.fork``, a
@@ -276,8 +280,8 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         # No early return: each step is idempotent, so a close() that Ctrl-C cut short is
         # finished by the next call.
         self._closed = True
-        if self._device is not None:
-            self._device.detach()
+        if self._stager is not None:
+            self._stager.detach()
         self._iterators.close_persistent()
         # Not through the finalizer, which runs once: a close_all that Ctrl-C cut short must
         # run again at the next close() (every step of it is idempotent).

@@ -195,10 +195,17 @@ def test_batch_size_none_applies_collate_fn_to_each_sample(num_workers):
         np.testing.assert_array_equal(doubled, dataset[i] * 2)
 
 
-def test_close_from_another_thread_wakes_a_waiting_next():
+@pytest.mark.parametrize("pin", [False, True])
+def test_close_from_another_thread_wakes_a_waiting_next(monkeypatch, pin):
     """close() from another thread makes a next() that waits for a slow batch raise
-    LoaderClosedError promptly."""
-    loader = ArenaLoader(SlowDataset(10, range(2, 10), 5), batch_size=2, num_workers=1)
+    LoaderClosedError promptly; with pin_memory=True too, where next() waits on the pin
+    thread (``Tensor.pin_memory`` a copy here)."""
+    if pin:
+        torch = pytest.importorskip("torch")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor, device=None: tensor.clone())
+    loader = ArenaLoader(SlowDataset(10, range(2, 10), 5), batch_size=2, num_workers=1,
+                         pin_memory=pin, output="torch" if pin else None)
     iterator = iter(loader)
     next(iterator)
     closer = threading.Timer(0.3, loader.close)
@@ -524,17 +531,21 @@ def _interrupted(call, k):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("num_workers, persistent, threads", [
-    (0, False, 1), (2, False, 1), (2, True, 1), (2, False, 2)])
+@pytest.mark.parametrize("num_workers, persistent, threads, pin", [
+    (0, False, 1, False), (2, False, 1, False), (2, True, 1, False), (2, False, 2, False),
+    (0, False, 1, True), (2, True, 1, True)])
 def test_ctrl_c_at_any_line_of_next_iter_and_close_loses_nothing(num_workers, persistent,
-                                                                  threads):
+                                                                  threads, pin):
     """KeyboardInterrupt injected at the k-th line of arena_loader code in next() (k = 1, 2,
     3, ... over successive calls, past the longest next()), in iter() and in close(), over
     several epochs: each epoch yields every batch once, in order; every slot is free after
     it; close() called again after an interrupted one leaves no worker alive. Run in a fresh
     interpreter: descriptors an interrupt leaves to the garbage collector must not reach the
-    next tests' workers. ``threads``: worker_threads, each worker's threads sharing a batch."""
-    _in_fresh_interpreter(f"_ctrl_c_matrix({num_workers}, {persistent}, {threads})", 140)
+    next tests' workers. ``threads``: worker_threads, each worker's threads sharing a batch.
+    ``pin``: pin_memory=True (tensors; ``Tensor.pin_memory`` a copy): next() pins without
+    workers, and takes the pin thread's copies with them."""
+    _in_fresh_interpreter(f"_ctrl_c_matrix({num_workers}, {persistent}, {threads}, {pin})",
+                          140)
 
 
 @pytest.mark.timeout(60)
@@ -583,13 +594,32 @@ def _in_fresh_interpreter(call: str, timeout_s: float) -> None:
     assert result.returncode == 0 and "matrix ok" in result.stdout, result.stderr[-3000:]
 
 
-def _ctrl_c_matrix(num_workers, persistent, threads=1):
+class _IndexedTensors(_Indexed):
+    def __getitem__(self, i):
+        import torch
+
+        return torch.full((2,), i, dtype=torch.int64)
+
+
+def _fake_pinning():
+    """For a fresh interpreter: torch sees a GPU, and ``pin_memory()`` copies (in the main
+    thread, or in the pin thread, where no Ctrl-C can land)."""
+    import torch
+
+    torch.cuda.is_available = lambda: True
+    torch.Tensor.pin_memory = lambda tensor, device=None: tensor.clone()
+
+
+def _ctrl_c_matrix(num_workers, persistent, threads=1, pin=False):
     expected = list(range(0, 40, 2))
     longest = 0  # lines of the longest next(): k must reach past it
     k = 0
-    with ArenaLoader(_Indexed(), batch_size=2, num_workers=num_workers,
-                     timeout=10 if num_workers else 0,
-                     persistent_workers=persistent, worker_threads=threads) as loader:
+    if pin:
+        _fake_pinning()
+    options = dict(batch_size=2, num_workers=num_workers, timeout=10 if num_workers else 0,
+                   persistent_workers=persistent, worker_threads=threads, pin_memory=pin)
+    dataset = _IndexedTensors() if pin else _Indexed()
+    with ArenaLoader(dataset, **options) as loader:
         for epoch in range(4):
             # After the abandoned epoch, iter() drains it: interrupted at every line of that,
             # from the first.
@@ -625,9 +655,7 @@ def _ctrl_c_matrix(num_workers, persistent, threads=1):
                 assert snapshot.free_slots == loader.slots, (epoch, snapshot.slot_states)
         assert k > longest, (k, longest)  # every line of next() was a target at least once
     for close_k in (3, 9, 17, 40):  # each on a fresh loader whose workers run
-        loader = ArenaLoader(_Indexed(), batch_size=2, num_workers=num_workers,
-                             timeout=10 if num_workers else 0,
-                             persistent_workers=persistent, worker_threads=threads)
+        loader = ArenaLoader(dataset, **options)
         iterator = iter(loader)
         next(iterator)
         _, interrupted = _interrupted(loader.close, close_k)

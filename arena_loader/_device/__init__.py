@@ -10,12 +10,11 @@ copies".
   ``DeviceLease``).
 - ``upload``: one copy of a leased host slot into a device buffer (``SlotUploader``).
 - ``stage``: the ``arena_loader-device`` thread and the consumer's ``next()`` (``DeviceStage``).
-- ``iterator``: ``DeviceCopier`` and the ``DeviceIterator`` it gives the loader.
+- ``iterator``: ``DeviceCopier``, which puts each host iterator behind a ``DeviceStage``.
 """
 
 from .cuda import cuda_unavailable_reason, resolve_gpu
-from .iterator import DeviceCopier, DeviceIterator
+from .iterator import DeviceCopier
 from .pinning import HostPinner
 
-__all__ = ["DeviceCopier", "DeviceIterator", "HostPinner", "cuda_unavailable_reason",
-           "resolve_gpu"]
+__all__ = ["DeviceCopier", "HostPinner", "cuda_unavailable_reason", "resolve_gpu"]

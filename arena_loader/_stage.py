@@ -1,0 +1,227 @@
+"""A thread between the host iterator and the consumer: it takes each host batch as soon as
+the host's read-ahead has it, works on it while the training step runs, and queues the result
+for ``next()`` (docs/design.md, "Stages"). Two stages use it: the device stage copies each
+slot to the GPU (``_device.stage``), the pin stage copies a batch's tensors into page-locked
+memory (``_pin_stage``), as torch's pin-memory thread does.
+
+``HostStage`` is what both share: the thread's start with the batch the consumer's first
+``next()`` took (so that batch's errors, and whatever the host does at its first batch,
+belong to that ``next()``), the host's errors and its end handed on in order, a bounded queue,
+and a ``close()`` that stops and joins the thread. ``StagedIterator`` is what ``iter()``
+returns; ``Stager`` makes one per host iterator and stops the one still reading a persistent
+host iterator before the next epoch starts on it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ._inprocess import InProcessIterator
+from .errors import LoaderClosedError
+
+# The longest sleep of either side between checks that the other is alive or closed.
+POLL_S = 0.5
+# How long close() lets the thread finish the batch it is waiting for before closing the host
+# iterator under it: short when that iterator is ours to close, long when it is a persistent
+# one (closing it costs the workers) or runs user code in this process.
+OWNED_JOIN_S = 0.5
+SHARED_JOIN_S = 10.0
+
+
+@dataclass(frozen=True, eq=False)
+class Raised:
+    """The host iterator (or the stage's work) raised ``error`` for a batch; ``fatal``: every
+    later ``next()`` raises it again."""
+
+    error: BaseException
+    fatal: bool
+
+
+@dataclass(frozen=True, eq=False)
+class Ended:
+    """The host iterator's epoch ended."""
+
+
+class HostStage:
+    """The state the stage's thread and the consumer share; the thread references only this,
+    so an abandoned ``StagedIterator`` is collected and its finalizer closes the stage.
+    Subclasses give the thread's loop (``_work``) and the consumer's ``next_batch``."""
+
+    thread_name = "arena_loader-stage"
+
+    def __init__(self, host: Iterator, owns_host: bool, depth: int):
+        self._host = host
+        self._owns_host = owns_host
+        self._depth = depth  # results queued for the consumer, at most
+        self._cv = threading.Condition()
+        self._ready: deque[Any] = deque()
+        self._stop = False
+        self._closed = False
+        self._finished = False
+        self._thread: threading.Thread | None = None
+        self._first: Any = None
+
+    # -- the thread -----------------------------------------------------------------------
+
+    def start(self, first: Any) -> None:
+        # Handed over in an attribute, not as a thread argument: Thread keeps its arguments
+        # until run() returns, which would hold the first batch's slot for the whole epoch.
+        self._first = first
+        thread = threading.Thread(target=self._run, daemon=True, name=self.thread_name)
+        with self._cv:
+            if self._closed:
+                self._first = None
+                raise LoaderClosedError("this iterator was closed; call iter(loader) for a new one")
+            self._thread = thread
+        thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._work()
+        except BaseException as exc:  # the stage itself failed: the consumer raises it
+            self._publish(self._failed(exc))
+
+    def _work(self) -> None:
+        raise NotImplementedError
+
+    def _failed(self, exc: BaseException) -> Any:
+        """What the consumer is handed when the thread itself failed: raised by every
+        ``next()`` from then on."""
+        return Raised(exc, fatal=True)
+
+    def _next_host(self) -> Any:
+        """The host iterator's next batch, ``Raised`` or ``Ended``; None when stopping."""
+        try:
+            item = next(self._host)
+        except StopIteration:
+            return Ended()
+        except BaseException as exc:
+            if self._stop:
+                return None
+            return Raised(exc, fatal=bool(getattr(self._host, "broken", False)))
+        if self._stop:
+            return None
+        return item
+
+    def _publish(self, item: Any) -> bool:
+        """Queue ``item`` for the consumer, waiting for room; False when stopping."""
+        with self._cv:
+            while len(self._ready) >= self._depth and not self._stop:
+                self._cv.wait(POLL_S)
+            if self._stop:
+                return False
+            self._ready.append(item)
+            self._cv.notify_all()
+            return True
+
+    def _wait_taken(self, item: Any) -> None:
+        """Until the consumer took ``item`` (an error: the next batch is loaded once the
+        error is seen, as without the stage)."""
+        with self._cv:
+            while item in self._ready and not self._stop:
+                self._cv.wait(POLL_S)
+
+    # -- the consumer ---------------------------------------------------------------------
+
+    @property
+    def awaits_first(self) -> bool:
+        """Neither started nor closed: ``start`` may be called."""
+        return self._thread is None and not self._closed
+
+    def _wait_more(self) -> Ended | None:
+        """With ``_cv`` held and nothing queued: wait a while. ``Ended`` once the epoch was
+        finished and the stage closed; LoaderClosedError if closed before; RuntimeError if
+        the thread died without a word."""
+        if self._closed:
+            if self._finished:
+                return Ended()
+            raise LoaderClosedError("this iterator was closed; call iter(loader) for a new one")
+        if not self._cv.wait(POLL_S) and not self._thread.is_alive():
+            raise RuntimeError(f"the {self.thread_name} thread stopped unexpectedly")
+        return None
+
+    # -- teardown -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stops and joins the thread; closes the host iterator if this stage owns it (or if
+        the thread is stuck in it). Safe from a finalizer. No early return: every step may
+        be redone, so a call that Ctrl-C cut short is finished by the next."""
+        with self._cv:
+            self._closed = self._stop = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            # A multi-process host iterator it owns is closed soon; one that runs user code in
+            # this process, or a persistent one, is given time to finish its batch.
+            quick = self._owns_host and not isinstance(self._host, InProcessIterator)
+            thread.join(OWNED_JOIN_S if quick else SHARED_JOIN_S)
+            if self._owns_host or thread.is_alive():
+                self._before_host_close()
+                self._host.close()
+            thread.join(SHARED_JOIN_S)
+        elif self._owns_host:
+            self._host.close()
+        with self._cv:
+            self._ready.clear()  # results never taken go, and what they hold with them
+
+    def _before_host_close(self) -> None:
+        """Called from ``close()`` while the thread may still be at work: what must finish
+        before the host iterator (which may unpin its slab) is closed."""
+
+
+class StagedIterator:
+    """What ``iter(loader)`` returns with a stage: the stage's results, in order."""
+
+    def __init__(self, owner: Any, host: Iterator, stage: HostStage):
+        self._owner = owner  # the loader: `for b in ArenaLoader(...)` must keep it alive
+        self._host = host
+        self._stage = stage
+        self._finalizer = weakref.finalize(self, stage.close)
+
+    def __iter__(self) -> StagedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        stage = self._stage
+        if stage.awaits_first:
+            # The first batch is taken here, in the consumer's thread, so that whatever the
+            # host iterator does at its first next() (claim the arena, pin the slab) happens
+            # here; its errors are this next()'s, and the following next() tries again.
+            stage.start(next(self._host))  # no local: the thread alone holds that slot
+        return stage.next_batch()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._stage.close()  # (not the finalizer, which runs once: see HostStage.close)
+
+
+class Stager:
+    """A loader's stage: a ``StagedIterator`` around each host iterator (``make``)."""
+
+    def __init__(self) -> None:
+        self._shared: weakref.ref | None = None  # the iterator reading a persistent host one
+
+    def make(self, host: Iterator, owns_host: bool, positions: Any) -> HostStage:
+        raise NotImplementedError
+
+    def wrap(self, owner: Any, host: Iterator, owns_host: bool,
+             positions: Any = None) -> StagedIterator:
+        """``owns_host``: close ``host`` with the staged iterator (it is not persistent).
+        ``positions``: ``LoaderResume.follower``'s pair, for a stage that keeps the
+        consumer's epoch position."""
+        iterator = StagedIterator(owner, host, self.make(host, owns_host, positions))
+        if not owns_host:
+            self._shared = weakref.ref(iterator)
+        return iterator
+
+    def detach(self) -> None:
+        """Stop the staged iterator still reading the persistent host iterator (an abandoned
+        epoch) before that one starts a new epoch."""
+        previous = self._shared() if self._shared is not None else None
+        self._shared = None
+        if previous is not None:
+            previous.close()

@@ -1,0 +1,152 @@
+"""pin_memory=True with workers: the arena_loader-pin thread copies each batch's tensors into
+page-locked memory ahead of next(), as torch's pin thread does (``Tensor.pin_memory`` is a
+copy here: torch's CPU build has none). Its Ctrl-C cases are in test_faults' matrix."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from arena_loader import ArenaLoader, LoaderClosedError, LoaderTimeoutError, WorkerCrashedError
+from tests import resume_driver
+
+from .conftest import wait_until
+from .datasets import SuicidalDataset
+from .test_device import TensorPairs, fake_pinning  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def pinning_threads(monkeypatch, fake_pinning):  # noqa: F811
+    """``fake_pinning`` that also records the thread each batch's first tensor is pinned in."""
+    import torch
+
+    threads: list[str] = []
+    pin_memory = torch.Tensor.pin_memory
+
+    def recording(tensor, device=None):
+        threads.append(threading.current_thread().name)
+        return pin_memory(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", recording)
+    return threads
+
+
+@pytest.mark.parametrize("num_workers, pinned_in", [(0, "MainThread"), (2, "arena_loader-pin")])
+def test_batches_are_pinned_ahead_of_next_in_the_pin_thread(pinning_threads, num_workers,
+                                                            pinned_in):
+    """With workers, batches are pinned in the pin thread, ahead of the next() that returns
+    them (so the copy runs during the training step); without, next() pins, as torch's
+    single-process iterator does. Values, order and structure do not change."""
+    import torch
+
+    with ArenaLoader(TensorPairs(24), batch_size=4, num_workers=num_workers,
+                     pin_memory=True) as loader:
+        iterator = iter(loader)
+        first = next(iterator)
+        if num_workers:  # the next batches are pinned while the consumer is elsewhere
+            assert wait_until(lambda: len(pinning_threads) >= 2 * 3)
+        else:
+            time.sleep(0.1)
+            assert len(pinning_threads) == 2
+        rest = list(iterator)
+    assert set(pinning_threads) == {pinned_in}
+    assert len(pinning_threads) == 2 * 6
+    for i, (images, labels) in enumerate([first, *rest]):
+        torch.testing.assert_close(images[:, 0, 0], torch.arange(4 * i, 4 * i + 4.0))
+        assert labels.tolist() == list(range(4 * i, 4 * i + 4))
+
+
+@pytest.mark.parametrize("name", ["workers", "iterable_stateful"])
+def test_state_dict_counts_batches_received_not_those_pinned_ahead(fake_pinning, name):  # noqa: F811
+    """The pin thread takes batches ahead of the consumer; state_dict() still says where the
+    consumer is: resumed from it, the run is the uninterrupted run (for iterable-style
+    datasets, each worker's state as of the last batch received from it)."""
+    import torch
+
+    torch.manual_seed(7)
+    whole = resume_driver.run_whole(name)  # (no pinning)
+    torch.manual_seed(7)
+    with resume_driver.make_loader(name, pin_memory=True, output="torch") as loader:
+        iterator = iter(loader)
+        head = [resume_driver.rows(next(iterator)) for _ in range(3)]
+        # Pinned ahead: two batches queued and one in the thread's hands.
+        assert wait_until(lambda: len(fake_pinning) >= 3 + 3)
+        state = loader.state_dict()
+        del iterator
+    assert (state["batches_yielded"], state["next_idx"]) == (3, 3)
+    torch.manual_seed(8)  # nothing may depend on this process's RNG
+    with resume_driver.make_loader(name, pin_memory=True, output="torch") as loader:
+        loader.load_state_dict(state)
+        tail = [resume_driver.rows(b) for epoch in range(state["epoch"], resume_driver.EPOCHS)
+                for b in loader]
+    assert head + tail == whole
+
+
+class FailsToPin:
+    """A collate_fn's batch type whose pin_memory() raises for batch 2."""
+
+    def __init__(self, samples):
+        import torch
+
+        self.labels = torch.stack([label for _, label in samples])
+
+    def pin_memory(self):
+        if int(self.labels[0]) == 8:
+            raise ValueError("batch 2 cannot be pinned")
+        self.labels = self.labels.pin_memory()
+        return self
+
+
+def test_an_error_while_pinning_is_that_batchs_and_the_epoch_goes_on(fake_pinning):  # noqa: F811
+    """As in torch's pin thread: the error pinning raised is raised by that batch's next(),
+    with its type; the following batches come, in order."""
+    with ArenaLoader(TensorPairs(24), batch_size=4, num_workers=2, pin_memory=True,
+                     collate_fn=FailsToPin) as loader:
+        iterator, got = iter(loader), []
+        for _ in range(2):
+            got.append(next(iterator).labels.tolist())
+        with pytest.raises(ValueError, match="batch 2 cannot be pinned"):
+            next(iterator)
+        got += [batch.labels.tolist() for batch in iterator]
+    assert got == [list(range(i, i + 4)) for i in (0, 4, 12, 16, 20)]
+
+
+def test_timeout_and_a_dead_worker_are_raised_by_next_through_the_pin_thread(fake_pinning):  # noqa: F811
+    """The host iterator's errors reach next() as without the pin thread: a timeout is a
+    LoaderTimeoutError naming the batch; a killed worker a WorkerCrashedError, raised again
+    by every later next(); after close(), next() is a LoaderClosedError."""
+    import torch
+
+    class Slow(TensorPairs):
+        def __getitem__(self, index):
+            if index == 9:
+                time.sleep(3)
+            return super().__getitem__(index)
+
+    with ArenaLoader(Slow(16), batch_size=4, num_workers=2, pin_memory=True,
+                     timeout=0.5) as loader:
+        iterator = iter(loader)
+        assert next(iterator)[1].tolist() == [0, 1, 2, 3]
+        assert next(iterator)[1].tolist() == [4, 5, 6, 7]
+        with pytest.raises(LoaderTimeoutError, match="idx=2"):
+            next(iterator)
+
+    dataset = SuicidalDataset(32, fatal_index=10)
+    with ArenaLoader(dataset, batch_size=2, num_workers=2, pin_memory=True,
+                     output="torch") as loader:
+        iterator = iter(loader)
+        received = []
+        with pytest.raises(WorkerCrashedError):
+            for batch in iterator:
+                assert isinstance(batch, torch.Tensor)
+                received.append(batch)
+        assert len(received) == 5  # every batch before the worker's death
+        with pytest.raises(WorkerCrashedError):
+            next(iterator)
+        loader.close()
+        with pytest.raises((WorkerCrashedError, LoaderClosedError)):
+            next(iterator)
