@@ -130,3 +130,33 @@ def test_output_must_be_numpy_or_torch():
     with pytest.raises(ValueError, match=r"output must be one of \(None, 'numpy', 'torch'\), "
                                          r"got 'jax'"):
         ArenaLoader(ImageDataset(4), output="jax")
+
+
+def _mixed_collate(samples):
+    """A collate_fn's batch of tensors, numpy arrays and numpy scalars side by side."""
+    return {"x": torch.tensor(samples), "mask": np.array(samples) > 1,
+            "f32": np.float32(samples[0]), "n": len(samples),
+            "pair": (np.int64(len(samples)), torch.tensor(2.5))}
+
+
+def _leaf_types(batch):
+    return {key: (type(value), [type(v) for v in value] if isinstance(value, tuple) else None)
+            for key, value in batch.items()}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_collate_fn_batch_is_handed_out_as_the_collate_fn_made_it(num_workers):
+    """output=None: a collate_fn's numpy arrays and numpy scalars stay numpy beside its tensors
+    (torch hands out what the collate_fn returns); they became tensors and 0-d arrays before
+    (found by a user trial with a collate_fn returning tensors and a numpy mask)."""
+    kwargs = dict(batch_size=3, collate_fn=_mixed_collate, num_workers=num_workers)
+    theirs = list(torch.utils.data.DataLoader(list(range(6)), **kwargs))
+    with ArenaLoader(list(range(6)), **kwargs) as loader:
+        ours = list(loader)
+    assert [_leaf_types(b) for b in ours] == [_leaf_types(b) for b in theirs]
+    assert _leaf_types(theirs[0])["mask"][0] is np.ndarray
+    assert _leaf_types(theirs[0])["f32"][0] is np.float32
+    for mine, torchs in zip(ours, theirs, strict=True):
+        assert torch.equal(mine["x"], torchs["x"]) and (mine["mask"] == torchs["mask"]).all()
+        assert mine["f32"] == torchs["f32"] and mine["pair"][0] == torchs["pair"][0]
