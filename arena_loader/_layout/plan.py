@@ -69,6 +69,10 @@ class MappingNode:
     keys: tuple
     children: tuple
     path: str
+    # A collate_fn's mutable mapping with attributes of its own (transformers' BatchEncoding
+    # keeps its tokenizer encodings so): the object leaf holding an emptied copy of it, which
+    # the batch's items are put back into, as torch hands out the object itself; -1: none.
+    shell: int = -1
 
 
 @dataclass(frozen=True)
@@ -231,6 +235,10 @@ def rebuild(node: Any, views: list, objects: list) -> Any:
         items = {k: rebuild(c, views, objects) for k, c in zip(node.keys, node.children)}
         if node.type is dict:
             return items
+        if node.shell >= 0:
+            shell = objects[node.shell]
+            shell.update(items)
+            return shell
         if hasattr(node.type, "__dataclass_fields__"):
             try:
                 return node.type(**items)
