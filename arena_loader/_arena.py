@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _forksafe
-from ._layout import KIND_TORCH_RAW, FieldPlacement, Plan
+from ._layout import KIND_TORCH, KIND_TORCH_RAW, FieldPlacement, Plan
 from ._leases import HeldLimit
 from ._messages import listed
 from ._output import NUMPY_UNPINNED, make_converter, torch_raw_view
@@ -330,9 +330,14 @@ class ArenaSource:
                     "arrays, str or bytes from the dataset, or objects that unpickle") from exc
             if self._lease_only:
                 return LeasedSlot(lease, plan, objects, pinned)
-            batch = plan.assemble(host, objects, _raw_field if plan.raw else None)
-            if self._to_torch is not None and (self._output == "torch" or plan.torch):
-                batch = self._to_torch(batch, plan.collated, plan.converted)
+            if plan.torch and self._output is None and not (plan.collated or plan.converted):
+                # A collate_fn's batch is handed out as the collate_fn made it (as torch
+                # does): its tensors as tensors, its numpy arrays as numpy.
+                batch = plan.assemble(host, objects, _tensor_field)
+            else:
+                batch = plan.assemble(host, objects, _raw_field if plan.raw else None)
+                if self._to_torch is not None and (self._output == "torch" or plan.torch):
+                    batch = self._to_torch(batch, plan.collated, plan.converted)
             if self._pin_batch is not None:
                 numpy_left: list = []
                 batch = self._pin_batch(batch, numpy_left)
@@ -364,6 +369,15 @@ class ArenaSource:
 
 def _converted_field(convert: Callable[[Any], Any], view: Any, field: FieldPlacement) -> Any:
     return _raw_field(convert(view), field)
+
+
+def _tensor_field(view: Any, field: FieldPlacement) -> Any:
+    """A field that was a torch tensor in the worker as a tensor again; any other as is."""
+    if field.kind == KIND_TORCH:
+        import torch
+
+        return torch.from_numpy(view)
+    return _raw_field(view, field)
 
 
 def _raw_field(view: Any, field: FieldPlacement) -> Any:

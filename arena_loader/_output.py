@@ -60,6 +60,10 @@ def _to_torch(torch: Any, value: Any, collated: bool, converted: bool = False) -
         entries = {key: _to_torch(torch, item, collated, converted)
                    for key, item in value.items()}
         try:
+            if type(value) is not dict and isinstance(value, MutableMapping):
+                clone = copy.copy(value)  # keeps what its type holds besides the items
+                clone.update(entries)
+                return clone
             return type(value)(entries)
         except TypeError:  # a mapping type that is not built from a dict
             return entries

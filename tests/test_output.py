@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import typing
 
@@ -130,3 +131,63 @@ def test_output_must_be_numpy_or_torch():
     with pytest.raises(ValueError, match=r"output must be one of \(None, 'numpy', 'torch'\), "
                                          r"got 'jax'"):
         ArenaLoader(ImageDataset(4), output="jax")
+
+
+def _mixed_collate(samples):
+    """A collate_fn's batch of tensors, numpy arrays and numpy scalars side by side."""
+    return {"x": torch.tensor(samples), "mask": np.array(samples) > 1,
+            "f32": np.float32(samples[0]), "n": len(samples),
+            "pair": (np.int64(len(samples)), torch.tensor(2.5))}
+
+
+def _leaf_types(batch):
+    return {key: (type(value), [type(v) for v in value] if isinstance(value, tuple) else None)
+            for key, value in batch.items()}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_collate_fn_batch_is_handed_out_as_the_collate_fn_made_it(num_workers):
+    """output=None: a collate_fn's numpy arrays and numpy scalars stay numpy beside its tensors
+    (torch hands out what the collate_fn returns); they became tensors and 0-d arrays before
+    (found by a user trial with a collate_fn returning tensors and a numpy mask)."""
+    kwargs = dict(batch_size=3, collate_fn=_mixed_collate, num_workers=num_workers)
+    theirs = list(torch.utils.data.DataLoader(list(range(6)), **kwargs))
+    with ArenaLoader(list(range(6)), **kwargs) as loader:
+        ours = list(loader)
+    assert [_leaf_types(b) for b in ours] == [_leaf_types(b) for b in theirs]
+    assert _leaf_types(theirs[0])["mask"][0] is np.ndarray
+    assert _leaf_types(theirs[0])["f32"][0] is np.float32
+    for mine, torchs in zip(ours, theirs, strict=True):
+        assert torch.equal(mine["x"], torchs["x"]) and (mine["mask"] == torchs["mask"]).all()
+        assert mine["f32"] == torchs["f32"] and mine["pair"][0] == torchs["pair"][0]
+
+
+class Encoding(collections.UserDict):
+    """A mapping with state besides its items, as transformers' BatchEncoding keeps the
+    tokenizer's encodings (``word_ids()`` reads them)."""
+
+    def __init__(self, data=None, words=None):
+        super().__init__(data)
+        self.words = words
+
+
+def _encoding_collate(samples):
+    return Encoding({"ids": torch.tensor(samples), "mask": np.ones(len(samples))},
+                    words=[f"w{s}" for s in samples])
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("output", [None, "torch"])
+def test_collate_fn_mapping_keeps_its_attributes(output, num_workers):
+    """A collate_fn's mapping comes back with its own attributes, as torch hands out the object
+    (found by a user trial: a tokenizer as collate_fn gave a BatchEncoding whose word_ids()
+    failed, its encodings lost)."""
+    kwargs = dict(batch_size=2, collate_fn=_encoding_collate, num_workers=num_workers)
+    theirs = list(torch.utils.data.DataLoader(list(range(4)), **kwargs))
+    with ArenaLoader(list(range(4)), output=output, **kwargs) as loader:
+        ours = list(loader)
+    assert [(type(b), b.words, list(b)) for b in ours] == [
+        (type(b), b.words, list(b)) for b in theirs]
+    assert ours[1].words == ["w2", "w3"] and torch.equal(ours[1]["ids"], theirs[1]["ids"])

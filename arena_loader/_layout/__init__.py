@@ -14,10 +14,18 @@ the same storage, after the fields.
 - ``records``: the plan on the wire (``PlanEncoder`` / ``PlanDecoder``).
 """
 
-from .plan import FIELD_ALIGNMENT, KIND_TORCH_RAW, FieldPlacement, Plan, Prepared, promote_to
+from .plan import (
+    FIELD_ALIGNMENT,
+    KIND_TORCH,
+    KIND_TORCH_RAW,
+    FieldPlacement,
+    Plan,
+    Prepared,
+    promote_to,
+)
 from .planner import prepare_batch, prepare_rows, prepare_samples, rows_view
 from .records import PlanDecoder, PlanEncoder
 
-__all__ = ["FIELD_ALIGNMENT", "KIND_TORCH_RAW", "FieldPlacement", "Plan", "PlanDecoder",
-           "PlanEncoder", "Prepared", "prepare_batch", "prepare_rows", "prepare_samples",
-           "promote_to", "rows_view"]
+__all__ = ["FIELD_ALIGNMENT", "KIND_TORCH", "KIND_TORCH_RAW", "FieldPlacement", "Plan",
+           "PlanDecoder", "PlanEncoder", "Prepared", "prepare_batch", "prepare_rows",
+           "prepare_samples", "promote_to", "rows_view"]

@@ -20,6 +20,8 @@ KIND_NUMPY = 0  # a numpy array (or a numpy/Python scalar stacked into one)
 KIND_TORCH = 1  # a torch tensor in the worker: a tensor again where torch output is asked for
 KIND_NUMBER = 2  # an unbatched Python number (collate_fn output): handed out as a number
 KIND_TORCH_RAW = 3  # a torch dtype numpy lacks (bfloat16, float8): bits stored, torch dtype kept
+KIND_NUMPY_SCALAR = 4  # a numpy scalar in a collate_fn's batch: handed out as that scalar
+SCALAR_KINDS = (KIND_NUMBER, KIND_NUMPY_SCALAR)  # read back as values, not views
 
 
 class FieldPlacement:
@@ -67,6 +69,10 @@ class MappingNode:
     keys: tuple
     children: tuple
     path: str
+    # A collate_fn's mutable mapping with attributes of its own (transformers' BatchEncoding
+    # keeps its tokenizer encodings so): the object leaf holding an emptied copy of it, which
+    # the batch's items are put back into, as torch hands out the object itself; -1: none.
+    shell: int = -1
 
 
 @dataclass(frozen=True)
@@ -101,8 +107,8 @@ class Plan:
         self.raw = any(f.kind == KIND_TORCH_RAW for f in fields)
         # The batch is one array field and nothing else (samples that are one array): its
         # placement, so that assemble makes the one view without walking the structure.
-        self.single = fields[0] if (type(spec) is FieldLeaf and len(fields) == 1 and
-                                    not objects_len and fields[0].kind != KIND_NUMBER) else None
+        alone = type(spec) is FieldLeaf and len(fields) == 1 and not objects_len
+        self.single = fields[0] if alone and fields[0].kind not in SCALAR_KINDS else None
 
     def objects(self, storage: np.ndarray) -> list:
         """The object-leaf values, unpickled from ``storage`` (host memory)."""
@@ -126,9 +132,10 @@ class Plan:
         views = []
         host = type(storage) is np.ndarray
         for f in self.fields:
-            if f.kind == KIND_NUMBER:
+            if f.kind in SCALAR_KINDS:
                 source = storage if host_bytes is None else host_bytes
-                views.append(source[f.offset: f.offset + f.nbytes].view(f.dtype).item())
+                value = source[f.offset: f.offset + f.nbytes].view(f.dtype)
+                views.append(value.item() if f.kind == KIND_NUMBER else value[0])
                 continue
             if host:  # one constructor call: its base is `storage`, which keeps the lease
                 view = np.ndarray(f.shape, f.dtype, storage, f.offset)
@@ -228,6 +235,10 @@ def rebuild(node: Any, views: list, objects: list) -> Any:
         items = {k: rebuild(c, views, objects) for k, c in zip(node.keys, node.children)}
         if node.type is dict:
             return items
+        if node.shell >= 0:
+            shell = objects[node.shell]
+            shell.update(items)
+            return shell
         if hasattr(node.type, "__dataclass_fields__"):
             try:
                 return node.type(**items)

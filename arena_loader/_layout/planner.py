@@ -16,6 +16,7 @@ from .plan import (
     FIELD_ALIGNMENT,
     KIND_NUMBER,
     KIND_NUMPY,
+    KIND_NUMPY_SCALAR,
     KIND_TORCH,
     KIND_TORCH_RAW,
     EqualRows,
@@ -143,8 +144,12 @@ def _check_dtype(dtype: np.dtype, path: str, index: Any) -> None:
         raise object_array_error(dtype, where)
 
 
-def _leaf_placement(value: Any, path: str, label: str) -> tuple[Any, FieldPlacement]:
-    """One leaf of a collated batch: (the value to write, its placement at offset 0)."""
+def _leaf_placement(value: Any, path: str, label: str,
+                    converted: bool = False) -> tuple[Any, FieldPlacement]:
+    """One leaf of a collated batch: (the value to write, its placement at offset 0).
+    A numpy scalar in a collate_fn's batch comes back as that scalar, as torch hands out what
+    the collate_fn made (``converted``: one sample, which torch's ``default_convert`` makes a
+    tensor, so it is stored as a 0-d array)."""
     if type(value) in PYTHON_NUMBER_DTYPES:
         dtype = PYTHON_NUMBER_DTYPES[type(value)]
         if type(value) is int and not -(2**63) <= value < 2**63:
@@ -154,6 +159,8 @@ def _leaf_placement(value: Any, path: str, label: str) -> tuple[Any, FieldPlacem
     if is_tensor(value):
         array, kind, raw_name = tensor_array(value)
         return array, FieldPlacement(array.dtype, array.shape, 0, kind, raw_name)
+    if isinstance(value, np.generic) and not converted:
+        return value, FieldPlacement(value.dtype, (), 0, KIND_NUMPY_SCALAR)
     return value, FieldPlacement(value.dtype, value.shape, 0)
 
 
@@ -230,11 +237,11 @@ def prepare_batch(batch: Any, label: str, converted: bool = False) -> Prepared:
     torch passes through ``default_convert``."""
     if batch is None:
         reject_none(batch, label)
-    builder = SpecBuilder()
+    builder = SpecBuilder(keep_state=True)
     spec = builder.build(batch, "batch")
     columns, placements = [], []
     for value, path in zip(builder.field_values, builder.field_paths):
-        column, placement = _leaf_placement(value, path, label)
+        column, placement = _leaf_placement(value, path, label, converted)
         columns.append(column)
         placements.append(placement)
     return _finish(spec, columns, placements, builder.object_values, collated=False,

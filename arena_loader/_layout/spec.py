@@ -3,9 +3,10 @@ and which are object leaves, and torch's ``default_collate`` rules for object le
 
 from __future__ import annotations
 
+import copy
 import numbers
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -82,7 +83,9 @@ def _is_namedtuple(value: Any) -> bool:
 class SpecBuilder:
     """Walks a sample (or a collated batch) and records its structure, fields and objects."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_state: bool = False) -> None:
+        # A collate_fn's batch: mappings with attributes of their own keep them (``shell``).
+        self.keep_state = keep_state
         self.field_paths: list[str] = []
         self.field_values: list[Any] = []
         self.object_paths: list[str] = []
@@ -99,7 +102,13 @@ class SpecBuilder:
         if isinstance(value, Mapping):
             keys = tuple(value.keys())
             children = tuple(self.build(value[k], f"{path}[{k!r}]") for k in keys)
-            return MappingNode(type(value), keys, children, path)
+            shell = _emptied_copy(value) if self.keep_state and type(value) is not dict else None
+            if shell is None:
+                return MappingNode(type(value), keys, children, path)
+            self.object_paths.append(path)
+            self.object_values.append(shell)
+            self.object_in_sequence.append(False)
+            return MappingNode(type(value), keys, children, path, len(self.object_paths) - 1)
         if isinstance(value, (tuple, list)):
             if _is_namedtuple(value):
                 names = type(value)._fields
@@ -117,6 +126,21 @@ class SpecBuilder:
         self.object_values.append(value)
         self.object_in_sequence.append(in_sequence)
         return ObjectLeaf(len(self.object_paths) - 1)
+
+
+def _emptied_copy(mapping: Mapping) -> Any:
+    """A mutable mapping with instance attributes besides its items (a ``UserDict``'s
+    ``data``): a shallow copy of it without its items, or None for any other mapping (or one
+    that does not copy)."""
+    state = getattr(mapping, "__dict__", None)
+    if not state or not set(state) - {"data"} or not isinstance(mapping, MutableMapping):
+        return None
+    try:
+        shell = copy.copy(mapping)
+        shell.clear()
+    except Exception:
+        return None
+    return shell
 
 
 def flatten(node: Any, value: Any, fields: list, objects: list, index: Any) -> None:
