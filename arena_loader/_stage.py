@@ -14,6 +14,7 @@ host iterator before the next epoch starts on it.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import deque
@@ -21,8 +22,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from . import _forksafe
 from ._inprocess import InProcessIterator
-from .errors import LoaderClosedError
+from .errors import LoaderClosedError, forked_iterator_error
 
 # The longest sleep of either side between checks that the other is alive or closed.
 POLL_S = 0.5
@@ -181,12 +183,15 @@ class StagedIterator:
         self._owner = owner  # the loader: `for b in ArenaLoader(...)` must keep it alive
         self._host = host
         self._stage = stage
+        self._pid, self._generation = os.getpid(), _forksafe.generation()
         self._finalizer = weakref.finalize(self, stage.close)
 
     def __iter__(self) -> StagedIterator:
         return self
 
     def __next__(self) -> Any:
+        if _forksafe.generation() != self._generation:  # its thread is the parent's
+            raise forked_iterator_error(self._pid)
         stage = self._stage
         if stage.awaits_first:
             # The first batch is taken here, in the consumer's thread, so that whatever the

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared run of every check that needs a CUDA GPU (the `device` tool's machines, or any
 # machine with a GPU, a CUDA build of torch and numba-cuda): the real-GPU tests, then
-# bench_h2d.py at 16 MiB and 4 MiB, then pinned_non_blocking.py. With
+# bench_h2d.py at 16 MiB and 4 MiB, then pinned_non_blocking.py and pin_training_step.py. With
 # OLD=path/to/a/copy/of/arena_loader's/parent, the 16 MiB bench runs for that code first, in
 # the same call (a same-machine A/B).
 #
@@ -12,7 +12,7 @@
 #       --implementation cp --platform manylinux2014_x86_64 -d .whl posix_ipc
 #   (optional A/B) mkdir -p .whl/old && git archive <rev> arena_loader | tar -x -C .whl/old
 #   run (carry [".whl"]): bash benchmarks/gpu_check.sh, or OLD=.whl/old bash benchmarks/gpu_check.sh
-# About 3 minutes on an H100 (its start not counted).
+# About 4 minutes on an H100 (its start not counted).
 set -u
 export PYTHONUNBUFFERED=1
 OUTDIR=${OUT:-/tmp}
@@ -37,3 +37,5 @@ timeout 150 python3 benchmarks/bench_h2d.py --batch-mib 4 --batches 1600 2>&1 \
     | tee "$OUTDIR/h2d_4.log" | grep -v environment
 echo "== pin_memory batches under late non_blocking copies"
 timeout 60 python3 benchmarks/pinned_non_blocking.py 2>&1 | tee "$OUTDIR/pinned.log"
+echo "== a training loop fed with pin_memory batches"
+timeout 150 python3 benchmarks/pin_training_step.py 2>&1 | tee "$OUTDIR/pin_step.log"

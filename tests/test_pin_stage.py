@@ -150,3 +150,28 @@ def test_timeout_and_a_dead_worker_are_raised_by_next_through_the_pin_thread(fak
         loader.close()
         with pytest.raises((WorkerCrashedError, LoaderClosedError)):
             next(iterator)
+
+
+def test_an_iterator_used_in_a_forked_child_is_a_loader_forked_error(fake_pinning):  # noqa: F811
+    """An iterator made in this process and used in a forked child (whose pin thread did not
+    survive the fork) raises LoaderForkedError there, at once; here it goes on."""
+    from arena_loader.errors import LoaderForkedError
+
+    from .test_fork import run_in_child
+
+    with ArenaLoader(TensorPairs(16), batch_size=4, num_workers=2, pin_memory=True) as loader:
+        iterator = iter(loader)
+        assert next(iterator)[1].tolist() == [0, 1, 2, 3]
+
+        def in_child():
+            began = time.monotonic()
+            try:
+                next(iterator)
+            except LoaderForkedError as exc:
+                return f"{time.monotonic() - began < 0.2} {exc}"
+            return "no error"
+
+        message = run_in_child("os.fork", in_child)
+        assert message.startswith("True ") and "forked from it" in message, message
+        assert [labels.tolist()[0] for _, labels in iterator] == [4, 8, 12]
+
