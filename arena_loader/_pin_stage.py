@@ -44,10 +44,9 @@ class PinStage(HostStage):
     def __init__(self, host: Iterator, owns_host: bool, pin: Callable[[Any, list], Any],
                  device_index: int | None,
                  positions: tuple[Callable[[], Any], Callable[[Any], None]] | None):
-        super().__init__(host, owns_host, PIN_PREFETCH)
+        super().__init__(host, owns_host, PIN_PREFETCH, positions)
         self._pin = pin
         self._device_index = device_index
-        self._track, self._follow = positions if positions is not None else (None, None)
         self._consumer_lock = threading.Lock()
         self._warned = False
         self._warning: str | None = None  # given by the consumer's next next()

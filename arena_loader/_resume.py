@@ -290,17 +290,11 @@ class Resumable:
     by one import (README, "Resuming")."""
 
     _resume: LoaderResume
-    _device: Any
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is, as of the batches your code has received (not what workers
         prefetched): a plain, picklable dict (JSON-serialisable where the datasets' and
         samplers' own states are). Cheap: nothing is drawn, loaded or asked of workers."""
-        if self._device is not None:
-            raise RuntimeError("state_dict() needs device=None: the device stage copies "
-                               "batches ahead of your code, so the loader cannot tell which "
-                               "ones you received; copy host batches to the GPU yourself to "
-                               "resume mid-epoch")
         return self._resume.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ import os
 import threading
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,11 +42,14 @@ class Raised:
 
     error: BaseException
     fatal: bool
+    position: Any = None  # the epoch position as of this batch (state_dict), if tracked
 
 
 @dataclass(frozen=True, eq=False)
 class Ended:
     """The host iterator's epoch ended."""
+
+    position: Any = None
 
 
 class HostStage:
@@ -56,10 +59,14 @@ class HostStage:
 
     thread_name = "arena_loader-stage"
 
-    def __init__(self, host: Iterator, owns_host: bool, depth: int):
+    def __init__(self, host: Iterator, owns_host: bool, depth: int,
+                 positions: tuple[Callable[[], Any], Callable[[Any], None]] | None = None):
         self._host = host
         self._owns_host = owns_host
         self._depth = depth  # results queued for the consumer, at most
+        # The thread takes batches ahead of the consumer: (track, follow) from
+        # LoaderResume.follower, so that state_dict() counts what the consumer received.
+        self._track, self._follow = positions if positions is not None else (None, None)
         self._cv = threading.Condition()
         self._ready: deque[Any] = deque()
         self._stop = False

@@ -182,8 +182,8 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         if not self._warned_unsharded:
             self._warned_unsharded = warn_if_every_rank_loads_all(options)
         plan = self._resume.begin_epoch(self)  # a loaded state: its epoch's draws replayed
-        # The pin thread takes batches ahead of you: the host moves a copy of the position.
-        positions = self._resume.follower(plan) if self._pinning is not None else None
+        # A stage's thread takes batches ahead of you: the host moves a copy of the position.
+        positions = self._resume.follower(plan) if self._stager is not None else None
         # Given back if the iterator is never used (not a resumed epoch's: its draws replay
         # the interrupted run's, even when nothing of that epoch is left to hand out).
         draws = None if plan.resumed else UnusedIteratorDraws.take(self)

@@ -456,6 +456,41 @@ def test_close_and_abandon_mid_epoch_join_the_device_thread(num_workers):
     np.testing.assert_array_equal(kept.copy_to_host()[1], dataset[1])
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_state_dict_counts_device_batches_received_not_those_copied_ahead(shuffle):
+    """The device thread takes batches ahead of the consumer; state_dict() says where the
+    consumer is (it refused device= before): resumed from it, a loader yields the rest of
+    the epoch, batch for batch, and the next epoch as an uninterrupted run would."""
+    import torch
+
+    dataset = ImageDataset(40)
+    options = dict(batch_size=4, num_workers=2, device="cuda", shuffle=shuffle)
+    torch.manual_seed(5)
+    with ArenaLoader(dataset, **options) as loader:
+        whole = [host_copy(b) for _ in range(2) for b in loader]
+    torch.manual_seed(5)
+    with ArenaLoader(dataset, **options) as loader:
+        iterator = iter(loader)
+        head = [host_copy(next(iterator)) for _ in range(3)]
+
+        def handed_out() -> int:  # batches the host iterator gave the device thread
+            pending = [idx for it in loader.snapshot().iterators
+                       for idx in (*it.in_flight, *it.ready)]
+            return min(pending, default=10)
+
+        assert wait_until(lambda: handed_out() >= 3 + 2)  # two copied ahead, queued
+        state = loader.state_dict()
+        del iterator
+    assert (state["batches_yielded"], state["next_idx"]) == (3, 3)
+    torch.manual_seed(6)
+    with ArenaLoader(dataset, **options) as loader:
+        loader.load_state_dict(state)
+        tail = [host_copy(b) for _ in range(2) for b in loader]
+    assert len(head) + len(tail) == len(whole)
+    for i, (got, expected) in enumerate(zip(head + tail, whole, strict=True)):
+        assert_batches_equal(got, expected, f"batch {i}")
+
+
 def test_persistent_workers_keep_delivering_across_abandoned_epochs():
     """With persistent workers, an epoch left half-way does not disturb the next ones."""
     dataset = ImageDataset(16, shape=(4,))

@@ -481,6 +481,15 @@ def _in_inlined_comprehension(frame) -> bool:
     return any(start <= frame.f_lasti <= end for start, end in ranges)
 
 
+_NOP = dis.opmap["NOP"]
+
+
+def _starts_with_nop(frame) -> bool:
+    """The line the frame is at starts with a NOP, where CPython handles no signal."""
+    code = frame.f_code.co_code
+    return 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] == _NOP
+
+
 class _InterruptAt:
     """A trace function raising KeyboardInterrupt at the k-th line run in arena_loader's own
     code (samplers aside: a generator that raises is finished, as torch's would be) in the
@@ -506,8 +515,13 @@ class _InterruptAt:
             # (the eval loop checks for them at calls and backward jumps), yet a trace
             # function's exception raised at it inside a `with` block, after a conditional
             # return, escapes the block's exception table: its lock stays held (a hang).
+            # Likewise a line that starts with a NOP, such as a `return` right after a `try`
+            # body in a `with` block (CPython 3.11): the NOP is outside the exception table,
+            # so the trace's exception skipped the `with`'s exit and left session.lock held
+            # (seen only with a pin or device thread: the main thread re-enters that RLock).
             if linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip()\
-                    .startswith(("with ", "try:")) or _in_inlined_comprehension(frame):
+                    .startswith(("with ", "try:")) or _starts_with_nop(frame) \
+                    or _in_inlined_comprehension(frame):
                 return self
             self.count += 1
             if self.count == self.k:

@@ -32,4 +32,4 @@ class DeviceCopier(Stager):
 
     def make(self, host: Iterator, owns_host: bool, positions: Any) -> DeviceStage:
         return DeviceStage(host, self.gpu, self._slots, self._pin_memory, self._to_torch,
-                           owns_host, self._held_limit, self._auto_torch)
+                           owns_host, self._held_limit, self._auto_torch, positions)

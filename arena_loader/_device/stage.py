@@ -4,6 +4,7 @@ copies")."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator
 from typing import Any
@@ -27,8 +28,8 @@ class DeviceStage(HostStage):
 
     def __init__(self, host: Iterator, gpu: int, slots: int, pin_memory: bool,
                  to_torch: bool, owns_host: bool, held_limit: int | None = None,
-                 auto_torch: bool = False):
-        super().__init__(host, owns_host, DEVICE_PREFETCH)
+                 auto_torch: bool = False, positions: Any = None):
+        super().__init__(host, owns_host, DEVICE_PREFETCH, positions)
         self._gpu = gpu
         self._slots = slots
         self._limit = HeldLimit(held_limit, " on the GPU", " (copy one if you need to keep it)")
@@ -56,6 +57,8 @@ class DeviceStage(HostStage):
                     if item is None:
                         return
                 if isinstance(item, (Raised, Ended)):
+                    if self._track is not None:
+                        item = dataclasses.replace(item, position=self._track())
                     self._uploader.retire()
                     if not self._publish(item) or isinstance(item, Ended) or item.fatal:
                         return
@@ -67,6 +70,8 @@ class DeviceStage(HostStage):
                     return
                 copied = self._uploader.copy(item, taken, stream)
                 item = None  # staged: the host slot goes back now, not after the copy
+                if self._track is not None:
+                    copied = dataclasses.replace(copied, position=self._track())
                 # At most one copy outstanding while the next host batch is fetched: the
                 # previous one is waited for, and its host slot goes back.
                 self._uploader.retire(keep=1)
@@ -109,6 +114,8 @@ class DeviceStage(HostStage):
         with cuda.on_gpu(self._gpu):
             stream = self._consumer_streams.current()
             item = self._take(stream)
+            if item.position is not None:
+                self._follow(item.position)  # state_dict() counts this batch now
             if isinstance(item, Copied):
                 item.event.wait(stream)  # the consumer's work on the batch follows the copy
                 return item.batch

@@ -25,6 +25,7 @@ class Copied:
     batch: Any
     event: Any
     index: int
+    position: Any = None  # the epoch position as of this batch (state_dict), if tracked
 
 
 @dataclass(frozen=True, eq=False)
