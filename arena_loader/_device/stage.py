@@ -68,10 +68,9 @@ class DeviceStage(HostStage):
                 taken = self._take_buffer(item.nbytes)
                 if taken is None or self._stop:
                     return
-                copied = self._uploader.copy(item, taken, stream)
+                copied = self._uploader.copy(item, taken, stream,
+                                             self._track() if self._track is not None else None)
                 item = None  # staged: the host slot goes back now, not after the copy
-                if self._track is not None:
-                    copied = dataclasses.replace(copied, position=self._track())
                 # At most one copy outstanding while the next host batch is fetched: the
                 # previous one is waited for, and its host slot goes back.
                 self._uploader.retire(keep=1)

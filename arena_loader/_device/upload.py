@@ -53,9 +53,11 @@ class SlotUploader:
         self._in_flight: deque[_InFlight] = deque()
         self._events: dict[int, Any] = {}  # per device buffer: the event of its last copy
 
-    def copy(self, leased: LeasedSlot, taken: tuple[int, Any], stream: Any) -> Copied:
+    def copy(self, leased: LeasedSlot, taken: tuple[int, Any], stream: Any,
+             position: Any = None) -> Copied:
         """Queue the copy of ``leased`` into the buffer ``taken`` (index, fence) from the ring;
-        the device batch over that buffer, and the copy's event."""
+        the device batch over that buffer, and the copy's event (``position``: the epoch's
+        as of this batch, carried to the consumer)."""
         index, fence = taken
         # Only the batch's bytes: batches vary in size, a slot or segment may be larger.
         source = np.asarray(leased.lease)[: leased.nbytes]
@@ -77,7 +79,7 @@ class SlotUploader:
         if convert is None and leased.plan.torch and self._auto_torch:
             convert = cuda.torch_converter(self._gpu)  # output=None: a torch dataset's batches
         fields = cuda.DeviceFields(lease, raw=convert is not None)
-        return Copied(leased.assemble(fields, convert), event, index)
+        return Copied(leased.assemble(fields, convert), event, index, position)
 
     def _stage(self, source: np.ndarray) -> Any:
         """``source`` copied into a pinned staging buffer."""
