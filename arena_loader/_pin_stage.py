@@ -125,13 +125,6 @@ class PinStage(HostStage):
                 if ended is not None:
                     return Staged(ended, None)
 
-    def _remove(self, staged: Staged) -> Staged:
-        with self._cv:
-            self._cv.notify_all()  # room for the thread's next result
-            if not self._ready or self._ready[0] is not staged:
-                return staged  # (an Ended made by _peek after close)
-            return self._ready.popleft()
-
 
 class BatchPinner(Stager):
     """The loader's pin leg with workers: a ``PinStage`` around each host iterator."""

@@ -77,10 +77,15 @@ class HostStage:
 
     # -- the thread -----------------------------------------------------------------------
 
-    def start(self, first: Any) -> None:
-        # Handed over in an attribute, not as a thread argument: Thread keeps its arguments
-        # until run() returns, which would hold the first batch's slot for the whole epoch.
-        self._first = first
+    def start(self) -> None:
+        """Take the first batch from the host iterator here, in the consumer's thread, so
+        that whatever the host does at its first next() (claim the arena, pin the slab)
+        happens here and its errors are this next()'s; then start the thread with it."""
+        if self._first is None:
+            # Kept in an attribute (stored once next() returns, in the same line: a Ctrl-C
+            # later leaves it for the next next()), not as a thread argument: Thread keeps
+            # its arguments until run() returns, which would hold the slot all epoch.
+            self._first = next(self._host)
         thread = threading.Thread(target=self._run, daemon=True, name=self.thread_name)
         with self._cv:
             if self._closed:
@@ -127,6 +132,15 @@ class HostStage:
             self._ready.append(item)
             self._cv.notify_all()
             return True
+
+    def _remove(self, item: Any) -> Any:
+        """``item``, the first result, taken off the queue: ``next()``'s last line, so that an
+        interrupt before it leaves the result for the next ``next()``."""
+        with self._cv:
+            self._cv.notify_all()  # room for the thread's next result
+            if not self._ready or self._ready[0] is not item:
+                return item  # (an Ended made by _wait_more after close)
+            return self._ready.popleft()
 
     def _wait_taken(self, item: Any) -> None:
         """Until the consumer took ``item`` (an error: the next batch is loaded once the
@@ -201,10 +215,7 @@ class StagedIterator:
             raise forked_iterator_error(self._pid)
         stage = self._stage
         if stage.awaits_first:
-            # The first batch is taken here, in the consumer's thread, so that whatever the
-            # host iterator does at its first next() (claim the arena, pin the slab) happens
-            # here; its errors are this next()'s, and the following next() tries again.
-            stage.start(next(self._host))  # no local: the thread alone holds that slot
+            stage.start()  # with the host's first batch, taken in this thread
         return stage.next_batch()  # type: ignore[attr-defined]
 
     def close(self) -> None:

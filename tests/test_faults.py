@@ -545,11 +545,12 @@ def _interrupted(call, k):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("num_workers, persistent, threads, pin", [
-    (0, False, 1, False), (2, False, 1, False), (2, True, 1, False), (2, False, 2, False),
-    (0, False, 1, True), (2, True, 1, True)])
+@pytest.mark.parametrize("num_workers, persistent, threads, pin, device", [
+    (0, False, 1, False, None), (2, False, 1, False, None), (2, True, 1, False, None),
+    (2, False, 2, False, None), (0, False, 1, True, None), (2, True, 1, True, None),
+    (0, False, 1, False, "cuda"), (2, True, 1, False, "cuda")])
 def test_ctrl_c_at_any_line_of_next_iter_and_close_loses_nothing(num_workers, persistent,
-                                                                  threads, pin):
+                                                                  threads, pin, device):
     """KeyboardInterrupt injected at the k-th line of arena_loader code in next() (k = 1, 2,
     3, ... over successive calls, past the longest next()), in iter() and in close(), over
     several epochs: each epoch yields every batch once, in order; every slot is free after
@@ -557,9 +558,11 @@ def test_ctrl_c_at_any_line_of_next_iter_and_close_loses_nothing(num_workers, pe
     interpreter: descriptors an interrupt leaves to the garbage collector must not reach the
     next tests' workers. ``threads``: worker_threads, each worker's threads sharing a batch.
     ``pin``: pin_memory=True (tensors; ``Tensor.pin_memory`` a copy): next() pins without
-    workers, and takes the pin thread's copies with them."""
-    _in_fresh_interpreter(f"_ctrl_c_matrix({num_workers}, {persistent}, {threads}, {pin})",
-                          140)
+    workers, and takes the pin thread's copies with them. ``device``: the device stage,
+    under numba's CUDA simulator."""
+    _in_fresh_interpreter(
+        f"_ctrl_c_matrix({num_workers}, {persistent}, {threads}, {pin}, {device!r})", 140,
+        simulator=device is not None)
 
 
 @pytest.mark.timeout(60)
@@ -597,14 +600,16 @@ def _ctrl_c_during_worker_fork(persistent):
     assert not live_children()
 
 
-def _in_fresh_interpreter(call: str, timeout_s: float) -> None:
-    """Run ``call`` (a function of this module) in a new interpreter; it must return."""
+def _in_fresh_interpreter(call: str, timeout_s: float, simulator: bool = False) -> None:
+    """Run ``call`` (a function of this module) in a new interpreter; it must return.
+    ``simulator``: under numba's CUDA simulator."""
     import subprocess
 
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"} if simulator else None
     result = subprocess.run(
         [sys.executable, "-c", f"import tests.test_faults as t; t.{call}; print('matrix ok')"],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        capture_output=True, text=True, timeout=timeout_s)
+        capture_output=True, text=True, timeout=timeout_s, env=env)
     assert result.returncode == 0 and "matrix ok" in result.stdout, result.stderr[-3000:]
 
 
@@ -624,14 +629,15 @@ def _fake_pinning():
     torch.Tensor.pin_memory = lambda tensor, device=None: tensor.clone()
 
 
-def _ctrl_c_matrix(num_workers, persistent, threads=1, pin=False):
+def _ctrl_c_matrix(num_workers, persistent, threads=1, pin=False, device=None):
     expected = list(range(0, 40, 2))
     longest = 0  # lines of the longest next(): k must reach past it
     k = 0
     if pin:
         _fake_pinning()
     options = dict(batch_size=2, num_workers=num_workers, timeout=10 if num_workers else 0,
-                   persistent_workers=persistent, worker_threads=threads, pin_memory=pin)
+                   persistent_workers=persistent, worker_threads=threads, pin_memory=pin,
+                   device=device)
     dataset = _IndexedTensors() if pin else _Indexed()
     with ArenaLoader(dataset, **options) as loader:
         for epoch in range(4):

@@ -91,8 +91,10 @@ class DeviceRing(LeaseRing):
         return lease
 
     def hand_out(self, index: int) -> None:
-        """The consumer took the batch of buffer ``index``: it is held (LEASED)."""
-        self._move(index, FILLED, LEASED)
+        """The consumer took the batch of buffer ``index``: it is held (LEASED). Again after
+        a next() that Ctrl-C cut short before returning the batch: it stays LEASED."""
+        if self._states[index] is not LEASED:
+            self._move(index, FILLED, LEASED)
 
     def fence_released(self, stream: Any) -> int:
         """Make released buffers FREE behind a fence on the consumer's ``stream``."""

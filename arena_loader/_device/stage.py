@@ -112,17 +112,24 @@ class DeviceStage(HostStage):
     def next_batch(self) -> Any:
         with cuda.on_gpu(self._gpu):
             stream = self._consumer_streams.current()
-            item = self._take(stream)
+            item = self._take(stream)  # left queued: an interrupt before the end keeps it
             if item.position is not None:
                 self._follow(item.position)  # state_dict() counts this batch now
             if isinstance(item, Copied):
                 item.event.wait(stream)  # the consumer's work on the batch follows the copy
-                return item.batch
+                return self._hand_over(item).batch
         if isinstance(item, Raised):
-            raise item.error
+            if item.fatal:
+                raise item.error  # kept: every later next() raises it again
+            raise self._remove(item).error
         self._finished = True
         self.close()
         raise StopIteration
+
+    def _hand_over(self, item: Copied) -> Copied:
+        with self._cv:
+            self._ring.hand_out(item.index)  # the consumer's now: held
+        return self._remove(item)
 
     def _take(self, stream: Any) -> Copied | Raised | Ended:
         with self._cv:
@@ -132,13 +139,7 @@ class DeviceStage(HostStage):
             while True:
                 self._fence(stream)
                 if self._ready:
-                    item = self._ready[0]
-                    if isinstance(item, Copied):
-                        self._ring.hand_out(item.index)  # the consumer's now: held
-                    if not (isinstance(item, Raised) and item.fatal):
-                        self._ready.popleft()  # a fatal error is raised again by every next()
-                    self._cv.notify_all()
-                    return item
+                    return self._ready[0]
                 # No buffer free is never final here: with nothing queued the thread may always
                 # allocate one (_take_buffer), so the consumer waits for that copy.
                 ended = self._wait_more()
