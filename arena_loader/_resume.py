@@ -28,9 +28,14 @@ __all__ = ["FORMAT", "EpochPlan", "LoaderResume", "StreamResume"]
 
 
 def _replicas_live_on(loader: Any) -> bool:
-    """Persistent workers, or the main process's own dataset: an iterable dataset's replica
-    starts the next epoch from where the last one left it."""
-    return loader.num_workers == 0 or loader.persistent_workers
+    """``num_workers=0``: the main process's own dataset object starts the next epoch, and a
+    state carries its state there, as torchdata's StatefulDataLoader does. Worker replicas,
+    persistent ones too, are resumed afresh at an epoch's start, as torchdata's are: loading
+    the end-of-epoch state into them made the first epoch after a resume empty for the
+    Stateful pattern torchdata documents (a resume point that ``__iter__`` consumes), where
+    the uninterrupted run's persistent replica starts over. (A stream that never starts
+    over, continuing across epochs, resumes from its start instead: torchdata does too.)"""
+    return loader.num_workers == 0
 
 
 def _samplers(loader: Any) -> list[tuple[str, Any]]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from arena_loader import ArenaLoader
+from arena_loader import ArenaLoader, get_worker_info
 from tests import resume_driver
 from tests.resume_driver import BATCH_SIZE, CONFIGS, SAMPLES, make_loader, resume, rows
 
@@ -159,6 +159,46 @@ def test_stateless_iterable_workers_send_no_state():
     assert batches <= records["iterable_stateless"] <= batches + 2  # a record per batch
     # With state_dict, one state record more per batch.
     assert 2 * batches <= records["iterable_stateful"] <= 2 * batches + 4
+
+
+class ResumePointStream(torch.utils.data.IterableDataset):
+    """torchdata's documented Stateful pattern: ``load_state_dict`` leaves a resume point
+    that the next ``__iter__`` consumes; otherwise ``__iter__`` starts over."""
+
+    def __init__(self):
+        self.i, self._resume = 0, None
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        self.i = self._resume if self._resume is not None else worker
+        self._resume = None
+        while self.i < 8:
+            i = self.i
+            self.i += workers
+            yield i
+
+    def state_dict(self) -> dict:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume = state["i"]
+
+
+@pytest.mark.timeout(60)
+def test_persistent_workers_resumed_between_epochs_start_the_next_epoch_whole():
+    """A state taken between epochs with persistent workers, resumed: the next epoch is the
+    uninterrupted run's, as with torchdata's StatefulDataLoader (the end-of-epoch states were
+    loaded into the new replicas, and the resumed epoch was empty)."""
+    options = dict(batch_size=2, num_workers=2, persistent_workers=True)
+    with ArenaLoader(ResumePointStream(), **options) as loader:
+        assert len(list(loader)) == 4
+        state = loader.state_dict()
+        uninterrupted = [b.tolist() for b in loader]
+    with ArenaLoader(ResumePointStream(), **options) as loader:
+        loader.load_state_dict(state)
+        assert [b.tolist() for b in loader] == uninterrupted
+    assert sorted(i for batch in uninterrupted for i in batch) == list(range(8))
 
 
 def test_matches_torchdata_stateful_dataloader():
