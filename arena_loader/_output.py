@@ -57,16 +57,8 @@ def _to_torch(torch: Any, value: Any, collated: bool, converted: bool = False) -
         # Strings and other dtypes torch has no tensor type for stay numpy arrays.
         return torch.from_numpy(value) if value.dtype.kind in "biufc" else value
     if isinstance(value, Mapping):
-        entries = {key: _to_torch(torch, item, collated, converted)
-                   for key, item in value.items()}
-        try:
-            if type(value) is not dict and isinstance(value, MutableMapping):
-                clone = copy.copy(value)  # keeps what its type holds besides the items
-                clone.update(entries)
-                return clone
-            return type(value)(entries)
-        except TypeError:  # a mapping type that is not built from a dict
-            return entries
+        return _same_mapping(value, {key: _to_torch(torch, item, collated, converted)
+                                     for key, item in value.items()})
     if isinstance(value, tuple) and hasattr(type(value), "_fields"):
         return type(value)(*(_to_torch(torch, item, collated, converted) for item in value))
     if isinstance(value, (tuple, list)):
@@ -89,6 +81,23 @@ def _to_torch(torch: Any, value: Any, collated: bool, converted: bool = False) -
                     pass
         return value
     return value
+
+
+def _same_mapping(value: Mapping, entries: dict) -> Any:
+    """``entries`` in a mapping of ``value``'s type: a mutable one copied and updated, which
+    keeps what its type holds besides the items (transformers' BatchEncoding, its
+    encodings), as torch's collate and pin_memory do; a plain dict (or a mapping type not
+    built from a dict) is ``entries`` itself."""
+    if type(value) is dict:
+        return entries
+    try:
+        if isinstance(value, MutableMapping):
+            clone = copy.copy(value)
+            clone.update(entries)
+            return clone
+        return type(value)(entries)
+    except TypeError:
+        return entries
 
 
 # -- pin_memory=True without a device -----------------------------------------------------
@@ -136,15 +145,8 @@ def pin_tensors(value: Any, numpy_left: list | None = None) -> Any:
     if isinstance(value, (str, bytes)):
         return value
     if isinstance(value, Mapping):
-        entries = {key: pin_tensors(item, numpy_left) for key, item in value.items()}
-        try:
-            if isinstance(value, MutableMapping):  # a copy keeps what its type holds besides
-                clone = copy.copy(value)
-                clone.update(entries)
-                return clone
-            return type(value)(entries)
-        except TypeError:
-            return entries
+        return _same_mapping(value, {key: pin_tensors(item, numpy_left)
+                                     for key, item in value.items()})
     if isinstance(value, tuple):
         items = [pin_tensors(item, numpy_left) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)

@@ -3,8 +3,9 @@ each batch's tensors into torch's page-locked memory while the training step run
 pin-memory thread does, and ``next()`` takes the copies (docs/design.md, "Stages").
 
 Pinned in ``next()`` instead, the copy (a memcpy of the whole batch) ran between training
-steps: on an H200, 16 MiB batches with a ~3 ms step took 6.9 ms a step against 3.3 with the
-copy in a thread (docs/benchmarks.md, tenth session). Without workers the batch is pinned in
+steps: on an H200, 16 MiB batches with a 4.5 ms GPU step took 7.41 ms a step (torch 7.29),
+4.83 with the copy in this thread (``benchmarks/pin_training_step.py``; docs/benchmarks.md,
+tenth session). Without workers the batch is pinned in
 ``next()``, as torch's single-process iterator does (``ArenaSource``'s ``pin_batch``).
 
 The thread takes host batches ahead of the consumer, so the host iterator's epoch position
@@ -28,14 +29,14 @@ from ._stage import Ended, HostStage, Raised, Stager
 PIN_PREFETCH = 2
 
 
-class Staged:
-    """One result for the consumer: a pinned batch, ``Raised`` or ``Ended``, with the epoch
-    position as of it (None: not tracked)."""
+class Pinned:
+    """A pinned batch for the consumer, with the epoch position as of it (None: not
+    tracked)."""
 
-    __slots__ = ("item", "position")
+    __slots__ = ("batch", "position")
 
-    def __init__(self, item: Any, position: Any):
-        self.item, self.position = item, position
+    def __init__(self, batch: Any, position: Any):
+        self.batch, self.position = batch, position
 
 
 class PinStage(HostStage):
@@ -60,7 +61,6 @@ class PinStage(HostStage):
             torch.cuda.set_device(self._device_index)  # torch's pin thread does so too
         item: Any
         item, self._first = self._first, None  # no other frame may keep the first batch
-        track = self._track
         while True:
             if item is None:
                 item = self._next_host()
@@ -68,30 +68,26 @@ class PinStage(HostStage):
                     return
             if not isinstance(item, (Raised, Ended)):
                 item = self._pinned(item)  # the host batch goes: its slot is free now
-            staged = Staged(item, track() if track is not None else None)
-            if not self._publish(staged):
+            if not self._publish(item):
                 return
             if isinstance(item, Ended) or (isinstance(item, Raised) and item.fatal):
                 return
             if isinstance(item, Raised):
-                self._wait_taken(staged)  # the next batch is loaded once this error is seen
-            item = staged = None
+                self._wait_taken(item)  # the next batch is loaded once this error is seen
+            item = None
 
-    def _failed(self, exc: BaseException) -> Staged:
-        return Staged(super()._failed(exc), None)
-
-    def _pinned(self, batch: Any) -> Any:
+    def _pinned(self, batch: Any) -> Pinned | Raised:
         """``batch``'s page-locked copy, or the error pinning raised (that batch's error, as
         torch's pin thread hands it on; the next batch goes on)."""
         numpy_left: list = []
         try:
             pinned = self._pin(batch, numpy_left)
         except Exception as exc:
-            return Raised(exc, fatal=False)
+            return Raised(exc, False, self._position())
         if numpy_left and not self._warned:
             self._warned = True
             self._warning = NUMPY_UNPINNED
-        return pinned
+        return Pinned(pinned, self._position())
 
     # -- the consumer ---------------------------------------------------------------------
 
@@ -100,21 +96,13 @@ class PinStage(HostStage):
             if self._warning is not None:  # before anything is taken: an error loses nothing
                 message, self._warning = self._warning, None
                 warnings.warn(message, UserWarning, stacklevel=3)
-            staged = self._peek()
-            item = staged.item
-            if staged.position is not None:
-                self._follow(staged.position)  # the same again if this next() is interrupted
-            if isinstance(item, Ended):
-                self._finished = True
-                self.close()
-                raise StopIteration
-            if isinstance(item, Raised):
-                if item.fatal:
-                    raise item.error  # kept: every later next() raises it again
-                raise self._remove(staged).item.error
-            return self._remove(staged).item
+            item = self._peek()
+            self._received(item)
+            if isinstance(item, Pinned):
+                return self._remove(item).batch
+            self._hand_on(item)
 
-    def _peek(self) -> Staged:
+    def _peek(self) -> Pinned | Raised | Ended:
         """The first result, left queued until ``_remove``: an interrupt before then leaves
         it for the next ``next()``."""
         with self._cv:
@@ -123,7 +111,7 @@ class PinStage(HostStage):
                     return self._ready[0]
                 ended = self._wait_more()
                 if ended is not None:
-                    return Staged(ended, None)
+                    return ended
 
 
 class BatchPinner(Stager):

@@ -204,7 +204,7 @@ class LoaderResume:
 
     def follower(self, plan: EpochPlan) -> tuple[Callable[[], EpochPosition],
                                                   Callable[[EpochPosition], None]]:
-        """For a stage that takes batches ahead of the consumer (the pin stage): the host
+        """For a stage that takes batches ahead of the consumer (pin or device): the host
         iterator now moves a copy of the epoch's position; ``track()`` copies that after each
         batch the stage takes, and ``follow(copy)`` makes it the consumer's position (what
         ``state_dict()`` reads) once the consumer has that batch. Only the latest epoch's

@@ -20,7 +20,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from . import _forksafe
 from ._inprocess import InProcessIterator
@@ -98,29 +98,30 @@ class HostStage:
         try:
             self._work()
         except BaseException as exc:  # the stage itself failed: the consumer raises it
-            self._publish(self._failed(exc))
+            self._publish(Raised(exc, fatal=True))  # raised by every next() from now on
 
     def _work(self) -> None:
         raise NotImplementedError
 
-    def _failed(self, exc: BaseException) -> Any:
-        """What the consumer is handed when the thread itself failed: raised by every
-        ``next()`` from then on."""
-        return Raised(exc, fatal=True)
-
     def _next_host(self) -> Any:
-        """The host iterator's next batch, ``Raised`` or ``Ended``; None when stopping."""
+        """The host iterator's next batch, ``Raised`` or ``Ended`` (with the position as of
+        it); None when stopping."""
         try:
             item = next(self._host)
         except StopIteration:
-            return Ended()
+            return Ended(self._position())
         except BaseException as exc:
             if self._stop:
                 return None
-            return Raised(exc, fatal=bool(getattr(self._host, "broken", False)))
+            return Raised(exc, bool(getattr(self._host, "broken", False)), self._position())
         if self._stop:
             return None
         return item
+
+    def _position(self) -> Any:
+        """The host's epoch position now, for the result of the batch it just gave (None:
+        not tracked)."""
+        return self._track() if self._track is not None else None
 
     def _publish(self, item: Any) -> bool:
         """Queue ``item`` for the consumer, waiting for room; False when stopping."""
@@ -150,6 +151,23 @@ class HostStage:
                 self._cv.wait(POLL_S)
 
     # -- the consumer ---------------------------------------------------------------------
+
+    def _received(self, item: Any) -> None:
+        """The consumer has ``item``: its position is the loader's (``state_dict()``). The
+        same again if the ``next()`` is cut short and repeated."""
+        if item.position is not None:
+            self._follow(item.position)
+
+    def _hand_on(self, item: Raised | Ended) -> NoReturn:
+        """``next()``'s end for a result that is no batch: the error raised (a fatal one
+        kept, raised by every later ``next()``), or the epoch's end."""
+        if isinstance(item, Raised):
+            if item.fatal:
+                raise item.error
+            raise self._remove(item).error
+        self._finished = True
+        self.close()
+        raise StopIteration
 
     @property
     def awaits_first(self) -> bool:

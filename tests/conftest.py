@@ -108,3 +108,19 @@ def no_leaks():
     # test makes. (Frozen only at collection's end, a worker that had run the bench tests
     # held ~500k objects and each teardown took 0.14 s: 120 s of the suite's 230.)
     gc.freeze()
+
+
+@pytest.fixture
+def fake_pinning(monkeypatch):
+    """torch sees a GPU, and ``Tensor.pin_memory()`` makes a copy (torch's CPU build has no
+    page-locked memory): records each tensor it copied."""
+    torch = pytest.importorskip("torch")
+    copied: list = []
+
+    def pin_memory(tensor, device=None):
+        copied.append(tuple(tensor.shape))  # (not the tensor: it would keep its slot)
+        return tensor.clone()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    return copied

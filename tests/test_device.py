@@ -210,22 +210,6 @@ def test_device_arrays_from_a_numba_whose_classes_differ_use_its_public_call(mon
                     ((0x20014, False), (2,), "<i2", lease, False)]
 
 
-@pytest.fixture
-def fake_pinning(monkeypatch):
-    """torch sees a GPU, and ``Tensor.pin_memory()`` makes a copy (torch's CPU build has no
-    page-locked memory): records each tensor it copied."""
-    torch = pytest.importorskip("torch")
-    copied: list = []
-
-    def pin_memory(tensor, device=None):
-        copied.append(tuple(tensor.shape))  # (not the tensor: it would keep its slot)
-        return tensor.clone()
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
-    return copied
-
-
 class TensorPairs:
     """A torch dataset of (image, label) samples."""
 

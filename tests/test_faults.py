@@ -196,14 +196,12 @@ def test_batch_size_none_applies_collate_fn_to_each_sample(num_workers):
 
 
 @pytest.mark.parametrize("pin", [False, True])
-def test_close_from_another_thread_wakes_a_waiting_next(monkeypatch, pin):
+def test_close_from_another_thread_wakes_a_waiting_next(request, pin):
     """close() from another thread makes a next() that waits for a slow batch raise
     LoaderClosedError promptly; with pin_memory=True too, where next() waits on the pin
     thread (``Tensor.pin_memory`` a copy here)."""
     if pin:
-        torch = pytest.importorskip("torch")
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor, device=None: tensor.clone())
+        request.getfixturevalue("fake_pinning")
     loader = ArenaLoader(SlowDataset(10, range(2, 10), 5), batch_size=2, num_workers=1,
                          pin_memory=pin, output="torch" if pin else None)
     iterator = iter(loader)

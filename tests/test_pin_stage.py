@@ -14,13 +14,13 @@ from tests import resume_driver
 
 from .conftest import wait_until
 from .datasets import SuicidalDataset
-from .test_device import TensorPairs, fake_pinning  # noqa: F401 (a fixture)
+from .test_device import TensorPairs
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def pinning_threads(monkeypatch, fake_pinning):  # noqa: F811
+def pinning_threads(monkeypatch, fake_pinning):
     """``fake_pinning`` that also records the thread each batch's first tensor is pinned in."""
     import torch
 
@@ -61,7 +61,7 @@ def test_batches_are_pinned_ahead_of_next_in_the_pin_thread(pinning_threads, num
 
 
 @pytest.mark.parametrize("name", ["workers", "iterable_stateful"])
-def test_state_dict_counts_batches_received_not_those_pinned_ahead(fake_pinning, name):  # noqa: F811
+def test_state_dict_counts_batches_received_not_those_pinned_ahead(fake_pinning, name):
     """The pin thread takes batches ahead of the consumer; state_dict() still says where the
     consumer is: resumed from it, the run is the uninterrupted run (for iterable-style
     datasets, each worker's state as of the last batch received from it)."""
@@ -101,7 +101,7 @@ class FailsToPin:
         return self
 
 
-def test_an_error_while_pinning_is_that_batchs_and_the_epoch_goes_on(fake_pinning):  # noqa: F811
+def test_an_error_while_pinning_is_that_batchs_and_the_epoch_goes_on(fake_pinning):
     """As in torch's pin thread: the error pinning raised is raised by that batch's next(),
     with its type; the following batches come, in order."""
     with ArenaLoader(TensorPairs(24), batch_size=4, num_workers=2, pin_memory=True,
@@ -115,7 +115,7 @@ def test_an_error_while_pinning_is_that_batchs_and_the_epoch_goes_on(fake_pinnin
     assert got == [list(range(i, i + 4)) for i in (0, 4, 12, 16, 20)]
 
 
-def test_timeout_and_a_dead_worker_are_raised_by_next_through_the_pin_thread(fake_pinning):  # noqa: F811
+def test_timeout_and_a_dead_worker_are_raised_by_next_through_the_pin_thread(fake_pinning):
     """The host iterator's errors reach next() as without the pin thread: a timeout is a
     LoaderTimeoutError naming the batch; a killed worker a WorkerCrashedError, raised again
     by every later next(); after close(), next() is a LoaderClosedError."""
@@ -152,7 +152,7 @@ def test_timeout_and_a_dead_worker_are_raised_by_next_through_the_pin_thread(fak
             next(iterator)
 
 
-def test_an_iterator_used_in_a_forked_child_is_a_loader_forked_error(fake_pinning):  # noqa: F811
+def test_an_iterator_used_in_a_forked_child_is_a_loader_forked_error(fake_pinning):
     """An iterator made in this process and used in a forked child (whose pin thread did not
     survive the fork) raises LoaderForkedError there, at once; here it goes on."""
     from arena_loader.errors import LoaderForkedError

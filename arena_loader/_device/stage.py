@@ -4,7 +4,6 @@ copies")."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Iterator
 from typing import Any
@@ -57,8 +56,6 @@ class DeviceStage(HostStage):
                     if item is None:
                         return
                 if isinstance(item, (Raised, Ended)):
-                    if self._track is not None:
-                        item = dataclasses.replace(item, position=self._track())
                     self._uploader.retire()
                     if not self._publish(item) or isinstance(item, Ended) or item.fatal:
                         return
@@ -68,8 +65,7 @@ class DeviceStage(HostStage):
                 taken = self._take_buffer(item.nbytes)
                 if taken is None or self._stop:
                     return
-                copied = self._uploader.copy(item, taken, stream,
-                                             self._track() if self._track is not None else None)
+                copied = self._uploader.copy(item, taken, stream, self._position())
                 item = None  # staged: the host slot goes back now, not after the copy
                 # At most one copy outstanding while the next host batch is fetched: the
                 # previous one is waited for, and its host slot goes back.
@@ -113,18 +109,11 @@ class DeviceStage(HostStage):
         with cuda.on_gpu(self._gpu):
             stream = self._consumer_streams.current()
             item = self._take(stream)  # left queued: an interrupt before the end keeps it
-            if item.position is not None:
-                self._follow(item.position)  # state_dict() counts this batch now
+            self._received(item)
             if isinstance(item, Copied):
                 item.event.wait(stream)  # the consumer's work on the batch follows the copy
                 return self._hand_over(item).batch
-        if isinstance(item, Raised):
-            if item.fatal:
-                raise item.error  # kept: every later next() raises it again
-            raise self._remove(item).error
-        self._finished = True
-        self.close()
-        raise StopIteration
+        self._hand_on(item)
 
     def _hand_over(self, item: Copied) -> Copied:
         with self._cv:
