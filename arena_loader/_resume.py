@@ -49,14 +49,15 @@ def _samplers(loader: Any) -> list[tuple[str, Any]]:
     return found
 
 
-def random_streams(loader: Any) -> dict[str, Any]:
+def random_streams(loader: Any, seeds: Any) -> dict[str, Any]:
     """Every generator one epoch of ``loader`` draws from, by role: torch's global RNG (the
     workers' base seed and torch's samplers draw from it when no generator is given), the
-    loader's ``generator``, its numpy seed stream, and each sampler's own generator."""
+    loader's ``generator``, its numpy seed stream (``seeds``: its ``EpochSeeds``), and each
+    sampler's own generator."""
     torch = sys.modules.get("torch")
     streams: dict[str, Any] = {}
     candidates: list[tuple[str, Any]] = [("generator", loader.generator),
-                                         ("seeds", loader._seeds.stream)]
+                                         ("seeds", seeds.stream)]
     uses_global = loader.generator is None
     for role, sampler in _samplers(loader):
         if hasattr(sampler, "generator") and sampler.generator is None:
@@ -87,7 +88,7 @@ def _set_generator_state(generator: Any, state: Any) -> None:
                                          dtype=torch.uint8))
 
 
-def epoch_start(loader: Any) -> dict[str, Any]:
+def epoch_start(loader: Any, seeds: Any) -> dict[str, Any]:
     """What the next epoch draws from, now: generator states and the samplers' states."""
     samplers: dict[str, Any] = {}
     for role, sampler in _samplers(loader):
@@ -97,12 +98,12 @@ def epoch_start(loader: Any) -> dict[str, Any]:
                 isinstance(getattr(sampler, "epoch", None), int):
             samplers[role] = {"epoch": sampler.epoch}
     return {"generators": {role: _generator_state(g)
-                           for role, g in random_streams(loader).items()},
+                           for role, g in random_streams(loader, seeds).items()},
             "samplers": samplers}
 
 
-def restore_generators(loader: Any, start: dict[str, Any]) -> None:
-    streams = random_streams(loader)
+def restore_generators(loader: Any, seeds: Any, start: dict[str, Any]) -> None:
+    streams = random_streams(loader, seeds)
     for role, state in start["generators"].items():
         _set_generator_state(streams[role], state)
 
@@ -120,7 +121,7 @@ def restore_samplers(loader: Any, start: dict[str, Any]) -> None:
             sampler.set_epoch(saved["epoch"])
 
 
-def fingerprint(loader: Any) -> dict[str, Any]:
+def fingerprint(loader: Any, seeds: Any) -> dict[str, Any]:
     """What must be equal for a state to fit a loader: what shapes the batch order (and, for
     iterable-style datasets, whose per-worker states it holds, the worker count)."""
     iterable = loader.options.iterable
@@ -136,7 +137,7 @@ def fingerprint(loader: Any) -> dict[str, Any]:
              "sampler": type(sampler).__name__,
              "batch_sampler": type(loader.batch_sampler).__name__,
              "num_workers": loader.num_workers if iterable else None,
-             "generators": sorted(random_streams(loader))}
+             "generators": sorted(random_streams(loader, seeds))}
     for name in ("num_replicas", "rank"):  # DistributedSampler: which share of the data
         if isinstance(getattr(sampler, name, None), int):
             found[name] = getattr(sampler, name)
@@ -148,7 +149,8 @@ class LoaderResume:
     base seed, the consumer's position (``EpochPosition``, moved by the iterators), and a
     loaded state waiting for the next ``iter()``."""
 
-    def __init__(self) -> None:
+    def __init__(self, seeds: Any) -> None:
+        self._seeds = seeds  # the loader's EpochSeeds
         self.epoch = -1  # epochs begun (iter() calls that drew an epoch)
         self._start: dict[str, Any] | None = None
         self._base_seed: int | None = None  # the workers' base seed (kept by persistent ones)
@@ -165,9 +167,9 @@ class LoaderResume:
         pending = self._pending
         if pending is None:
             self.epoch += 1
-            self._start = epoch_start(loader)
+            self._start = epoch_start(loader, self._seeds)
             return EpochPlan(position=self._new_position(loader, None), first_idx=0)
-        restore_generators(loader, pending["epoch_start"])
+        restore_generators(loader, self._seeds, pending["epoch_start"])
         self.epoch, self._start = pending["epoch"], pending["epoch_start"]
         position = self._new_position(loader, pending)
         plan = EpochPlan(position=position, first_idx=pending["next_idx"], resumed=True)
@@ -255,8 +257,8 @@ class LoaderResume:
                            for _ in range(max(loader.num_workers, 1))]
             # Persistent workers keep their base seed into the next epoch, drawing none.
             kept = self._base_seed if loader.persistent_workers and loader.num_workers else None
-            return self._state(loader, self.epoch + 1, epoch_start(loader), 0, 0, kept, False,
-                               carried, None)
+            return self._state(loader, self.epoch + 1, epoch_start(loader, self._seeds), 0, 0,
+                               kept, False, carried, None)
         workers = None if position.workers is None else [w.as_state()
                                                           for w in position.workers]
         return self._state(loader, self.epoch, self._start, position.yielded, position.next_idx,
@@ -268,7 +270,7 @@ class LoaderResume:
                 "next_idx": next_idx,
                 "base_seed": base_seed, "drew_base_seed": drew, "epoch_start": start,
                 "workers": workers, "last_worker": last_worker,
-                "fingerprint": fingerprint(loader)}
+                "fingerprint": fingerprint(loader, self._seeds)}
 
     def load_state_dict(self, loader: Any, state: dict[str, Any]) -> None:
         if not state:
@@ -277,7 +279,7 @@ class LoaderResume:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"state_dict must come from ArenaLoader.state_dict() (format "
                              f"{FORMAT!r}), got format {found!r}")
-        saved, here = state["fingerprint"], fingerprint(loader)
+        saved, here = state["fingerprint"], fingerprint(loader, self._seeds)
         differ = [f"{key} is {saved.get(key)!r} in the state and {here.get(key)!r} here"
                   for key in sorted(set(saved) | set(here)) if saved.get(key) != here.get(key)]
         if differ:

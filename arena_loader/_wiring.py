@@ -79,6 +79,7 @@ class EpochSeeds:
     def stream(self) -> np.random.Generator | None:
         """The numpy stream the seeds come from (None: torch's generator, or the user's)."""
         return self._rng
+
     def base_seed(self) -> int:
         """The epoch's worker base seed (with a ``torch.Generator``, or none in a program
         using torch, torch's very draw: the same seed gives torch's worker seeds, and leaves

@@ -154,6 +154,8 @@ def _publish_to_torch(info: WorkerInfo) -> None:
     try:
         from torch.utils.data._utils import worker as torch_worker
 
+        # Private: get_worker_info() returns this module global, and torch has no public
+        # way to set it (its own worker loop assigns it the same way).
         torch_worker._worker_info = torch_worker.WorkerInfo(
             id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=info.dataset)
     except (ImportError, AttributeError, TypeError):

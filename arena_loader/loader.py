@@ -144,7 +144,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         self.sampler, self.batch_sampler = default_samplers(
             dataset, self.options, sampler, batch_sampler, batch_size, drop_last)
         self._seeds = EpochSeeds(generator)
-        self._resume = LoaderResume()
+        self._resume = LoaderResume(self._seeds)
         self._filler = make_filler(self._datapipe or dataset, self.options, self.sampler,
                                    self.batch_sampler, batch_size, drop_last)
         # With a device the stage counts the batches you hold (the host slot it is still

@@ -108,3 +108,81 @@ def test_the_import_reader_sees_the_engines_imports():
     assert {"arena_loader._slab", "arena_loader._worker", "arena_loader.errors"} <= process
     slab = runtime_imports("arena_loader._slab", modules["arena_loader._slab"], known)
     assert "arena_loader._forksafe" in slab  # `from . import _forksafe`
+
+
+# namedtuple's documented API (its names start with "_" so as not to clash with fields).
+PUBLIC_UNDERSCORED = {"_fields", "_asdict", "_replace", "_make", "_field_defaults"}
+# The private attributes of another file or library the engine may read, each with a comment
+# beside it saying why no public way exists (issue 21: at most 3).
+ALLOWED_FOREIGN_PRIVATE = {
+    ("arena_loader._process", "_popen"),  # multiprocessing: a reaped process's sentinel
+    ("arena_loader._worker", "_worker_info"),  # torch: what get_worker_info() returns
+    ("arena_loader._torch_compat", "_IterDataPipeSerializationWrapper"),  # torch: DataPipes
+}
+
+
+def own_names(tree: ast.AST) -> set[str]:
+    """Names a module defines: its functions and classes, names it assigns, attributes it
+    sets on ``self``/``cls``, and ``__slots__`` entries."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            names.add(node.attr)
+        elif isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets):
+            names.update(c.value for c in ast.walk(node.value)
+                         if isinstance(c, ast.Constant) and isinstance(c.value, str))
+    return names
+
+
+def foreign_private_reads(source: str) -> list[tuple[str, int]]:
+    """(attribute, line) for each use of a private attribute the module does not define
+    itself, on anything but ``self``/``cls``: ``x._name`` or ``getattr(x, "_name")``."""
+    tree = ast.parse(source)
+    own = own_names(tree) | PUBLIC_UNDERSCORED
+    found = []
+    for node in ast.walk(tree):
+        attr = None
+        if isinstance(node, ast.Attribute) and not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            attr = node.attr
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1 \
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            attr = node.args[1].value
+        if attr and attr.startswith("_") and not attr.startswith("__") and attr not in own:
+            found.append((attr, node.lineno))
+    return found
+
+
+def test_private_attributes_of_other_files_or_libraries_are_read_three_times_at_most():
+    found = {}
+    for name, path in engine_modules().items():
+        source = path.read_text()
+        lines = source.splitlines()
+        for attr, line in foreign_private_reads(source):
+            found.setdefault((name, attr), []).append(line)
+            if (name, attr) in ALLOWED_FOREIGN_PRIVATE:
+                near = " ".join(lines[max(0, line - 4): line + 3]).lower()
+                assert "private" in near, f"{name}:{line}: say beside .{attr} why it is read"
+    unexpected = {key: lines for key, lines in found.items()
+                  if key not in ALLOWED_FOREIGN_PRIVATE}
+    assert not unexpected, (
+        f"private attributes of another file or library read (module, attribute): lines "
+        f"{unexpected}; use or add a public way (a property, a parameter) instead")
+    assert len(ALLOWED_FOREIGN_PRIVATE) <= 3
+
+
+def test_the_private_read_finder_finds_reads():
+    """The check above is only as good as its finder."""
+    source = ("class A:\n    def __init__(self):\n        self._mine = 1\n"
+              "    def f(self, other, b):\n        return other._theirs, b._mine, self._x, "
+              "getattr(other, '_hidden'), other.__class__, other._fields\n")
+    assert sorted(attr for attr, _ in foreign_private_reads(source)) == ["_hidden", "_theirs"]

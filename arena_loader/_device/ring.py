@@ -32,8 +32,9 @@ class DeviceLease:
         return self._buffer.gpu_data
 
     @property
-    def __array_interface__(self) -> dict:  # the simulator's device arrays are numpy arrays
-        return self._buffer._ary.__array_interface__
+    def __array_interface__(self) -> dict:
+        # The simulator's device arrays wrap numpy arrays and answer for them.
+        return self._buffer.__array_interface__
 
     def __repr__(self) -> str:
         return f"DeviceLease(buffer={self.index})"
