@@ -6,6 +6,7 @@ here: no state is taken, and a resumed worker skips the batches it had handed ou
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import pickle
 from collections import deque
@@ -15,9 +16,21 @@ from typing import Any
 
 
 def is_stateful(value: Any) -> bool:
-    """torchdata's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict()``."""
-    return callable(getattr(value, "state_dict", None)) and \
-        callable(getattr(value, "load_state_dict", None))
+    """torchdata's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict()``, with a
+    ``state_dict`` that takes no arguments. Methods of the same name with required arguments
+    (mosaicml-streaming's ``StreamingDataset.state_dict(num_samples, from_beginning)``,
+    litdata's) are another protocol, which torch's DataLoader never calls: such a value is
+    treated as stateless (resumed by skipping), not called with no arguments to fail."""
+    state_dict = getattr(value, "state_dict", None)
+    if not callable(state_dict) or not callable(getattr(value, "load_state_dict", None)):
+        return False
+    try:
+        inspect.signature(state_dict).bind()
+    except TypeError:  # required arguments
+        return False
+    except ValueError:  # no signature to read (a builtin): trust the protocol
+        pass
+    return True
 
 
 @dataclass(frozen=True)
