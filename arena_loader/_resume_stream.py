@@ -7,13 +7,12 @@ here: no state is taken, and a resumed worker skips the batches it had handed ou
 from __future__ import annotations
 
 import inspect
-import itertools
 import pickle
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+_END = object()
 
 def is_stateful(value: Any) -> bool:
     """torchdata's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict()``, with a
@@ -56,7 +55,10 @@ def open_stream(dataset: Any, resume: StreamResume | None, rows: int) -> Iterato
     stream = iter(dataset)
     if resume is not None and resume.skip_batches:
         # Drawn and dropped, never collated: the only way on through a stream with no state.
-        deque(itertools.islice(stream, resume.skip_batches * rows), maxlen=0)
+        # next() only: iter() again (islice) restarts an iterator whose __iter__ returns self.
+        for _ in range(resume.skip_batches * rows):
+            if next(stream, _END) is _END:
+                break
     return stream
 
 
