@@ -3,7 +3,6 @@ in-process (``num_workers=0``) path, so both behave identically."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,9 @@ class Fetched:
     direct: bool = False  # the dataset's read_into writes the rows in place (batch protocol)
     # worker_threads > 1: every row already written into the storage this plan was given
     written: Prepared | None = None
+    # An iterable's iterator ended while this (partial) batch was taken: as torch's fetcher,
+    # the caller calls next() on it no more this epoch.
+    ended: bool = False
 
 
 class BatchFiller:
@@ -75,7 +77,12 @@ class BatchFiller:
 
     def fetch_next(self, stream: Iterator) -> Fetched | None:
         """The next batch of an iterable-style dataset's ``stream``; None when it has no more
-        (a final partial batch is dropped with ``drop_last``, per worker, as in torch)."""
+        (a final partial batch is dropped with ``drop_last``, per worker, as in torch).
+
+        Only ``next(stream)``, as torch's fetcher: never ``iter(stream)`` again (``islice``
+        would), which restarts an iterator whose ``__iter__`` resets and returns itself
+        (litdata's ``StreamingDataset``). Once it ends (``Fetched.ended`` or None), the caller
+        must not call this again for that stream."""
         try:
             if not self.auto_collation:
                 sample = next(stream, _END)
@@ -84,12 +91,19 @@ class BatchFiller:
                 if self.collate_fn is not None:
                     sample = self.collate_fn(sample)
                 return Fetched(rows=1, samples=None, batch=sample)
-            samples = list(itertools.islice(stream, self.batch_size))
-            if not samples or (self.drop_last and len(samples) < self.batch_size):
+            samples = []
+            for _ in range(self.batch_size):
+                sample = next(stream, _END)
+                if sample is _END:
+                    break
+                samples.append(sample)
+            ended = len(samples) < self.batch_size
+            if not samples or (self.drop_last and ended):
                 return None
             if self.collate_fn is None:
-                return Fetched(rows=len(samples), samples=samples)
-            return Fetched(rows=len(samples), samples=None, batch=self.collate_fn(samples))
+                return Fetched(rows=len(samples), samples=samples, ended=ended)
+            return Fetched(rows=len(samples), samples=None, batch=self.collate_fn(samples),
+                           ended=ended)
         except StopIteration as exc:  # raised by collate_fn: it would end the epoch silently
             raise RuntimeError("collate_fn raised StopIteration; raise another error "
                                "instead") from exc

@@ -28,6 +28,7 @@ class InProcessIterator:
         self._epoch_position = plan.position  # the consumer's place (state_dict)
         self._resume = plan.streams[0] if plan.streams is not None else None
         self._stream: Iterator | None = None  # iterable-style datasets, made at first next()
+        self._stream_ended = False  # it ended: no next() on it again, as torch's fetcher
         self._stream_state: bytes | None = None  # its state after the pending batch, if any
         self._stateful = False
         self._position = 0  # items taken from the stream: names samples in errors
@@ -152,7 +153,9 @@ class InProcessIterator:
             resume, self._resume = self._resume, None
             self._stream = open_stream(filler.dataset, resume, filler.batch_size or 1)
             self._stateful = stream_is_stateful(filler.dataset, self._stream)
-        fetched = filler.fetch_next(self._stream)
+        fetched = None if self._stream_ended else filler.fetch_next(self._stream)
+        if fetched is None or fetched.ended:
+            self._stream_ended = True
         if self._stateful:
             self._stream_state = stream_state(filler.dataset, self._stream)
         if fetched is None:

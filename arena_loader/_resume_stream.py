@@ -6,18 +6,30 @@ here: no state is taken, and a resumed worker skips the batches it had handed ou
 
 from __future__ import annotations
 
-import itertools
+import inspect
 import pickle
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+_END = object()
 
 def is_stateful(value: Any) -> bool:
-    """torchdata's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict()``."""
-    return callable(getattr(value, "state_dict", None)) and \
-        callable(getattr(value, "load_state_dict", None))
+    """torchdata's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict()``, with a
+    ``state_dict`` that takes no arguments. Methods of the same name with required arguments
+    (mosaicml-streaming's ``StreamingDataset.state_dict(num_samples, from_beginning)``,
+    litdata's) are another protocol, which torch's DataLoader never calls: such a value is
+    treated as stateless (resumed by skipping), not called with no arguments to fail."""
+    state_dict = getattr(value, "state_dict", None)
+    if not callable(state_dict) or not callable(getattr(value, "load_state_dict", None)):
+        return False
+    try:
+        inspect.signature(state_dict).bind()
+    except TypeError:  # required arguments
+        return False
+    except ValueError:  # no signature to read (a builtin): trust the protocol
+        pass
+    return True
 
 
 @dataclass(frozen=True)
@@ -43,7 +55,10 @@ def open_stream(dataset: Any, resume: StreamResume | None, rows: int) -> Iterato
     stream = iter(dataset)
     if resume is not None and resume.skip_batches:
         # Drawn and dropped, never collated: the only way on through a stream with no state.
-        deque(itertools.islice(stream, resume.skip_batches * rows), maxlen=0)
+        # next() only: iter() again (islice) restarts an iterator whose __iter__ returns self.
+        for _ in range(resume.skip_batches * rows):
+            if next(stream, _END) is _END:
+                break
     return stream
 
 

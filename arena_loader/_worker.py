@@ -183,6 +183,7 @@ class WorkerState:
         self.encoder = PlanEncoder()
         self._stream: Iterator | None = None
         self._stream_epoch = -1
+        self._stream_ended = False  # it ended this epoch: no next() on it again, as torch's
         self._position = 0  # items taken from the iterator: names samples in errors
         self._resume = setup.stream_resume  # for the first epoch's iterator only
         self._stateful = False  # the replica has state_dict: its state goes with each batch
@@ -220,12 +221,16 @@ class WorkerState:
             return filler.fetch(entry.indices), entry.indices
         if entry.epoch != self._stream_epoch:  # a new epoch (persistent workers): start over
             self._stream, self._stream_epoch, self._position = None, entry.epoch, 0
+            self._stream_ended = False
             resume, self._resume = self._resume, None
             self._stream = open_stream(filler.dataset, resume, filler.batch_size or 1)
             self._stateful = stream_is_stateful(filler.dataset, self._stream)
-        if self._stream is None:
-            return None, None  # the iterator raised while being made: nothing this epoch
+        if self._stream is None or self._stream_ended:
+            # the iterator raised while being made, or has ended: nothing more this epoch
+            return None, None
         fetched = filler.fetch_next(self._stream)
+        if fetched is None or fetched.ended:
+            self._stream_ended = True
         if fetched is None:
             return None, None
         indices = [StreamPosition(i) for i in range(self._position,

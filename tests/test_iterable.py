@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -199,3 +200,41 @@ def test_held_batch_limit_raises_and_loses_no_sample(num_workers):
         seen += [int(i) for batch in iterator for i in batch["index"]]
         del iterator
     assert sorted(seen) == list(range(20))
+
+
+class SelfIteratingStream(torch.utils.data.IterableDataset):
+    """litdata's ``StreamingDataset`` shape: ``__iter__`` resets the dataset and returns it,
+    ``__next__`` ends each pass by advancing its epoch (which picks the next pass's order),
+    and a ``next()`` after the end advances it again."""
+
+    def __init__(self, n: int = 11):
+        self.n, self.epoch, self.i, self.stop = n, 0, 0, 0
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        self.i, self.stop = worker, self.n
+        self.step = workers
+        return self
+
+    def __next__(self):
+        if self.i >= self.stop:
+            self.epoch += 1
+            raise StopIteration
+        value = self.i + 100 * self.epoch
+        self.i += self.step
+        return value
+
+
+@pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)])
+def test_a_stream_whose_iter_returns_itself_is_read_with_next_only(num_workers, persistent):
+    """Only next() on an epoch's iterator, as torch's fetcher: iter() once per batch (as
+    itertools.islice does) restarted the stream (the first batch forever), and a next() after
+    its end (the call after a short last batch) advanced its epoch twice."""
+    kwargs = dict(batch_size=4, num_workers=num_workers, persistent_workers=persistent)
+    loader = torch.utils.data.DataLoader(SelfIteratingStream(), **kwargs)
+    expected = [[b.tolist() for b in loader] for _ in range(3)]
+    del loader
+    with ArenaLoader(SelfIteratingStream(), **kwargs) as loader:  # (capped: it was endless)
+        got = [[b.tolist() for b in itertools.islice(loader, 5)] for _ in range(3)]
+    assert got == expected

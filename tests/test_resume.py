@@ -294,3 +294,37 @@ def test_state_dict_after_an_epoch_resumes_at_the_next_epoch(name):
         resumed.load_state_dict(state)
         again = [rows(b) for b in resumed]
     assert first and again == second, (len(again), len(second))
+
+
+class ArgumentStateStream(torch.utils.data.IterableDataset):
+    """mosaicml-streaming's and litdata's ``StreamingDataset`` shape: methods named
+    ``state_dict`` / ``load_state_dict`` whose ``state_dict`` needs arguments (the loader's
+    sample count), which torch's DataLoader never calls. Not torchdata's ``Stateful``."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()  # torch's, as those libraries ask
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(range(worker, 12, workers))
+
+    def state_dict(self, num_samples: int, from_beginning: bool) -> dict:
+        raise AssertionError("called by the loader")
+
+    def load_state_dict(self, state: dict) -> None:
+        raise AssertionError("called by the loader")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_state_dict_with_required_arguments_is_not_torchdatas_protocol(workers):
+    """A dataset whose ``state_dict`` takes arguments loads as with torch's DataLoader (it
+    was called with none after every batch: TypeError), and resumes by skipping."""
+    torch_batches = [b.tolist() for b in torch.utils.data.DataLoader(
+        ArgumentStateStream(), batch_size=2, num_workers=workers)]
+    with ArenaLoader(ArgumentStateStream(), batch_size=2, num_workers=workers) as loader:
+        iterator = iter(loader)
+        head = [next(iterator).tolist() for _ in range(3)]
+        state = loader.state_dict()
+        assert head + [b.tolist() for b in iterator] == torch_batches
+    with ArenaLoader(ArgumentStateStream(), batch_size=2, num_workers=workers) as loader:
+        loader.load_state_dict(state)
+        assert [b.tolist() for b in loader] == torch_batches[3:]
