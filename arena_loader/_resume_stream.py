@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import inspect
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 _END = object()
+
 
 def is_stateful(value: Any) -> bool:
     """torchdata's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict()``, with a
@@ -62,16 +63,20 @@ def open_stream(dataset: Any, resume: StreamResume | None, rows: int) -> Iterato
     return stream
 
 
-def stream_is_stateful(dataset: Any, stream: Any) -> bool:
-    return is_stateful(dataset) or (stream is not dataset and is_stateful(stream))
+def state_reader(dataset: Any, stream: Any) -> Callable[[], bytes] | None:
+    """For a replica with state (its dataset's, its iterator's, or both): what reads it after
+    each batch, pickled to travel; None for one without (which costs nothing per batch).
+    Which parts have state is found once, here."""
+    of_dataset = is_stateful(dataset)
+    of_stream = stream is not dataset and is_stateful(stream)
+    if not (of_dataset or of_stream):
+        return None
 
-
-def stream_state(dataset: Any, stream: Any) -> bytes:
-    """The replica's state now (after the batch just fetched), pickled to travel."""
-    return pickle.dumps({
-        "dataset": dataset.state_dict() if is_stateful(dataset) else None,
-        "iterator": stream.state_dict() if stream is not dataset and is_stateful(stream)
-        else None}, protocol=5)
+    def read() -> bytes:
+        return pickle.dumps({"dataset": dataset.state_dict() if of_dataset else None,
+                             "iterator": stream.state_dict() if of_stream else None},
+                            protocol=5)
+    return read
 
 
 class WorkerPosition:

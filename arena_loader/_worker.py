@@ -29,7 +29,7 @@ from ._layout import PlanEncoder
 from ._messages import BatchFailed, RemoteError, WorkerFailed
 from ._pipeline.completions import Status, encode, write_completion
 from ._pipeline.order import Entry, EntryKind, OrderReader
-from ._resume_stream import StreamResume, open_stream, stream_is_stateful, stream_state
+from ._resume_stream import StreamResume, open_stream, state_reader
 from ._sample_threads import SampleThreads
 from ._slab import Segment, SlabHandle, send_segment
 from .worker_info import WorkerInfo, set_process_worker_info, thread_info
@@ -186,7 +186,8 @@ class WorkerState:
         self._stream_ended = False  # it ended this epoch: no next() on it again, as torch's
         self._position = 0  # items taken from the iterator: names samples in errors
         self._resume = setup.stream_resume  # for the first epoch's iterator only
-        self._stateful = False  # the replica has state_dict: its state goes with each batch
+        # The replica has state_dict: what reads its state, which goes with each batch.
+        self._state_of: Callable[[], bytes] | None = None
         # worker_threads > 1 (map-style, automatic batching): the worker's extra threads
         self.threads: SampleThreads | None = None
         self._segment: Segment | None = None  # the current batch's one-off segment, if any
@@ -224,7 +225,7 @@ class WorkerState:
             self._stream_ended = False
             resume, self._resume = self._resume, None
             self._stream = open_stream(filler.dataset, resume, filler.batch_size or 1)
-            self._stateful = stream_is_stateful(filler.dataset, self._stream)
+            self._state_of = state_reader(filler.dataset, self._stream)
         if self._stream is None or self._stream_ended:
             # the iterator raised while being made, or has ended: nothing more this epoch
             return None, None
@@ -263,8 +264,9 @@ class WorkerState:
             filler, slot = self.setup.filler, entry.slot
             fetched, indices = self.fetch(entry)
             # The replica's state after this batch goes just before its record.
-            state = encode(Status.STATE, entry.idx, slot, stream_state(
-                filler.dataset, self._stream)) if self._stateful else b""
+            state_of = self._state_of
+            state = b"" if state_of is None else encode(Status.STATE, entry.idx, slot,
+                                                        state_of())
             if fetched is None:
                 return state + encode(Status.ENDED, entry.idx, slot)
             # Samples that are each one array, shaped as the last batch's: written at once.
