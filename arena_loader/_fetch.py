@@ -3,6 +3,7 @@ in-process (``num_workers=0``) path, so both behave identically."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -91,12 +92,10 @@ class BatchFiller:
                 if self.collate_fn is not None:
                     sample = self.collate_fn(sample)
                 return Fetched(rows=1, samples=None, batch=sample)
-            samples = []
-            for _ in range(self.batch_size):
-                sample = next(stream, _END)
-                if sample is _END:
-                    break
-                samples.append(sample)
+            # next(stream) up to batch_size times, in C (map over repeat: stream's own
+            # StopIteration ends it; islice(stream) would call iter(stream) again).
+            samples = list(itertools.islice(map(next, itertools.repeat(stream)),
+                                            self.batch_size))
             ended = len(samples) < self.batch_size
             if not samples or (self.drop_last and ended):
                 return None
