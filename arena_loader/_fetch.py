@@ -158,6 +158,11 @@ class BatchFiller:
             return Fetched(rows=1, samples=None, batch=sample)
         if self._getitems is not None:
             samples = self._getitems(list(indices))
+            if self.collate_fn is not None:
+                # As torch's fetcher: what __getitems__ returns goes to the collate_fn as it
+                # is (a batched read may return one structure, not one sample per index).
+                return Fetched(rows=len(indices), samples=None,
+                               batch=self.collate_fn(samples))
             if len(samples) != len(indices):
                 raise ValueError(
                     f"dataset.__getitems__ returned {len(samples)} samples for {len(indices)} "

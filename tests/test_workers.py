@@ -92,6 +92,40 @@ def test_dataset_getitems_is_used_for_batched_fetch(num_workers, worker_mode):
         np.testing.assert_array_equal(batch, expected)
 
 
+class BatchedReadDataset:
+    """__getitems__ as one batched read (h5py/zarr/pandas style): it returns one structure for
+    the whole batch, not one sample per index."""
+
+    def __init__(self, n: int) -> None:
+        self.x = np.arange(n * 2, dtype=np.float32).reshape(n, 2)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.x[index]
+
+    def __getitems__(self, indices: list) -> dict:
+        return {"x": self.x[np.asarray(indices)], "indices": list(indices)}
+
+
+def _keep_batch(batch: dict) -> dict:
+    return {"x": np.array(batch["x"]), "indices": batch["indices"]}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_getitems_result_goes_to_the_collate_fn_as_it_is(num_workers):
+    """With a collate_fn, what __getitems__ returns is handed to it unchanged, as torch's
+    fetcher does, even when it is not one sample per index."""
+    dataset = BatchedReadDataset(10)
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers,
+                     collate_fn=_keep_batch) as loader:
+        batches = list(loader)
+    assert [batch["indices"] for batch in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    for batch in batches:
+        np.testing.assert_array_equal(batch["x"], dataset.x[batch["indices"]])
+
+
 class TorchDrawDataset(ImageDataset):
     """Each sample is a draw from torch's global RNG in the loading worker."""
 
