@@ -194,6 +194,19 @@ def test_a_structure_that_does_not_pickle_is_a_clear_error():
         round_trip(prepare_batch(Local(np.zeros(1)), "collate_fn output"))
 
 
+@pytest.mark.parametrize("collated", [True, False])
+def test_an_object_leaf_that_does_not_pickle_names_its_field_and_keeps_its_type(collated):
+    """A memoryview (an lmdb value read with buffers=True) or a lambda among the leaves: the
+    error names the field and the fix, with the type pickle gave it."""
+    samples = [{"x": np.zeros(2), "raw": memoryview(bytes([i]))} for i in range(3)]
+    prepare = (lambda: prepare_samples(samples, [0, 1, 2])) if collated else (
+        lambda: prepare_batch({"x": np.zeros(2), "meta": [{"key": lambda: 0}]}, "batch"))
+    field = r"sample\['raw'\]" if collated else r"batch\['meta'\]\[0\]\['key'\]"
+    with pytest.raises((TypeError, AttributeError), match=rf"field {field} cannot be pickled to "
+                       r"the main process \(.*pickle.*\); return .*bytes\(x\) for a memoryview"):
+        prepare()
+
+
 def test_a_malformed_record_is_refused():
     prepared = prepare_samples([np.zeros(2)], [0])
     record = PlanEncoder().encode(prepared.plan, 0, 0, 0, segment=False)

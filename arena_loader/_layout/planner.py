@@ -165,7 +165,8 @@ def _leaf_placement(value: Any, path: str, label: str,
 
 
 def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
-            objects: list | None, collated: bool, converted: bool = False) -> Prepared:
+            objects: list | None, collated: bool, converted: bool = False,
+            object_paths: Sequence[str] = ()) -> Prepared:
     offset, torch = 0, False
     for p in placements:  # placements are this batch's own: set their offsets in place
         p.offset = offset
@@ -174,12 +175,30 @@ def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
     fields = placements
     pickled = None
     if objects:
-        pickled = pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+        pickled = _pickled(objects, object_paths)
     objects_offset = offset
     nbytes = max(FIELD_ALIGNMENT, align(offset + (len(pickled) if pickled else 0)))
     plan = Plan(spec, tuple(fields), objects_offset, len(pickled) if pickled else 0, nbytes,
                 torch, collated, converted)
     return Prepared(plan, columns, pickled)
+
+
+def _pickled(objects: list, paths: Sequence[str]) -> bytes:
+    """The object leaves (one entry per path), pickled to travel to the main process; one
+    that cannot be pickled is named, the error's type kept."""
+    try:
+        return pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        for value, path in zip(objects, paths):
+            try:
+                pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            except (pickle.PicklingError, TypeError, AttributeError):
+                raise type(exc)(
+                    f"field {path} cannot be pickled to the main process ({exc}); return a "
+                    "value that pickles there (bytes(x) for a memoryview, a module-level "
+                    "function or class instead of a lambda or a local one), or a collate_fn "
+                    "that converts it") from exc
+        raise
 
 
 _SAMPLE_LEAF = FieldLeaf(0)
@@ -228,7 +247,8 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any]) -> Prepared:
         rows, placement = _column(values, path, indices)
         columns.append(rows)
         placements.append(placement)
-    return _finish(spec, columns, placements, objects, collated=True)
+    return _finish(spec, columns, placements, objects, collated=True,
+                   object_paths=builder.object_paths)
 
 
 def prepare_batch(batch: Any, label: str, converted: bool = False) -> Prepared:
@@ -245,7 +265,7 @@ def prepare_batch(batch: Any, label: str, converted: bool = False) -> Prepared:
         columns.append(column)
         placements.append(placement)
     return _finish(spec, columns, placements, builder.object_values, collated=False,
-                   converted=converted)
+                   converted=converted, object_paths=builder.object_paths)
 
 
 def prepare_rows(sample: Any, rows: int, index: Any) -> tuple[Prepared, Any]:
