@@ -12,6 +12,7 @@ both run.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import random
 import signal
@@ -81,7 +82,13 @@ def worker_main(setup: WorkerSetup, doorbell: Any, result: Any) -> None:
     """A worker process: ``doorbell`` and ``result`` are its ends of its two pipes."""
     # Ctrl-C reaches the whole process group; the main process handles it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if not started_by_fork():  # spawn, forkserver: multiprocessing's fds come inheritable
+    if started_by_fork():
+        # What the parent had is the parent's: out of this process's collector, so that no
+        # collection here writes the headers of (and so copies) the pages it shares with the
+        # parent, and no finalizer of the parent's garbage runs here (an abandoned torch
+        # iterator's would stop workers that are not ours).
+        gc.freeze()
+    else:  # spawn, forkserver: multiprocessing's fds come inheritable
         close_on_exec_inherited()
     # Our parent is the main process (fork, spawn) or the forkserver, which exits with it.
     parent_pid = os.getppid()

@@ -681,3 +681,45 @@ def test_a_child_interrupted_in_its_at_fork_hook_does_not_stall_the_parent(monke
             assert len(rest) + 1 == 4 and first.shape == held.shape
             del first, rest, iterator
     assert not live_children()
+
+
+class _Finalized:
+    """Cyclic garbage whose finalizer records the pid it runs in."""
+
+    def __init__(self, path: str):
+        self.path, self.cycle = path, self
+
+    def __del__(self):
+        with open(self.path, "a") as log:
+            log.write(f"{os.getpid()}\n")
+
+
+class _CollectingDataset:
+    """Each sample runs a full collection in the worker, as a busy dataset's allocations do."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        gc.collect()
+        return np.full(3, index, np.int64)
+
+
+def test_forked_workers_run_no_finalizer_of_the_parents_garbage(tmp_path):
+    """Garbage the main process had not collected when the workers forked is the parent's:
+    its finalizers never run in a worker (a worker's collection would otherwise run them,
+    e.g. an abandoned torch iterator's, which then tries to stop workers that are not the
+    worker's), and the parent still runs them."""
+    log = tmp_path / "finalized"
+    enabled = gc.isenabled()
+    gc.disable()  # (the garbage must still be there when the workers fork)
+    try:
+        _Finalized(str(log))
+        with ArenaLoader(_CollectingDataset(), batch_size=2, num_workers=2,
+                         multiprocessing_context="fork") as loader:
+            assert [int(b[0, 0]) for b in loader] == [0, 2, 4, 6]
+    finally:
+        if enabled:
+            gc.enable()
+    gc.collect()
+    assert log.read_text().split() == [str(os.getpid())]
