@@ -548,3 +548,42 @@ def test_an_iterable_dataset_longer_than_its_len_warns_as_torch_and_loses_nothin
             except StopIteration:
                 break
     assert (got, raised) == ([0, 1, 2, 3, 4], 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# A field whose samples differ in dtype or kind (found by differential fuzzing against torch).
+
+MIXED_FIELDS = [
+    # torch dtypes numpy lacks (stored as bits) beside another dtype: promoted, not the bits
+    lambda i: torch.tensor([1.5, -2.0], dtype=torch.bfloat16) if i % 2 == 0
+    else torch.tensor([True, False]),
+    lambda i: torch.tensor([True, False]) if i % 2 == 0
+    else torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+    lambda i: {"t": torch.tensor([0.1], dtype=torch.float32) if i % 2 == 0
+               else torch.tensor([0.5], dtype=torch.bfloat16)},
+    # complex and float64: complex128, as torch.stack promotes
+    lambda i: np.array([1 + 1j], np.complex64) if i % 2 == 0 else np.array([0.1], np.float64),
+    lambda i: (torch.tensor([0.1], dtype=torch.float64) if i % 2 == 0
+               else torch.tensor([1 + 1j], dtype=torch.complex64),),
+    # a Python number first in each batch, numpy scalars after: torch.tensor() of the list
+    # (a numpy scalar first is a documented difference: numpy's promotion)
+    lambda i: {"label": i if i % 3 == 0 else np.int64(i)},
+    lambda i: [0.5 * i if i % 3 == 0 else np.float32(i)],
+    lambda i: (i % 2 == 0 if i % 3 == 0 else np.int8(i),),
+    lambda i: {"x": i if i % 3 == 0 else np.float16(i / 2)},
+    lambda i: {"x": i if i % 3 == 0 else np.complex64(i)},
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make", MIXED_FIELDS, ids=[
+    "bfloat16-bool", "bool-bfloat16", "float32-bfloat16", "complex64-float64-numpy",
+    "float64-complex64-tensor", "int-np.int64", "float-np.float32", "bool-np.int8",
+    "int-np.float16", "int-np.complex64"])
+def test_a_field_mixing_dtypes_or_python_and_numpy_numbers_collates_like_torch(make):
+    """torch's default_collate stacks such a field with torch's type promotion (in the main
+    process; its workers stack into the first sample's dtype): the same dtype and values."""
+    ours, theirs = both(ListDataset(6, make), 0, batch_size=3)
+    assert len(ours) == len(theirs) == 2
+    for mine, torchs in zip(ours, theirs):
+        assert_same(mine, torchs)
