@@ -568,8 +568,11 @@ MIXED_FIELDS = [
     lambda i: np.array([1 + 1j], np.complex64) if i % 2 == 0 else np.array([0.1], np.float64),
     lambda i: (torch.tensor([0.1], dtype=torch.float64) if i % 2 == 0
                else torch.tensor([1 + 1j], dtype=torch.complex64),),
-    # a Python number first in each batch, numpy scalars after: torch.tensor() of the list
-    # (a numpy scalar first is a documented difference: numpy's promotion)
+    # a numpy scalar or array first, Python numbers after: a float is float32 (as_tensor's)
+    lambda i: np.int64(i) if i % 3 == 0 else i / 2,
+    lambda i: {"x": np.float16(i) if i % 3 == 0 else i / 2},
+    lambda i: np.array(i + 1j, np.complex64) if i % 3 == 0 else i / 2,
+    # a Python number first, numpy scalars after: torch.tensor() of the list
     lambda i: {"label": i if i % 3 == 0 else np.int64(i)},
     lambda i: [0.5 * i if i % 3 == 0 else np.float32(i)],
     lambda i: (i % 2 == 0 if i % 3 == 0 else np.int8(i),),
@@ -581,7 +584,8 @@ MIXED_FIELDS = [
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("make", MIXED_FIELDS, ids=[
     "bfloat16-bool", "bool-bfloat16", "float32-bfloat16", "complex64-float64-numpy",
-    "float64-complex64-tensor", "int-np.int64", "float-np.float32", "bool-np.int8",
+    "float64-complex64-tensor", "np.int64-float", "np.float16-float", "complex64-array-float",
+    "int-np.int64", "float-np.float32", "bool-np.int8",
     "int-np.float16", "int-np.complex64"])
 def test_a_field_mixing_dtypes_or_python_and_numpy_numbers_collates_like_torch(make):
     """torch's default_collate stacks such a field with torch's type promotion (in the main

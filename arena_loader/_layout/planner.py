@@ -57,6 +57,11 @@ def _promote(dtypes: list[np.dtype]) -> np.dtype:
     return np.result_type(*(d for d in dtypes if lowest <= _CATEGORY.get(d.kind, 4) <= top))
 
 
+# The dtype torch's tensor inference gives a Python number (a float: the default float32).
+_AS_TENSOR_DTYPES = {bool: np.dtype(np.bool_), int: np.dtype(np.int64),
+                     float: np.dtype(np.float32), complex: np.dtype(np.complex64)}
+
+
 def _number_dtype(values: list, path: str, indices: Sequence[Any]) -> np.dtype:
     """torch's default_collate for a batch of Python numbers: the first one's type decides,
     and a float among ints gives torch's default float dtype (float32). Numeric numpy scalars
@@ -72,10 +77,7 @@ def _number_dtype(values: list, path: str, indices: Sequence[Any]) -> np.dtype:
                 return np.dtype(np.complex128)
         elif first is float:
             return np.dtype(np.float64)
-        # torch's inference for a list: int -> int64, float -> float32, complex -> complex64
-        python = {bool: np.dtype(np.bool_), int: np.dtype(np.int64),
-                  float: np.dtype(np.float32), complex: np.dtype(np.complex64)}
-        return _promote([python[t] if t in python else np.dtype(t) for t in types])
+        return _promote([_AS_TENSOR_DTYPES.get(t) or np.dtype(t) for t in types])
     if scalars:
         other = next(v for v in values if type(v) not in PYTHON_NUMBER_DTYPES)
         row = next(i for i, v in enumerate(values) if v is other)
@@ -134,7 +136,9 @@ def _column(values: list, path: str, indices: Sequence[Any],
         elif isinstance(value, (np.ndarray, np.generic)):
             array = value
         elif type(value) in PYTHON_NUMBER_DTYPES:
-            array = np.asarray(value, dtype=_number_dtype([value], path, [index]))
+            # after an array or a numpy scalar: the dtype torch's as_tensor gives the number
+            # (a float is float32, torch's default), promoted with the others below
+            array = np.asarray(value, dtype=_AS_TENSOR_DTYPES[type(value)])
         elif value is None and type(first) is not type(None) and path == "sample":
             reject_none(value, f"dataset[{index!r}]", collated=True)
         else:
