@@ -578,6 +578,7 @@ MIXED_FIELDS = [
     lambda i: (i % 2 == 0 if i % 3 == 0 else np.int8(i),),
     lambda i: {"x": i if i % 3 == 0 else np.float16(i / 2)},
     lambda i: {"x": i if i % 3 == 0 else np.complex64(i)},
+    lambda i: (i / 2 if i % 3 == 0 else np.array(i, np.uint8),),
 ]
 
 
@@ -586,7 +587,7 @@ MIXED_FIELDS = [
     "bfloat16-bool", "bool-bfloat16", "float32-bfloat16", "complex64-float64-numpy",
     "float64-complex64-tensor", "np.int64-float", "np.float16-float", "complex64-array-float",
     "int-np.int64", "float-np.float32", "bool-np.int8",
-    "int-np.float16", "int-np.complex64"])
+    "int-np.float16", "int-np.complex64", "float-0d-array"])
 def test_a_field_mixing_dtypes_or_python_and_numpy_numbers_collates_like_torch(make):
     """torch's default_collate stacks such a field with torch's type promotion (in the main
     process; its workers stack into the first sample's dtype): the same dtype and values."""

@@ -62,22 +62,32 @@ _AS_TENSOR_DTYPES = {bool: np.dtype(np.bool_), int: np.dtype(np.int64),
                      float: np.dtype(np.float32), complex: np.dtype(np.complex64)}
 
 
+def _numpy_number(value: Any) -> bool:
+    """A numeric numpy scalar or 0-d array: torch's ``tensor()`` takes it as a number."""
+    if isinstance(value, (np.number, np.bool_)):
+        return True
+    return type(value) is np.ndarray and value.ndim == 0 and value.dtype.kind in "biufc"
+
+
 def _number_dtype(values: list, path: str, indices: Sequence[Any]) -> np.dtype:
     """torch's default_collate for a batch of Python numbers: the first one's type decides,
     and a float among ints gives torch's default float dtype (float32). Numeric numpy scalars
-    among them are taken as torch's ``tensor()`` takes them: after a Python float the batch
-    is float64 (torch's dtype there), after an int or bool their dtypes promote with the
-    Python numbers' (``[0, np.int64(3)]`` -> int64, ``[0, np.float16(1)]`` -> float16)."""
+    (and 0-d arrays) among them are taken as torch's ``tensor()`` takes them: after a Python
+    float the batch is float64 (torch's dtype there), after an int or bool their dtypes
+    promote with the Python numbers' (``[0, np.int64(3)]`` -> int64, ``[0, np.float16(1)]``
+    -> float16)."""
     first = type(values[0])
     types = set(map(type, values))
     scalars = types - set(PYTHON_NUMBER_DTYPES)
-    if scalars and all(issubclass(t, (np.number, np.bool_)) for t in scalars):
-        if complex in types or any(issubclass(t, np.complexfloating) for t in scalars):
+    if scalars and all(map(_numpy_number, (v for v in values if type(v) in scalars))):
+        dtypes = {v.dtype for v in values if type(v) in scalars}
+        dtypes.update(_AS_TENSOR_DTYPES[t] for t in types - scalars)
+        if complex in types or any(d.kind == "c" for d in dtypes):
             if first is float:
                 return np.dtype(np.complex128)
         elif first is float:
             return np.dtype(np.float64)
-        return _promote([_AS_TENSOR_DTYPES.get(t) or np.dtype(t) for t in types])
+        return _promote(list(dtypes))
     if scalars:
         other = next(v for v in values if type(v) not in PYTHON_NUMBER_DTYPES)
         row = next(i for i, v in enumerate(values) if v is other)
