@@ -6,6 +6,7 @@ DataPipe shuffling with torch's private ``_iterator``, and the order under PyTor
 
 from __future__ import annotations
 
+import collections
 import fractions
 import gc
 import pickle
@@ -16,6 +17,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import arena_loader.errors
 from arena_loader import ArenaLoader, SampleTypeError, WorkerCrashedError
@@ -548,3 +551,138 @@ def test_an_iterable_dataset_longer_than_its_len_warns_as_torch_and_loses_nothin
             except StopIteration:
                 break
     assert (got, raised) == ([0, 1, 2, 3, 4], 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# A field whose samples differ in dtype or kind (found by differential fuzzing against torch).
+
+MIXED_FIELDS = [
+    # torch dtypes numpy lacks (stored as bits) beside another dtype: promoted, not the bits
+    lambda i: torch.tensor([1.5, -2.0], dtype=torch.bfloat16) if i % 2 == 0
+    else torch.tensor([True, False]),
+    lambda i: torch.tensor([True, False]) if i % 2 == 0
+    else torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+    lambda i: {"t": torch.tensor([0.1], dtype=torch.float32) if i % 2 == 0
+               else torch.tensor([0.5], dtype=torch.bfloat16)},
+    # complex and float64: complex128, as torch.stack promotes
+    lambda i: np.array([1 + 1j], np.complex64) if i % 2 == 0 else np.array([0.1], np.float64),
+    lambda i: (torch.tensor([0.1], dtype=torch.float64) if i % 2 == 0
+               else torch.tensor([1 + 1j], dtype=torch.complex64),),
+    # a numpy scalar or array first, Python numbers after: a float is float32 (as_tensor's)
+    lambda i: np.int64(i) if i % 3 == 0 else i / 2,
+    lambda i: {"x": np.float16(i) if i % 3 == 0 else i / 2},
+    lambda i: np.array(i + 1j, np.complex64) if i % 3 == 0 else i / 2,
+    # a Python number first, numpy scalars after: torch.tensor() of the list
+    lambda i: {"label": i if i % 3 == 0 else np.int64(i)},
+    lambda i: [0.5 * i if i % 3 == 0 else np.float32(i)],
+    lambda i: (i % 2 == 0 if i % 3 == 0 else np.int8(i),),
+    lambda i: {"x": i if i % 3 == 0 else np.float16(i / 2)},
+    lambda i: {"x": i if i % 3 == 0 else np.complex64(i)},
+    lambda i: (i / 2 if i % 3 == 0 else np.array(i, np.uint8),),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make", MIXED_FIELDS, ids=[
+    "bfloat16-bool", "bool-bfloat16", "float32-bfloat16", "complex64-float64-numpy",
+    "float64-complex64-tensor", "np.int64-float", "np.float16-float", "complex64-array-float",
+    "int-np.int64", "float-np.float32", "bool-np.int8",
+    "int-np.float16", "int-np.complex64", "float-0d-array"])
+def test_a_field_mixing_dtypes_or_python_and_numpy_numbers_collates_like_torch(make):
+    """torch's default_collate stacks such a field with torch's type promotion (in the main
+    process; its workers stack into the first sample's dtype): the same dtype and values."""
+    ours, theirs = both(ListDataset(6, make), 0, batch_size=3)
+    assert len(ours) == len(theirs) == 2
+    for mine, torchs in zip(ours, theirs):
+        assert_same(mine, torchs)
+
+
+# A bounded differential property: random nested samples, the same batches as torch's.
+
+Pair = collections.namedtuple("Pair", "first second")
+
+NUMPY_DTYPES = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32",
+                "float64", "complex64"]
+TORCH_DTYPES = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
+                "float32", "float64", "complex64"]
+SHAPES = st.lists(st.integers(0, 3), max_size=3).map(tuple)
+LEAVES = st.one_of(
+    st.tuples(st.just("numpy"), st.sampled_from(NUMPY_DTYPES), SHAPES),
+    st.tuples(st.just("tensor"), st.sampled_from(TORCH_DTYPES), SHAPES),
+    st.tuples(st.just("scalar"), st.sampled_from(NUMPY_DTYPES)),
+    st.tuples(st.just("python"), st.sampled_from(["int", "float", "bool", "str", "bytes"])))
+SAMPLES = st.recursive(LEAVES, lambda children: st.one_of(
+    st.dictionaries(st.sampled_from(["a", "b", "label"]), children, max_size=3).map(
+        lambda items: ("dict", items)),
+    st.lists(children, max_size=3).map(lambda items: ("tuple", items)),
+    st.lists(children, max_size=3).map(lambda items: ("list", items)),
+    st.tuples(children, children).map(lambda items: ("pair", items))), max_leaves=5)
+
+
+def make_sample(schema, index: int, salt: int = 1):
+    """Sample ``index`` of ``schema``: the same structure, dtypes and shapes for every index,
+    values that depend on it."""
+    kind = schema[0]
+    if kind == "dict":
+        return {key: make_sample(child, index, salt * 3 + n)
+                for n, (key, child) in enumerate(schema[1].items())}
+    if kind in ("tuple", "list", "pair"):
+        items = [make_sample(child, index, salt * 3 + n) for n, child in enumerate(schema[1])]
+        return {"tuple": tuple, "list": list, "pair": lambda items: Pair(*items)}[kind](items)
+    if kind == "python":
+        return {"int": index * 5 - salt, "float": index / 4 + salt, "bool": index % 2 == 0,
+                "str": f"s{index}.{salt}", "bytes": b"b%d" % index}[schema[1]]
+    count = int(np.prod(schema[2])) if kind != "scalar" else 1
+    values = (np.arange(count) * 3 + index * 7 + salt) % 100 - 40
+    if kind == "tensor":
+        tensor = torch.as_tensor(values).to(getattr(torch, schema[1]))
+        return tensor.reshape(schema[2])
+    array = values.astype(schema[1])
+    return array[0] if kind == "scalar" else array.reshape(schema[2])
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(schema=SAMPLES, n=st.integers(1, 7), batch_size=st.sampled_from([None, 1, 2, 3, 5]),
+       drop_last=st.booleans(), seed=st.sampled_from([None, 0, 1]))
+def test_property_random_nested_samples_give_torchs_batches(schema, n, batch_size, drop_last,
+                                                            seed):
+    """Dicts, tuples, lists and namedtuples (depth <= 3) of numpy arrays and scalars, tensors
+    (bfloat16 included, zero-size dims too), Python numbers, str and bytes, one structure per
+    dataset: output="torch" gives the structure, types, dtypes and values torch's
+    DataLoader gives, with and without batching, shuffled by a seeded generator or not."""
+    pytest.importorskip("torch")
+    dataset = ListDataset(n, lambda index: make_sample(schema, index))
+    options = {"batch_size": batch_size}
+    if batch_size is not None:
+        options["drop_last"] = drop_last
+    if seed is not None:
+        options["shuffle"] = True
+    batches = []
+    for _ in range(2):  # one generator each, seeded alike
+        if seed is not None:
+            options["generator"] = torch.Generator().manual_seed(seed)
+        batches.append(options.copy())
+    theirs = list(tud.DataLoader(dataset, **batches[0]))
+    with ArenaLoader(dataset, output="torch", **batches[1]) as loader:
+        ours = list(loader)
+    assert len(ours) == len(theirs)
+    for mine, torchs in zip(ours, theirs):
+        assert kinds(mine) == kinds(torchs)
+        assert_equal_leaves(mine, torchs)
+
+
+def assert_equal_leaves(ours, theirs) -> None:
+    """The same values, leaf by leaf, in batches of one structure (namedtuples included)."""
+    if isinstance(theirs, torch.Tensor):
+        assert ours.shape == theirs.shape and torch.equal(ours, theirs)
+    elif isinstance(theirs, dict):
+        for key in theirs:
+            assert_equal_leaves(ours[key], theirs[key])
+    elif isinstance(theirs, (list, tuple)):
+        assert len(ours) == len(theirs)
+        for mine, torchs in zip(ours, theirs):
+            assert_equal_leaves(mine, torchs)
+    else:
+        assert ours == theirs

@@ -4,8 +4,10 @@ assigned, object leaves pickled."""
 
 from __future__ import annotations
 
+import functools
 import operator
 import pickle
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +30,7 @@ from .plan import (
 )
 from .spec import (
     PYTHON_NUMBER_DTYPES,
+    TORCH_RAW_DTYPES,
     FieldLeaf,
     SpecBuilder,
     collate_objects,
@@ -44,19 +47,48 @@ _CATEGORY = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
 
 def _promote(dtypes: list[np.dtype]) -> np.dtype:
     """torch's type promotion for stacking: the highest category (bool < int < float <
-    complex) wins, and within it numpy's promotion (int8 + uint8 -> int16)."""
+    complex) wins, and within it numpy's promotion (int8 + uint8 -> int16). A complex result
+    is wide enough for the floats' precision too, as torch's (complex64 + float64 ->
+    complex128; ints do not widen it: complex64 + int64 -> complex64)."""
     top = max(_CATEGORY.get(d.kind, 4) for d in dtypes)
     if top == 4:  # strings, bytes: the widest
         return np.result_type(*dtypes)
-    return np.result_type(*(d for d in dtypes if _CATEGORY.get(d.kind, 4) == top))
+    lowest = 2 if top == 3 else top
+    return np.result_type(*(d for d in dtypes if lowest <= _CATEGORY.get(d.kind, 4) <= top))
+
+
+# The dtype torch's tensor inference gives a Python number (a float: the default float32).
+_AS_TENSOR_DTYPES = {bool: np.dtype(np.bool_), int: np.dtype(np.int64),
+                     float: np.dtype(np.float32), complex: np.dtype(np.complex64)}
+
+
+def _numpy_number(value: Any) -> bool:
+    """A numeric numpy scalar or 0-d array: torch's ``tensor()`` takes it as a number."""
+    if isinstance(value, (np.number, np.bool_)):
+        return True
+    return type(value) is np.ndarray and value.ndim == 0 and value.dtype.kind in "biufc"
 
 
 def _number_dtype(values: list, path: str, indices: Sequence[Any]) -> np.dtype:
     """torch's default_collate for a batch of Python numbers: the first one's type decides,
-    and a float among ints gives torch's default float dtype (float32)."""
+    and a float among ints gives torch's default float dtype (float32). Numeric numpy scalars
+    (and 0-d arrays) among them are taken as torch's ``tensor()`` takes them: after a Python
+    float the batch is float64 (torch's dtype there), after an int or bool their dtypes
+    promote with the Python numbers' (``[0, np.int64(3)]`` -> int64, ``[0, np.float16(1)]``
+    -> float16)."""
     first = type(values[0])
     types = set(map(type, values))
-    if not types <= set(PYTHON_NUMBER_DTYPES):
+    scalars = types - set(PYTHON_NUMBER_DTYPES)
+    if scalars and all(map(_numpy_number, (v for v in values if type(v) in scalars))):
+        dtypes = {v.dtype for v in values if type(v) in scalars}
+        dtypes.update(_AS_TENSOR_DTYPES[t] for t in types - scalars)
+        if complex in types or any(d.kind == "c" for d in dtypes):
+            if first is float:
+                return np.dtype(np.complex128)
+        elif first is float:
+            return np.dtype(np.float64)
+        return _promote(list(dtypes))
+    if scalars:
         other = next(v for v in values if type(v) not in PYTHON_NUMBER_DTYPES)
         row = next(i for i, v in enumerate(values) if v is other)
         raise LayoutError(f"sample {indices[row]!r}: field {path} is {describe(other)} where "
@@ -101,20 +133,29 @@ def _column(values: list, path: str, indices: Sequence[Any],
                                       "int64 range it is stored in; store it as a float or a "
                                       "string instead")
         return values, FieldPlacement(dtype, (len(values),), 0)
-    kind, raw_name, rows = KIND_NUMPY, "", []
+    if _mixes_raw_tensors(values):  # torch promotes them (bfloat16 + bool -> bfloat16)
+        torch = sys.modules["torch"]
+        target = functools.reduce(torch.promote_types, (value.dtype for value in values))
+        values = [value.to(target) for value in values]
+    kind, raw_name, rows, raw_names = KIND_NUMPY, "", [], set()
     for value, index in zip(values, indices):
+        row_raw = ""  # the row's torch dtype numpy lacks, stored as its bits
         if is_tensor(value):
             array, kind, raw_name = tensor_array(value)
+            row_raw = raw_name
         elif isinstance(value, (np.ndarray, np.generic)):
             array = value
         elif type(value) in PYTHON_NUMBER_DTYPES:
-            array = np.asarray(value, dtype=_number_dtype([value], path, [index]))
+            # after an array or a numpy scalar: the dtype torch's as_tensor gives the number
+            # (a float is float32, torch's default), promoted with the others below
+            array = np.asarray(value, dtype=_AS_TENSOR_DTYPES[type(value)])
         elif value is None and type(first) is not type(None) and path == "sample":
             reject_none(value, f"dataset[{index!r}]", collated=True)
         else:
             raise LayoutError(f"sample {index!r}: field {path} is {describe(value)} where "
                               f"sample {indices[0]!r} has {describe(first)}; return the same "
                               "type for every sample, or pass a collate_fn")
+        raw_names.add(row_raw)
         rows.append(array)
     shape = rows[0].shape
     for entry, (array, index) in enumerate(zip(rows, indices)):
@@ -131,11 +172,21 @@ def _column(values: list, path: str, indices: Sequence[Any],
     if dtype.hasobject:  # name the sample that brought the object dtype in
         index = next(i for a, i in zip(rows, indices) if a.dtype.hasobject)
         _check_dtype(dtype, path, index)
-    if kind == KIND_TORCH_RAW and len(dtypes) > 1:
-        raise LayoutError(f"sample {indices[0]!r}: field {path} mixes {raw_name} with other "
-                          "dtypes; convert every sample to one dtype in the dataset")
+    if len(raw_names) > 1 and any(raw_names):
+        # a dtype stored as its bits beside other rows (numpy ones: torch raises too)
+        raise LayoutError(f"sample {indices[0]!r}: field {path} mixes {max(raw_names)} with "
+                          "other dtypes; convert every sample to one dtype in the dataset")
     _check_dtype(dtype, path, indices[0])
     return rows, FieldPlacement(dtype, (len(rows), *shape), 0, kind, raw_name)
+
+
+def _mixes_raw_tensors(values: list) -> bool:
+    """Tensors only, of more than one dtype, one of them a torch dtype numpy lacks."""
+    if not all(map(is_tensor, values)):
+        return False
+    dtypes = {value.dtype for value in values}
+    return len(dtypes) > 1 and any(
+        str(dtype).rpartition(".")[2] in TORCH_RAW_DTYPES for dtype in dtypes)
 
 
 def _check_dtype(dtype: np.dtype, path: str, index: Any) -> None:
