@@ -9,6 +9,7 @@ the program already loaded (a DataPipe or a ``torch.Generator`` cannot exist wit
 from __future__ import annotations
 
 import ctypes
+import gc
 import multiprocessing
 import os
 import sys
@@ -198,6 +199,21 @@ def check_worker_number(num_workers: int, stacklevel: int) -> None:
         "necessary.", UserWarning, stacklevel=stacklevel + 1)
 
 
+# Give-backs of iterators that died inside a garbage collection, made by the next iter(): a
+# collection can start inside a generator's get_state() or set_state() (the state tensor's
+# allocation), which holds that generator's lock, and asking for it again there waits forever.
+_deferred: list[Callable[[], None]] = []
+_collecting = False
+
+
+def _note_collection(phase: str, _info: dict) -> None:
+    global _collecting
+    _collecting = phase == "start"
+
+
+gc.callbacks.append(_note_collection)
+
+
 class UnusedIteratorDraws:
     """The random draws one ``iter(loader)`` makes (DataPipe seed, the workers' base seed,
     the sampler's seed), given back if the iterator is dropped before it hands out a batch and
@@ -240,9 +256,23 @@ class UnusedIteratorDraws:
         self._after = [g.get_state() for g in self._generators]
         if all(_equal_states(a, b) for a, b in zip(self._before, self._after)):
             return  # this iter() drew nothing
-        finalizer = weakref.finalize(iterator, self._give_back, delivered, delivered(),
+        finalizer = weakref.finalize(iterator, self._died, delivered, delivered(),
                                      on_give_back)
         finalizer.atexit = False
+
+    @staticmethod
+    def settle() -> None:
+        """At the start of ``iter()``, before anything is drawn or recorded: the give-backs
+        of iterators that died inside a garbage collection."""
+        while _deferred:
+            _deferred.pop(0)()
+
+    def _died(self, delivered: Callable[[], int], delivered_then: int,
+              on_give_back: Callable[[], None] | None) -> None:
+        if _collecting:
+            _deferred.append(lambda: self._give_back(delivered, delivered_then, on_give_back))
+        else:
+            self._give_back(delivered, delivered_then, on_give_back)
 
     def _give_back(self, delivered: Callable[[], int], delivered_then: int,
                    on_give_back: Callable[[], None] | None) -> None:

@@ -181,6 +181,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         check_no_timeout_in_process(options)  # (before anything is drawn or begun)
         if not self._warned_unsharded:
             self._warned_unsharded = warn_if_every_rank_loads_all(options)
+        UnusedIteratorDraws.settle()  # (an unused iterator's draws given back first)
         plan = self._resume.begin_epoch(self)  # a loaded state: its epoch's draws replayed
         # A stage's thread takes batches ahead of you: the host moves a copy of the position.
         positions = self._resume.follower(plan) if self._stager is not None else None

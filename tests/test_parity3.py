@@ -438,6 +438,39 @@ def test_an_iterator_dropped_unused_gives_back_its_random_draws(num_workers, per
 
 
 @pytest.mark.timeout(60)
+def test_an_unused_iterator_collected_inside_a_generator_call_gives_its_draws_back_later():
+    """An unused iterator in a reference cycle, collected by a garbage collection that the
+    state tensor of a generator's get_state() started, while that call holds the generator's
+    lock: asking the generator again there waited on itself forever (found by the fuzzer,
+    inside iter()). Its draws are given back at the next iter() instead: that epoch is torch's
+    epoch without the probe. In a subprocess: the hang would freeze the test runner."""
+    script = textwrap.dedent("""
+        import gc, torch
+        from torch.utils.data import DataLoader
+        from arena_loader import ArenaLoader
+        torch.manual_seed(0)
+        theirs = [b.tolist() for b in DataLoader(list(range(16)), batch_size=4, shuffle=True)]
+        torch.manual_seed(0)
+        loader = ArenaLoader(list(range(16)), batch_size=4, shuffle=True)
+        iterator = iter(loader)  # draws; no batch taken
+        cycle = [iterator]
+        cycle.append(cycle)  # only a collection frees it
+        del iterator, cycle
+        get_state = torch.default_generator.get_state  # (no allocation between)
+        gc.set_threshold(1)  # the state tensor's allocation collects
+        get_state()
+        gc.set_threshold(700)
+        ours = [b.tolist() for b in loader]
+        loader.close()
+        print(ours == theirs)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=45)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True"]
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("num_workers", WORKERS)
 def test_an_iterator_that_gave_a_batch_keeps_its_random_draws(num_workers):
     """next(iter(loader)) consumes the draws as in torch: the next epoch is torch's next
