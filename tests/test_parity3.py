@@ -630,6 +630,20 @@ def test_a_field_mixing_dtypes_or_python_and_numpy_numbers_collates_like_torch(m
         assert_same(mine, torchs)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make", [
+    lambda i: {"x": np.zeros(2) if i % 2 == 0 else "two"},
+    lambda i: (i if i % 2 == 0 else "two",),
+], ids=["array-str", "int-str"])
+def test_a_field_mixing_kinds_is_a_type_error_as_in_torch(make):
+    """A field whose samples are of different kinds (an array, then a string): torch's
+    default_collate raises TypeError; so does ours, naming the field and both samples."""
+    with pytest.raises(TypeError):
+        next(iter(tud.DataLoader(ListDataset(4, make), batch_size=2)))
+    with pytest.raises(SampleTypeError, match=r"sample 1: field .* is .* where sample 0 has"):
+        next(iter(ArenaLoader(ListDataset(4, make), batch_size=2)))
+
+
 # A bounded differential property: random nested samples, the same batches as torch's.
 
 Pair = collections.namedtuple("Pair", "first second")

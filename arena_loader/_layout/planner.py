@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import LayoutError, SampleShapeError
+from ..errors import LayoutError, SampleShapeError, SampleTypeError
 from .plan import (
     FIELD_ALIGNMENT,
     KIND_NUMBER,
@@ -91,9 +91,9 @@ def _number_dtype(values: list, path: str, indices: Sequence[Any]) -> np.dtype:
     if scalars:
         other = next(v for v in values if type(v) not in PYTHON_NUMBER_DTYPES)
         row = next(i for i, v in enumerate(values) if v is other)
-        raise LayoutError(f"sample {indices[row]!r}: field {path} is {describe(other)} where "
-                          f"sample {indices[0]!r} has a Python {first.__name__}; return the "
-                          "same type for every sample, or pass a collate_fn")
+        raise SampleTypeError(f"sample {indices[row]!r}: field {path} is {describe(other)} "
+                              f"where sample {indices[0]!r} has a Python {first.__name__}; "
+                              "return the same type for every sample, or pass a collate_fn")
     if complex in types:
         return np.dtype(np.complex128) if first is complex else np.dtype(np.complex64)
     if float in types:
@@ -152,9 +152,9 @@ def _column(values: list, path: str, indices: Sequence[Any],
         elif value is None and type(first) is not type(None) and path == "sample":
             reject_none(value, f"dataset[{index!r}]", collated=True)
         else:
-            raise LayoutError(f"sample {index!r}: field {path} is {describe(value)} where "
-                              f"sample {indices[0]!r} has {describe(first)}; return the same "
-                              "type for every sample, or pass a collate_fn")
+            raise SampleTypeError(f"sample {index!r}: field {path} is {describe(value)} where "
+                                  f"sample {indices[0]!r} has {describe(first)}; return the "
+                                  "same type for every sample, or pass a collate_fn")
         raw_names.add(row_raw)
         rows.append(array)
     shape = rows[0].shape
