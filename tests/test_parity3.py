@@ -207,6 +207,32 @@ def test_default_collation_stacks_quantized_tensors_like_torch(num_workers):
         assert torch.equal(mine.int_repr(), torchs.int_repr())
 
 
+def negative_view(i: int):
+    """A view with torch's lazy negative bit set (no numpy view of it exists)."""
+    return torch.tensor([1 + 1j * i, 2 - 3j * i]).conj().imag
+
+
+def conjugate_view(i: int):
+    return torch.tensor([1 + 1j * i, 2 - 3j * i], dtype=torch.complex64).conj()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", WORKERS)
+@pytest.mark.parametrize("make", [negative_view, conjugate_view], ids=["neg", "conj"])
+def test_lazy_negative_and_conjugate_views_arrive_resolved_like_torch(make, num_workers):
+    """Samples that are lazy negative or conjugate views give the values torch's DataLoader
+    gives in the main process (torch's workers drop a sample's negative bit and fail to stack
+    either kind: only num_workers=0 is compared)."""
+    dataset = ListDataset(4, make)
+    for kwargs in (dict(batch_size=2), dict(batch_size=None)):
+        theirs = list(tud.DataLoader(dataset, **kwargs))
+        with ArenaLoader(dataset, num_workers=num_workers, **kwargs) as loader:
+            ours = [batch.clone() for batch in loader]
+        for mine, torchs in zip(ours, theirs, strict=True):
+            assert mine.dtype == torchs.dtype and not mine.is_neg() and not mine.is_conj()
+            assert torch.equal(mine, torchs.resolve_neg().resolve_conj()), kwargs
+
+
 # ---------------------------------------------------------------------------------------------
 # Samples torch's default_collate rejects are rejected with TypeError.
 

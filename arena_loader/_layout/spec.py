@@ -64,6 +64,12 @@ def tensor_array(value: Any) -> tuple[np.ndarray, int, str]:
     tensor = value.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
+    # Views with a lazy conjugate or negative bit (``x.conj()``, ``x.conj().imag``) have no
+    # numpy view: materialise them, as torch's stack does.
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
     name = str(tensor.dtype).rpartition(".")[2]
     raw = TORCH_RAW_DTYPES.get(name)
     if raw is not None:  # numpy has no such dtype: keep the bits
@@ -71,8 +77,6 @@ def tensor_array(value: Any) -> tuple[np.ndarray, int, str]:
 
         as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[raw.itemsize]
         return tensor.contiguous().view(as_int).numpy(), KIND_TORCH_RAW, name
-    if tensor.is_conj():
-        tensor = tensor.resolve_conj()
     return tensor.numpy(), KIND_TORCH, ""
 
 
