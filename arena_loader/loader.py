@@ -210,13 +210,17 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         if options.num_workers == 0:
             iterator: Any = InProcessIterator(self, self._filler, self._source, plan)
         elif reuse:
-            self._iterators.persistent.reset(plan)
+            # The iterator read above, not the attribute again: close() from another thread
+            # may have dropped it since (its session then raises LoaderClosedError).
+            persistent.reset(plan)
+            if self._closed:
+                raise LoaderClosedError("this ArenaLoader was closed; create a new one")
             return self._iterators.watched(draws, self._source, self._checked_length(
-                self._staged(self._iterators.persistent, False, positions)), None)
+                self._staged(persistent, False, positions)), None)
         else:
             self.check_worker_number_rationality()
-            if self._iterators.persistent is not None:
-                self._iterators.persistent.close()
+            if persistent is not None:  # (read once: see above)
+                persistent.close()
             # The loader keeps its persistent iterator: that one must not reference the loader
             # back, or a dropped loader would wait for the cyclic GC to stop its workers.
             iterator = MultiProcessIterator(None if options.persistent_workers else self,

@@ -442,6 +442,28 @@ def test_ctrl_c_during_worker_shutdown_still_stops_every_worker(monkeypatch):
     loader.close()
 
 
+@pytest.mark.timeout(60)
+def test_close_while_a_persistent_epoch_begins_is_loader_closed_error(monkeypatch):
+    """close() from another thread just as iter() restarts the persistent workers' epoch (the
+    interleaving the race test below met about once in a hundred trials): iter() raises
+    LoaderClosedError, not an AttributeError on the iterator that close() dropped."""
+    from arena_loader._pipeline.iterator import MultiProcessIterator
+
+    loader = ArenaLoader(ImageDataset(8, shape=(4,)), batch_size=2, num_workers=2,
+                         persistent_workers=True)
+    assert sum(1 for _ in loader) == 4
+    reset = MultiProcessIterator.reset
+
+    def reset_then_closed(self, plan):
+        reset(self, plan)
+        loader.close()  # what the other thread does at this moment
+
+    monkeypatch.setattr(MultiProcessIterator, "reset", reset_then_closed)
+    with pytest.raises(LoaderClosedError):
+        iter(loader)
+    assert not live_children()
+
+
 @pytest.mark.timeout(120)
 def test_close_racing_iteration_from_another_thread_is_only_ever_loader_closed_error():
     """close() from another thread at a random moment of iter()/next() (first epoch or later,
