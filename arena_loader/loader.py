@@ -44,6 +44,14 @@ from .snapshot import LoaderSnapshot
 T_co = TypeVar("T_co", covariant=True)
 
 
+def _check_open(loader: Any, made: Any = None) -> None:
+    """LoaderClosedError once ``loader`` is closed (``made``: an iterator to close first)."""
+    if loader._closed:
+        if made is not None:
+            made.close()
+        raise LoaderClosedError("this ArenaLoader was closed; create a new one")
+
+
 class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co]):
     """Iterate over ``dataset`` in batches that workers write straight into shared memory.
 
@@ -173,8 +181,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[T_co]:
-        if self._closed:
-            raise LoaderClosedError("this ArenaLoader was closed; create a new one")
+        _check_open(self)
         if os.getpid() != self._pid:
             self._adopt_after_fork()
         options = self.options
@@ -209,12 +216,9 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
             stager.detach()  # no stage's thread may read the persistent iterator now
         if options.num_workers == 0:
             iterator: Any = InProcessIterator(self, self._filler, self._source, plan)
-        elif reuse:
-            # The iterator read above, not the attribute again: close() from another thread
-            # may have dropped it since (its session then raises LoaderClosedError).
-            persistent.reset(plan)
-            if self._closed:
-                raise LoaderClosedError("this ArenaLoader was closed; create a new one")
+        elif reuse:  # `persistent` as read above: close() in another thread may drop it
+            persistent.reset(plan)  # (its session raises LoaderClosedError once closed)
+            _check_open(self)
             return self._iterators.watched(draws, self._source, self._checked_length(
                 self._staged(persistent, False, positions)), None)
         else:
@@ -229,9 +233,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
             if options.persistent_workers:
                 self._iterators.persistent = iterator
         self._iterators.add(iterator)
-        if self._closed:  # close() from another thread while this iterator was being made
-            iterator.close()
-            raise LoaderClosedError("this ArenaLoader was closed; create a new one")
+        _check_open(self, iterator)  # close() from another thread while it was being made
         return self._iterators.watched(draws, self._source, self._checked_length(
             self._staged(iterator, not options.persistent_workers, positions)),
             iterator if options.persistent_workers else None)
