@@ -3,7 +3,6 @@ in-process (``num_workers=0``) path, so both behave identically."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ from ._layout import (
     rows_view,
 )
 from ._messages import listed
+from ._resume_stream import next_items
 from ._rows import RowWriter
 from ._sample_threads import FirstFailure, SampleThreads
 from .worker_info import get_worker_info
@@ -80,10 +80,9 @@ class BatchFiller:
         """The next batch of an iterable-style dataset's ``stream``; None when it has no more
         (a final partial batch is dropped with ``drop_last``, per worker, as in torch).
 
-        Only ``next(stream)``, as torch's fetcher: never ``iter(stream)`` again (``islice``
-        would), which restarts an iterator whose ``__iter__`` resets and returns itself
-        (litdata's ``StreamingDataset``). Once it ends (``Fetched.ended`` or None), the caller
-        must not call this again for that stream."""
+        Only ``next(stream)``, as torch's fetcher (``next_items``). Once it ends
+        (``Fetched.ended`` or None), the caller must not call this again for that stream
+        (``ReplicaStream``)."""
         try:
             if not self.auto_collation:
                 sample = next(stream, _END)
@@ -92,10 +91,7 @@ class BatchFiller:
                 if self.collate_fn is not None:
                     sample = self.collate_fn(sample)
                 return Fetched(rows=1, samples=None, batch=sample)
-            # next(stream) up to batch_size times, in C (map over repeat: stream's own
-            # StopIteration ends it; islice(stream) would call iter(stream) again).
-            samples = list(itertools.islice(map(next, itertools.repeat(stream)),
-                                            self.batch_size))
+            samples = list(next_items(stream, self.batch_size))
             ended = len(samples) < self.batch_size
             if not samples or (self.drop_last and ended):
                 return None

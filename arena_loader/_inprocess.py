@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._arena import Arena, ArenaSource, slot_budget
 from ._fetch import BatchFiller, Fetched, StreamPosition
 from ._pool import SlotState
-from ._resume_stream import EpochPlan, open_stream, state_reader
+from ._resume_stream import EpochPlan, ReplicaStream
 from ._slab import map_new_segment
 from .errors import ShmCapacityError, forked_iterator_error
 from .snapshot import IteratorSnapshot
@@ -27,10 +26,8 @@ class InProcessIterator:
         self._batches = plan.batches
         self._epoch_position = plan.position  # the consumer's place (state_dict)
         self._resume = plan.streams[0] if plan.streams is not None else None
-        self._stream: Iterator | None = None  # iterable-style datasets, made at first next()
-        self._stream_ended = False  # it ended: no next() on it again, as torch's fetcher
+        self._stream: ReplicaStream | None = None  # iterable-style: made at first next()
         self._stream_state: bytes | None = None  # its state after the pending batch, if any
-        self._state_of: Callable[[], bytes] | None = None  # state_reader's
         self._position = 0  # items taken from the stream: names samples in errors
         self._arena: Arena | None = None
         self._done = False
@@ -151,13 +148,10 @@ class InProcessIterator:
             return next(self._batches), None
         if self._stream is None:
             resume, self._resume = self._resume, None
-            self._stream = open_stream(filler.dataset, resume, filler.batch_size or 1)
-            self._state_of = state_reader(filler.dataset, self._stream)
-        fetched = None if self._stream_ended else filler.fetch_next(self._stream)
-        if fetched is None or fetched.ended:
-            self._stream_ended = True
-        if self._state_of is not None:
-            self._stream_state = self._state_of()
+            self._stream = ReplicaStream(filler.dataset, resume, filler.batch_size or 1)
+        fetched = self._stream.next_batch(filler)
+        if self._stream.state_of is not None:
+            self._stream_state = self._stream.state_of()
         if fetched is None:
             raise StopIteration
         indices = [StreamPosition(i) for i in range(self._position,

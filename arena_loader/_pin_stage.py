@@ -96,22 +96,12 @@ class PinStage(HostStage):
             if self._warning is not None:  # before anything is taken: an error loses nothing
                 message, self._warning = self._warning, None
                 warnings.warn(message, UserWarning, stacklevel=3)
-            item = self._peek()
+            with self._cv:
+                item = self._first_queued()
             self._received(item)
             if isinstance(item, Pinned):
                 return self._remove(item).batch
             self._hand_on(item)
-
-    def _peek(self) -> Pinned | Raised | Ended:
-        """The first result, left queued until ``_remove``: an interrupt before then leaves
-        it for the next ``next()``."""
-        with self._cv:
-            while True:
-                if self._ready:
-                    return self._ready[0]
-                ended = self._wait_more()
-                if ended is not None:
-                    return ended
 
 
 class BatchPinner(Stager):

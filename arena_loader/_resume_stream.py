@@ -7,12 +7,12 @@ here: no state is taken, and a resumed worker skips the batches it had handed ou
 from __future__ import annotations
 
 import inspect
+import itertools
 import pickle
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
-
-_END = object()
 
 
 def is_stateful(value: Any) -> bool:
@@ -56,11 +56,35 @@ def open_stream(dataset: Any, resume: StreamResume | None, rows: int) -> Iterato
     stream = iter(dataset)
     if resume is not None and resume.skip_batches:
         # Drawn and dropped, never collated: the only way on through a stream with no state.
-        # next() only: iter() again (islice) restarts an iterator whose __iter__ returns self.
-        for _ in range(resume.skip_batches * rows):
-            if next(stream, _END) is _END:
-                break
+        deque(next_items(stream, resume.skip_batches * rows), maxlen=0)
     return stream
+
+
+def next_items(stream: Iterator, count: int) -> Iterator:
+    """Up to ``count`` items of ``stream``, by ``next()`` alone and in C. ``islice(stream,
+    count)`` would call ``iter(stream)`` again, which restarts an iterator whose ``__iter__``
+    resets and returns itself (litdata's ``StreamingDataset``); torch's fetcher never does."""
+    return itertools.islice(map(next, itertools.repeat(stream)), count)
+
+
+class ReplicaStream:
+    """One replica's iterator for one epoch (an iterable-style dataset's, in a worker or in
+    the main process): opened as ``resume`` says, read by ``filler.fetch_next`` until it
+    ends and never after (as torch's fetcher); ``state_of`` reads its state (None: none)."""
+
+    __slots__ = ("ended", "state_of", "stream")
+
+    def __init__(self, dataset: Any, resume: StreamResume | None, rows: int):
+        self.stream = open_stream(dataset, resume, rows)
+        self.state_of = state_reader(dataset, self.stream)
+        self.ended = False
+
+    def next_batch(self, filler: Any) -> Any:
+        """The next batch (``Fetched``), or None once the stream has ended."""
+        fetched = None if self.ended else filler.fetch_next(self.stream)
+        if fetched is None or fetched.ended:
+            self.ended = True
+        return fetched
 
 
 def state_reader(dataset: Any, stream: Any) -> Callable[[], bytes] | None:

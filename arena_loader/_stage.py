@@ -174,6 +174,19 @@ class HostStage:
         """Neither started nor closed: ``start`` may be called."""
         return self._thread is None and not self._closed
 
+    def _first_queued(self, before_look: Callable[[], None] | None = None) -> Any:
+        """With ``_cv`` held: the first result, waited for and left queued until ``_remove``
+        (an interrupt before then leaves it for the next ``next()``); ``before_look`` runs
+        before each look at the queue."""
+        while True:
+            if before_look is not None:
+                before_look()
+            if self._ready:
+                return self._ready[0]
+            ended = self._wait_more()
+            if ended is not None:
+                return ended
+
     def _wait_more(self) -> Ended | None:
         """With ``_cv`` held and nothing queued: wait a while. ``Ended`` once the epoch was
         finished and the stage closed; LoaderClosedError if closed before; RuntimeError if
@@ -218,10 +231,9 @@ class HostStage:
 class StagedIterator:
     """What ``iter(loader)`` returns with a stage: the stage's results, in order."""
 
-    def __init__(self, owner: Any, host: Iterator, stage: HostStage):
+    def __init__(self, owner: Any, stage: HostStage):
         self._owner = owner  # the loader: `for b in ArenaLoader(...)` must keep it alive
-        self._host = host
-        self._stage = stage
+        self._stage = stage  # (which holds the host iterator)
         self._pid, self._generation = os.getpid(), _forksafe.generation()
         self._finalizer = weakref.finalize(self, stage.close)
 
@@ -254,7 +266,7 @@ class Stager:
         """``owns_host``: close ``host`` with the staged iterator (it is not persistent).
         ``positions``: ``LoaderResume.follower``'s pair, for a stage that keeps the
         consumer's epoch position."""
-        iterator = StagedIterator(owner, host, self.make(host, owns_host, positions))
+        iterator = StagedIterator(owner, self.make(host, owns_host, positions))
         if not owns_host:
             self._shared = weakref.ref(iterator)
         return iterator

@@ -17,7 +17,7 @@ import os
 import random
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -30,7 +30,7 @@ from ._layout import PlanEncoder
 from ._messages import BatchFailed, RemoteError, WorkerFailed
 from ._pipeline.completions import Status, encode, write_completion
 from ._pipeline.order import Entry, EntryKind, OrderReader
-from ._resume_stream import StreamResume, open_stream, state_reader
+from ._resume_stream import ReplicaStream, StreamResume
 from ._sample_threads import SampleThreads
 from ._slab import Segment, SlabHandle, send_segment
 from .worker_info import WorkerInfo, set_process_worker_info, thread_info
@@ -188,13 +188,10 @@ class WorkerState:
         self.slab: np.ndarray | None = None  # the slab's bytes, once its size is known
         self.slot_nbytes = 0
         self.encoder = PlanEncoder()
-        self._stream: Iterator | None = None
+        self._stream: ReplicaStream | None = None
         self._stream_epoch = -1
-        self._stream_ended = False  # it ended this epoch: no next() on it again, as torch's
         self._position = 0  # items taken from the iterator: names samples in errors
         self._resume = setup.stream_resume  # for the first epoch's iterator only
-        # The replica has state_dict: what reads its state, which goes with each batch.
-        self._state_of: Callable[[], bytes] | None = None
         # worker_threads > 1 (map-style, automatic batching): the worker's extra threads
         self.threads: SampleThreads | None = None
         self._segment: Segment | None = None  # the current batch's one-off segment, if any
@@ -229,16 +226,11 @@ class WorkerState:
             return filler.fetch(entry.indices), entry.indices
         if entry.epoch != self._stream_epoch:  # a new epoch (persistent workers): start over
             self._stream, self._stream_epoch, self._position = None, entry.epoch, 0
-            self._stream_ended = False
             resume, self._resume = self._resume, None
-            self._stream = open_stream(filler.dataset, resume, filler.batch_size or 1)
-            self._state_of = state_reader(filler.dataset, self._stream)
-        if self._stream is None or self._stream_ended:
-            # the iterator raised while being made, or has ended: nothing more this epoch
-            return None, None
-        fetched = filler.fetch_next(self._stream)
-        if fetched is None or fetched.ended:
-            self._stream_ended = True
+            self._stream = ReplicaStream(filler.dataset, resume, filler.batch_size or 1)
+        if self._stream is None:
+            return None, None  # the iterator raised while being made: nothing this epoch
+        fetched = self._stream.next_batch(filler)
         if fetched is None:
             return None, None
         indices = [StreamPosition(i) for i in range(self._position,
@@ -271,7 +263,8 @@ class WorkerState:
             filler, slot = self.setup.filler, entry.slot
             fetched, indices = self.fetch(entry)
             # The replica's state after this batch goes just before its record.
-            state_of = self._state_of
+            # (a replica with state_dict: its state goes with each batch)
+            state_of = self._stream.state_of if self._stream is not None else None
             state = b"" if state_of is None else encode(Status.STATE, entry.idx, slot,
                                                         state_of())
             if fetched is None:

@@ -125,15 +125,9 @@ class DeviceStage(HostStage):
             # (Checked once: while this next() waits, the consumer can only hold fewer.)
             self._limit.check(functools.partial(self._held, stream),
                               functools.partial(collect_unlocked, self._cv))
-            while True:
-                self._fence(stream)
-                if self._ready:
-                    return self._ready[0]
-                # No buffer free is never final here: with nothing queued the thread may always
-                # allocate one (_take_buffer), so the consumer waits for that copy.
-                ended = self._wait_more()
-                if ended is not None:
-                    return ended
+            # No buffer free is never final here: with nothing queued the thread may always
+            # allocate one (_take_buffer), so the consumer waits for that copy.
+            return self._first_queued(functools.partial(self._fence, stream))
 
     def _fence(self, stream: Any) -> None:
         """Released buffers become free (behind a fence on ``stream``): the thread may wait."""

@@ -30,7 +30,6 @@ from .plan import (
 )
 from .spec import (
     PYTHON_NUMBER_DTYPES,
-    TORCH_RAW_DTYPES,
     FieldLeaf,
     SpecBuilder,
     collate_objects,
@@ -133,10 +132,6 @@ def _column(values: list, path: str, indices: Sequence[Any],
                                       "int64 range it is stored in; store it as a float or a "
                                       "string instead")
         return values, FieldPlacement(dtype, (len(values),), 0)
-    if _mixes_raw_tensors(values):  # torch promotes them (bfloat16 + bool -> bfloat16)
-        torch = sys.modules["torch"]
-        target = functools.reduce(torch.promote_types, (value.dtype for value in values))
-        values = [value.to(target) for value in values]
     kind, raw_name, rows, raw_names = KIND_NUMPY, "", [], set()
     for value, index in zip(values, indices):
         row_raw = ""  # the row's torch dtype numpy lacks, stored as its bits
@@ -172,21 +167,16 @@ def _column(values: list, path: str, indices: Sequence[Any],
     if dtype.hasobject:  # name the sample that brought the object dtype in
         index = next(i for a, i in zip(rows, indices) if a.dtype.hasobject)
         _check_dtype(dtype, path, index)
-    if len(raw_names) > 1 and any(raw_names):
-        # a dtype stored as its bits beside other rows (numpy ones: torch raises too)
+    if len(raw_names) > 1 and any(raw_names):  # a dtype stored as its bits beside others
+        if all(map(is_tensor, values)):  # torch promotes them (bfloat16 + bool -> bfloat16)
+            torch = sys.modules["torch"]
+            target = functools.reduce(torch.promote_types, (value.dtype for value in values))
+            return _column([value.to(target) for value in values], path, indices, fast=False)
+        # beside numpy rows: torch raises too
         raise LayoutError(f"sample {indices[0]!r}: field {path} mixes {max(raw_names)} with "
                           "other dtypes; convert every sample to one dtype in the dataset")
     _check_dtype(dtype, path, indices[0])
     return rows, FieldPlacement(dtype, (len(rows), *shape), 0, kind, raw_name)
-
-
-def _mixes_raw_tensors(values: list) -> bool:
-    """Tensors only, of more than one dtype, one of them a torch dtype numpy lacks."""
-    if not all(map(is_tensor, values)):
-        return False
-    dtypes = {value.dtype for value in values}
-    return len(dtypes) > 1 and any(
-        str(dtype).rpartition(".")[2] in TORCH_RAW_DTYPES for dtype in dtypes)
 
 
 def _check_dtype(dtype: np.dtype, path: str, index: Any) -> None:

@@ -19,7 +19,7 @@ PYTHON_NUMBER_DTYPES = {bool: np.dtype(np.bool_), int: np.dtype(np.int64),
                         float: np.dtype(np.float64), complex: np.dtype(np.complex128)}
 
 # torch dtypes numpy has no type for, stored bit for bit as an integer type of the same size.
-TORCH_RAW_DTYPES = {"bfloat16": np.dtype(np.int16), "float8_e4m3fn": np.dtype(np.uint8),
+_TORCH_RAW_DTYPES = {"bfloat16": np.dtype(np.int16), "float8_e4m3fn": np.dtype(np.uint8),
                      "float8_e5m2": np.dtype(np.uint8), "float8_e4m3fnuz": np.dtype(np.uint8),
                      "float8_e5m2fnuz": np.dtype(np.uint8), "complex32": np.dtype(np.int32)}
 
@@ -71,7 +71,7 @@ def tensor_array(value: Any) -> tuple[np.ndarray, int, str]:
     if tensor.is_neg():
         tensor = tensor.resolve_neg()
     name = str(tensor.dtype).rpartition(".")[2]
-    raw = TORCH_RAW_DTYPES.get(name)
+    raw = _TORCH_RAW_DTYPES.get(name)
     if raw is not None:  # numpy has no such dtype: keep the bits
         import torch
 
