@@ -337,7 +337,8 @@ class ArenaSource:
             else:
                 batch = plan.assemble(host, objects, _raw_field if plan.raw else None)
                 if self._to_torch is not None and (self._output == "torch" or plan.torch):
-                    batch = self._to_torch(batch, plan.collated, plan.converted)
+                    kept = frozenset(id(objects[i]) for i in plan.leaf_objects)
+                    batch = self._to_torch(batch, plan.collated, plan.converted, kept)
             if self._pin_batch is not None:
                 numpy_left: list = []
                 batch = self._pin_batch(batch, numpy_left)

@@ -33,15 +33,18 @@ def make_converter(output: str | None, lazy: bool = False) -> Callable[[Any], An
         return None
     torch = None if lazy else _import_torch()
 
-    def to_torch(value: Any, collated: bool = True, converted: bool = False) -> Any:
+    def to_torch(value: Any, collated: bool = True, converted: bool = False,
+                 kept: frozenset = frozenset()) -> Any:
         """``collated``: the batch was stacked by default collation, so tuples become lists
         as in torch's ``default_collate``; ``converted``: one sample (``batch_size=None``, no
         ``collate_fn``), whose tuples become lists as in torch's ``default_convert``; a
-        ``collate_fn``'s structure is kept as is."""
+        ``collate_fn``'s structure is kept as is. ``kept``: ids of values handed out as they
+        are (object leaves: torch's default_collate returns a str-first field's list of
+        values untouched, numpy arrays among them)."""
         nonlocal torch
         if torch is None:
             torch = _import_torch()
-        return _to_torch(torch, value, collated, converted)
+        return _to_torch(torch, value, collated, converted, kept)
 
     return to_torch
 
@@ -52,28 +55,26 @@ def _import_torch() -> Any:
     return torch
 
 
-def _to_torch(torch: Any, value: Any, collated: bool, converted: bool = False) -> Any:
+def _to_torch(torch: Any, value: Any, collated: bool, converted: bool = False,
+              kept: frozenset = frozenset()) -> Any:
+    if kept and id(value) in kept:
+        return value
     if isinstance(value, np.ndarray):
         # Strings and other dtypes torch has no tensor type for stay numpy arrays.
         return torch.from_numpy(value) if value.dtype.kind in "biufc" else value
     if isinstance(value, Mapping):
-        return _same_mapping(value, {key: _to_torch(torch, item, collated, converted)
+        return _same_mapping(value, {key: _to_torch(torch, item, collated, converted, kept)
                                      for key, item in value.items()})
     if isinstance(value, tuple) and hasattr(type(value), "_fields"):
-        return type(value)(*(_to_torch(torch, item, collated, converted) for item in value))
+        return type(value)(*(_to_torch(torch, item, collated, converted, kept) for item in value))
     if isinstance(value, (tuple, list)):
-        if collated and type(value) is tuple and value and isinstance(value[0], (str, bytes)):
-            # The strings of one object leaf inside a tuple or list sample: torch's
-            # default_collate hands out the tuple its zip() made. (In a collated batch a
-            # structure node's children are arrays or containers, never a str.)
-            return value
-        items = [_to_torch(torch, item, collated, converted) for item in value]
+        items = [_to_torch(torch, item, collated, converted, kept) for item in value]
         # torch's default_collate (and default_convert) turns a tuple of fields into a list
         return items if collated or converted or type(value) is list else type(value)(items)
     if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
         for name in value.__dataclass_fields__:
             item = getattr(value, name)
-            new = _to_torch(torch, item, collated, converted)
+            new = _to_torch(torch, item, collated, converted, kept)
             if new is not item:
                 try:
                     setattr(value, name, new)

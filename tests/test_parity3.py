@@ -670,6 +670,29 @@ def test_a_field_mixing_kinds_is_a_type_error_as_in_torch(make):
         next(iter(ArenaLoader(ListDataset(4, make), batch_size=2)))
 
 
+def str_first_sample(i: int) -> dict:
+    return {"x": torch.tensor([i]), "f": "first" if i % 4 == 0 else np.array([i, i])}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_a_str_first_fields_list_comes_back_untouched_like_torch(num_workers):
+    """torch's default_collate hands out a field whose first sample is a str as the list of
+    its values, untouched: the numpy arrays after the str stay numpy arrays (beside tensors,
+    with output="torch" and the default output alike), not tensors."""
+    ours, theirs = both(ListDataset(8, str_first_sample), num_workers, batch_size=4)
+    for mine, torchs in zip(ours, theirs):
+        assert [type(v) for v in mine["f"]] == [type(v) for v in torchs["f"]] \
+            == [str, np.ndarray, np.ndarray, np.ndarray]
+        assert mine["f"][0] == torchs["f"][0] and type(mine["x"]) is torch.Tensor
+        for got, want in zip(mine["f"][1:], torchs["f"][1:]):
+            np.testing.assert_array_equal(got, want)
+    with ArenaLoader(ListDataset(4, str_first_sample), batch_size=4,
+                     num_workers=num_workers) as loader:
+        batch = next(iter(loader))
+    assert [type(v) for v in batch["f"]] == [str, np.ndarray, np.ndarray, np.ndarray]
+
+
 # A bounded differential property: random nested samples, the same batches as torch's.
 
 Pair = collections.namedtuple("Pair", "first second")

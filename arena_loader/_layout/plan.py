@@ -85,8 +85,8 @@ class SequenceNode:
 class Plan:
     """Where one batch's fields and object leaves are in its storage, and its structure."""
 
-    __slots__ = ("collated", "converted", "fields", "nbytes", "objects_len", "objects_offset",
-                 "raw", "single", "spec", "torch")
+    __slots__ = ("collated", "converted", "fields", "leaf_objects", "nbytes", "objects_len",
+                 "objects_offset", "raw", "single", "spec", "torch")
 
     def __init__(self, spec: Any, fields: tuple[FieldPlacement, ...], objects_offset: int,
                  objects_len: int, nbytes: int, torch: bool, collated: bool = True,
@@ -109,6 +109,9 @@ class Plan:
         # placement, so that assemble makes the one view without walking the structure.
         alone = type(spec) is FieldLeaf and len(fields) == 1 and not objects_len
         self.single = fields[0] if alone and fields[0].kind not in SCALAR_KINDS else None
+        # Which of the objects are object leaves (not a mapping's shell): handed out as they
+        # came, as torch's default_collate hands out a str-first field's list untouched.
+        self.leaf_objects = _object_leaves(spec) if objects_len else ()
 
     def objects(self, storage: np.ndarray) -> list:
         """The object-leaf values, unpickled from ``storage`` (host memory)."""
@@ -224,6 +227,14 @@ def write_rows(flat: np.ndarray, rows: list, field: FieldPlacement) -> None:
             flat[...] = np.asarray(rows, dtype=field.dtype).reshape(-1)
         else:
             np.concatenate(rows, axis=None, out=flat, casting="unsafe")
+
+
+def _object_leaves(node: Any) -> tuple[int, ...]:
+    if type(node) is ObjectLeaf:
+        return (node.index,)
+    if type(node) is FieldLeaf:
+        return ()
+    return tuple(index for child in node.children for index in _object_leaves(child))
 
 
 def rebuild(node: Any, views: list, objects: list) -> Any:
