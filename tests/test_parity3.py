@@ -638,6 +638,10 @@ MIXED_FIELDS = [
     lambda i: {"x": i if i % 3 == 0 else np.float16(i / 2)},
     lambda i: {"x": i if i % 3 == 0 else np.complex64(i)},
     lambda i: (i / 2 if i % 3 == 0 else np.array(i, np.uint8),),
+    # a Python number first, 0-d tensors after: torch.tensor() takes them as numbers
+    lambda i: {"loss": i / 2 if i % 3 == 0 else torch.tensor(i / 4)},
+    lambda i: i if i % 3 == 0 else torch.tensor(i / 4, dtype=torch.float16),
+    lambda i: (i if i % 3 == 0 else torch.tensor(i, dtype=torch.int32),),
 ]
 
 
@@ -646,7 +650,8 @@ MIXED_FIELDS = [
     "bfloat16-bool", "bool-bfloat16", "float32-bfloat16", "complex64-float64-numpy",
     "float64-complex64-tensor", "np.int64-float", "np.float16-float", "complex64-array-float",
     "int-np.int64", "float-np.float32", "bool-np.int8",
-    "int-np.float16", "int-np.complex64", "float-0d-array"])
+    "int-np.float16", "int-np.complex64", "float-0d-array",
+    "float-0d-tensor", "int-0d-float16-tensor", "int-0d-int32-tensor"])
 def test_a_field_mixing_dtypes_or_python_and_numpy_numbers_collates_like_torch(make):
     """torch's default_collate stacks such a field with torch's type promotion (in the main
     process; its workers stack into the first sample's dtype): the same dtype and values."""
@@ -654,6 +659,9 @@ def test_a_field_mixing_dtypes_or_python_and_numpy_numbers_collates_like_torch(m
     assert len(ours) == len(theirs) == 2
     for mine, torchs in zip(ours, theirs):
         assert_same(mine, torchs)
+    if any(isinstance(make(i), torch.Tensor) for i in range(3)):  # tensors: tensors by default
+        with ArenaLoader(ListDataset(6, make), batch_size=3) as loader:
+            assert isinstance(next(iter(loader)), torch.Tensor)
 
 
 @pytest.mark.timeout(60)

@@ -102,6 +102,21 @@ def _number_dtype(values: list, path: str, indices: Sequence[Any]) -> np.dtype:
     return np.dtype(np.bool_)
 
 
+def _numbers_of_tensors(values: list) -> list:
+    """A Python number's field with 0-d tensors after it: torch's default_collate makes it
+    ``torch.tensor(batch)``, which takes each 0-d tensor as a number of its dtype; as 0-d
+    arrays here, they promote as numpy scalars do (``_number_dtype``). Any other tensor (one
+    of more dimensions, or of a dtype numpy lacks) is left for ``_number_dtype`` to name."""
+    numbers = []
+    for value in values:
+        if is_tensor(value) and value.ndim == 0:
+            array, kind, _raw = tensor_array(value)
+            if kind == KIND_TORCH:
+                value = array
+        numbers.append(value)
+    return numbers
+
+
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
@@ -124,6 +139,10 @@ def _column(values: list, path: str, indices: Sequence[Any],
             _check_dtype(first.dtype, path, indices[0])
             return values, FieldPlacement(first.dtype, (len(values), *first.shape), 0)
     if type(first) in PYTHON_NUMBER_DTYPES:
+        kind = KIND_NUMPY
+        others = set(map(type, values)).difference(PYTHON_NUMBER_DTYPES)
+        if others and any(is_tensor(v) for v in values if type(v) in others):
+            values, kind = _numbers_of_tensors(values), KIND_TORCH
         dtype = _number_dtype(values, path, indices)
         if dtype.kind == "i":
             for value, index in zip(values, indices):
@@ -131,7 +150,7 @@ def _column(values: list, path: str, indices: Sequence[Any],
                     raise LayoutError(f"sample {index!r}: field {path} is {value}, outside the "
                                       "int64 range it is stored in; store it as a float or a "
                                       "string instead")
-        return values, FieldPlacement(dtype, (len(values),), 0)
+        return values, FieldPlacement(dtype, (len(values),), 0, kind)
     kind, raw_name, rows, raw_names = KIND_NUMPY, "", [], set()
     for value, index in zip(values, indices):
         row_raw = ""  # the row's torch dtype numpy lacks, stored as its bits
