@@ -32,6 +32,7 @@ from .snapshot import IteratorSnapshot, LoaderSnapshot
 # batches that vary keep fitting (docs/design.md, "Slot budget").
 SLOT_HEADROOM = 1.25
 PAGE = 4096
+CLOSED = "this ArenaLoader was closed; create a new one"
 
 
 def slot_budget(nbytes: int, headroom: float = 1.0) -> int:
@@ -115,6 +116,8 @@ class Arena:
                 raise
 
     def _back_slot(self, slot: int) -> None:
+        if self.slab.closed:  # close() from another thread while next() loads (num_workers=0)
+            raise LoaderClosedError(CLOSED)
         self.slab.back(slot * self.slot_nbytes, self.slot_nbytes,
                        what=f"slot {slot} of the slab ({self.slots} slots)")
 
@@ -129,8 +132,10 @@ class Arena:
         return None if array is None else array.ctypes.data
 
     def slot_bytes(self, slot: int) -> np.ndarray:
-        start = slot * self.slot_nbytes
-        return self.slab.array[start: start + self.slot_nbytes]
+        start, array = slot * self.slot_nbytes, self.slab.array
+        if array is None:  # closed from another thread since the slot was acquired
+            raise LoaderClosedError(CLOSED)
+        return array[start: start + self.slot_nbytes]
 
     def close(self) -> None:
         """No new batch can be made; the mapping lives on only in views still referenced."""
@@ -203,7 +208,7 @@ class ArenaSource:
             if self._closed:
                 if slab is not None:
                     slab.close()
-                raise LoaderClosedError("this ArenaLoader was closed; create a new one")
+                raise LoaderClosedError(CLOSED)
             if self._arena is None:
                 if slot_nbytes is None and self.slot_nbytes is None:
                     return None

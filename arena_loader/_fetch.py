@@ -76,22 +76,30 @@ class BatchFiller:
         if warm_up is not None:
             warm_up()
 
-    def fetch_next(self, stream: Iterator) -> Fetched | None:
+    def fetch_next(self, stream: Iterator, partial: list | None = None) -> Fetched | None:
         """The next batch of an iterable-style dataset's ``stream``; None when it has no more
         (a final partial batch is dropped with ``drop_last``, per worker, as in torch).
 
         Only ``next(stream)``, as torch's fetcher (``next_items``). Once it ends
         (``Fetched.ended`` or None), the caller must not call this again for that stream
-        (``ReplicaStream``)."""
+        (``ReplicaStream``). ``partial``: the samples an earlier call read before Ctrl-C
+        stopped it (``list.extend`` keeps what it appended), completed here; the caller
+        empties it once it has kept the batch. An error from the stream drops them, as
+        torch's fetcher does."""
+        samples = [] if partial is None else partial
         try:
+            try:
+                samples.extend(next_items(stream, (self.batch_size or 1) - len(samples)))
+            except Exception:
+                samples.clear()  # that batch's error: its samples go with it
+                raise
             if not self.auto_collation:
-                sample = next(stream, _END)
-                if sample is _END:
+                if not samples:
                     return None
+                sample = samples[0]
                 if self.collate_fn is not None:
                     sample = self.collate_fn(sample)
                 return Fetched(rows=1, samples=None, batch=sample)
-            samples = list(next_items(stream, self.batch_size))
             ended = len(samples) < self.batch_size
             if not samples or (self.drop_last and ended):
                 return None

@@ -149,15 +149,19 @@ class InProcessIterator:
         if self._stream is None:
             resume, self._resume = self._resume, None
             self._stream = ReplicaStream(filler.dataset, resume, filler.batch_size or 1)
-        fetched = self._stream.next_batch(filler)
-        if self._stream.state_of is not None:
-            self._stream_state = self._stream.state_of()
+        stream = self._stream
+        fetched = stream.read(filler)  # (interrupted: what it read stays in stream.partial)
         if fetched is None:
+            stream.ended = True
             raise StopIteration
-        indices = [StreamPosition(i) for i in range(self._position,
-                                                     self._position + fetched.rows)]
-        self._position += fetched.rows
-        return indices, fetched
+        state = stream.state_of() if stream.state_of is not None else self._stream_state
+        pending = ([StreamPosition(i) for i in range(self._position,
+                                                     self._position + fetched.rows)], fetched)
+        # Kept, and its samples taken from the stream, in one statement: a Ctrl-C before it
+        # leaves them in stream.partial for the next next(); none can land after it.
+        self._pending, stream.partial, stream.ended, self._position, self._stream_state = (
+            pending, [], stream.ended or fetched.ended, self._position + fetched.rows, state)
+        return pending
 
     def snapshot(self) -> IteratorSnapshot:
         """This iterator now (``ArenaLoader.snapshot``): no workers, nothing in flight."""

@@ -70,21 +70,31 @@ def next_items(stream: Iterator, count: int) -> Iterator:
 class ReplicaStream:
     """One replica's iterator for one epoch (an iterable-style dataset's, in a worker or in
     the main process): opened as ``resume`` says, read by ``filler.fetch_next`` until it
-    ends and never after (as torch's fetcher); ``state_of`` reads its state (None: none)."""
+    ends and never after (as torch's fetcher); ``state_of`` reads its state (None: none).
+    ``partial``: samples read for a batch that Ctrl-C interrupted (``num_workers=0``), kept
+    for the next read; ``read`` leaves them, and the caller that keeps the batch empties them
+    (``InProcessIterator._take``: in the statement that keeps it, so neither an interrupt
+    before it loses them nor one after it reads them twice)."""
 
-    __slots__ = ("ended", "state_of", "stream")
+    __slots__ = ("ended", "partial", "state_of", "stream")
 
     def __init__(self, dataset: Any, resume: StreamResume | None, rows: int):
         self.stream = open_stream(dataset, resume, rows)
         self.state_of = state_reader(dataset, self.stream)
         self.ended = False
+        self.partial: list = []
 
     def next_batch(self, filler: Any) -> Any:
         """The next batch (``Fetched``), or None once the stream has ended."""
-        fetched = None if self.ended else filler.fetch_next(self.stream)
+        fetched = self.read(filler)
+        self.partial = []  # (a worker: no Ctrl-C)
         if fetched is None or fetched.ended:
             self.ended = True
         return fetched
+
+    def read(self, filler: Any) -> Any:
+        """``next_batch`` that marks nothing: the samples stay in ``partial``."""
+        return None if self.ended else filler.fetch_next(self.stream, self.partial)
 
 
 def state_reader(dataset: Any, stream: Any) -> Callable[[], bytes] | None:

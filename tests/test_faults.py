@@ -795,3 +795,74 @@ def test_a_worker_that_dies_while_next_waits_on_another_is_reported_at_once():
     loader.close()
     del iterator
     assert not live_children() and not our_slab_mappings()
+
+
+class _Stream40:
+    """An iterable-style dataset of 40 samples. With ``interrupt_at``, its iterator raises
+    KeyboardInterrupt once, just before reading that sample (a Ctrl-C inside the dataset's
+    own read, which reads a sample whole or not at all)."""
+
+    def __init__(self, interrupt_at: int | None = None):
+        self.interrupt_at = interrupt_at
+
+    def __iter__(self):
+        return _Stream40Iterator(self.interrupt_at)
+
+
+class _Stream40Iterator:
+    def __init__(self, interrupt_at):
+        self.position, self.interrupt_at = 0, interrupt_at
+
+    def __next__(self):
+        if self.position == self.interrupt_at:
+            self.interrupt_at = None
+            raise KeyboardInterrupt
+        if self.position == 40:
+            raise StopIteration
+        self.position += 1
+        return np.full(2, self.position - 1, dtype=np.int64)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("batch_size", [3, None])
+def test_ctrl_c_in_next_loses_no_sample_of_an_iterable_dataset(batch_size):
+    """Found by a chaos soak (seed 203): with num_workers=0 and an iterable-style dataset, a
+    Ctrl-C after the batch's samples were read from the stream, before the batch was kept
+    (e.g. while its sample positions were listed), lost the whole batch; one inside the
+    dataset's own read lost the samples read before it in that batch. Now KeyboardInterrupt
+    at the k-th line of arena_loader code in each next() (for every k past the longest
+    next()), or in the stream's own read of any sample: the epoch still yields every sample
+    once, in order, in batches of ``batch_size`` (the last one short)."""
+    rows = batch_size or 1
+    expected = [list(range(s, min(s + rows, 40))) for s in range(0, 40, rows)]
+
+    def epoch(dataset, k):
+        with ArenaLoader(dataset, batch_size=batch_size, num_workers=0) as loader:
+            iterator, got, tracer = iter(loader), [], _InterruptAt(k)
+            longest = 0
+            while len(got) <= len(expected):
+                sys.settrace(tracer)
+                try:
+                    batch = next(iterator)
+                except KeyboardInterrupt:
+                    continue
+                except StopIteration:
+                    break
+                finally:
+                    sys.settrace(None)
+                longest = max(longest, tracer.count)
+                got.append(np.asarray(batch).reshape(-1, 2)[:, 0].tolist())
+                tracer.count, tracer.armed = 0, True
+                del batch
+            del iterator
+        return got, longest
+
+    k, longest = 0, 1
+    while k <= longest:
+        k += 1
+        got, longest_now = epoch(_Stream40(), k)
+        longest = max(longest, longest_now)
+        assert got == expected, (k, got)
+    for at in (0, 1, 2, 7, 39, 40):
+        got, _ = epoch(_Stream40(interrupt_at=at), 10_000)
+        assert got == expected, (at, got)

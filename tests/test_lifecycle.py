@@ -499,3 +499,46 @@ def test_close_racing_iteration_from_another_thread_is_only_ever_loader_closed_e
         assert not thread.is_alive(), f"trial {trial}: the iterating thread hangs"
         outcomes[result[0]] = outcomes.get(result[0], 0) + 1
     assert set(outcomes) <= {"finished", "closed"}, outcomes
+
+
+class _ClosesTheLoaderAt:
+    """``dataset[at]`` closes ``loader`` from another thread (and waits for it): a close()
+    that lands while a ``num_workers=0`` next() is loading a batch."""
+
+    def __init__(self, at: int):
+        self.at, self.loader = at, None
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        if i == self.at:
+            import threading
+
+            closer = threading.Thread(target=self.loader.close)
+            closer.start()
+            closer.join()
+        return np.full(4, i, dtype=np.int64)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("at", [0, 2, 4])  # the claim; a slot never used; a used slot
+def test_close_from_another_thread_while_num_workers_0_loads_is_loader_closed_error(at):
+    """Found by a chaos soak: close() from another thread while the consumer's next() loads a
+    batch in process (num_workers=0) made that next() raise ValueError('the slab is closed')
+    (a slot not yet backed) or TypeError (a slot of the closed slab), not LoaderClosedError.
+    The batches before come whole, then LoaderClosedError, then the closed iterator ends."""
+    dataset = _ClosesTheLoaderAt(at)
+    loader = ArenaLoader(dataset, batch_size=2, num_workers=0)
+    dataset.loader = loader
+    iterator, got = iter(loader), []
+    with pytest.raises(LoaderClosedError):
+        for batch in iterator:
+            got.append(batch[:, 0].tolist())
+            del batch
+    assert got == [[i, i + 1] for i in range(0, at, 2)]
+    with pytest.raises(StopIteration):
+        next(iterator)
+    del iterator
+    loader.close()
+    assert not our_slab_mappings()
