@@ -11,7 +11,7 @@ from typing import Any
 from ._arena import Arena, ArenaSource, slot_budget
 from ._fetch import BatchFiller, Fetched, StreamPosition
 from ._pool import SlotState
-from ._resume_stream import EpochPlan, ReplicaStream
+from ._resume_stream import EpochPlan, ReplicaStream, draw_into
 from ._slab import map_new_segment
 from .errors import ShmCapacityError, forked_iterator_error
 from .snapshot import IteratorSnapshot
@@ -24,6 +24,7 @@ class InProcessIterator:
         self._filler = filler
         self._source = source
         self._batches = plan.batches
+        self._drawn: list = []  # indices a Ctrl-C kept from _pending (draw_into)
         self._epoch_position = plan.position  # the consumer's place (state_dict)
         self._resume = plan.streams[0] if plan.streams is not None else None
         self._stream: ReplicaStream | None = None  # iterable-style: made at first next()
@@ -65,6 +66,7 @@ class InProcessIterator:
         if self._stash:  # built by a next() that Ctrl-C interrupted: it is next
             return
         if self._done:
+            self.close()  # (the end of the epoch may have been interrupted closing)
             raise StopIteration
         if self._arena is not None:
             self._source.check_limit(self._arena)
@@ -73,7 +75,7 @@ class InProcessIterator:
             # Indices before a slot, so the end of the epoch is StopIteration even while the
             # consumer holds every slot.
             try:
-                self._pending = self._take()
+                self._pending, self._drawn = self._take(), []
             except StopIteration:
                 self._epoch_position.finished = True
                 self.close()
@@ -145,7 +147,10 @@ class InProcessIterator:
     def _take(self) -> tuple[Any, Fetched | None]:
         filler = self._filler
         if not filler.iterable:
-            return next(self._batches), None
+            # (the caller empties _drawn in the statement that keeps the batch: draw_into)
+            if not draw_into(self._drawn, self._batches):
+                raise StopIteration
+            return self._drawn[0], None
         if self._stream is None:
             resume, self._resume = self._resume, None
             self._stream = ReplicaStream(filler.dataset, resume, filler.batch_size or 1)
@@ -169,6 +174,11 @@ class InProcessIterator:
                                 in_flight=(), ready=())
 
     def close(self) -> None:
+        """Idempotent; called again, it finishes a close that Ctrl-C interrupted."""
         self._done = True
-        if self._finalizer is not None:
-            self._finalizer()
+        finalizer = self._finalizer
+        if finalizer is not None and finalizer.alive:
+            # Not the finalizer's own call, which forgets it before running it: a Ctrl-C in
+            # unclaim then left the slab claimed, and so open, for good.
+            self._source.unclaim(self._arena)
+            finalizer.detach()

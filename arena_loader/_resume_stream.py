@@ -67,6 +67,17 @@ def next_items(stream: Iterator, count: int) -> Iterator:
     return itertools.islice(map(next, itertools.repeat(stream)), count)
 
 
+def draw_into(drawn: list, batches: Iterator) -> bool:
+    """The sampler's next batch into ``drawn`` unless it holds one already; False when the
+    epoch has none left. A Ctrl-C that CPython handles as ``next()`` returns (it looks for
+    signals after every call into C) would drop the batch just drawn: ``list.extend`` has
+    appended it by then, and the caller takes it from ``drawn`` in the statement that
+    records it."""
+    if not drawn:
+        drawn.extend(itertools.islice(batches, 1))
+    return bool(drawn)
+
+
 class ReplicaStream:
     """One replica's iterator for one epoch (an iterable-style dataset's, in a worker or in
     the main process): opened as ``resume`` says, read by ``filler.fetch_next`` until it

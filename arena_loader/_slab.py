@@ -63,6 +63,9 @@ def _capacity_error(nbytes: int, slots: int | None, cause: str,
              f"fix: {fix}")
 
 
+CREATE_NEW = posix_ipc.O_CREX
+
+
 def open_shared(tag: str = "") -> int:
     """A new, already unlinked POSIX shared-memory object of size 0: its close-on-exec
     descriptor. Any failure (no inode left in /dev/shm, no descriptor left) is a
@@ -77,20 +80,31 @@ def open_shared(tag: str = "") -> int:
     try:
         # Created, unlinked and returned in one statement: no line of Python runs between
         # the steps (nothing else opens it by name; shm_open sets close-on-exec, so a program
-        # exec'd by user code does not hold it).
-        return (shm := posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)).unlink() \
-            or shm.fd
+        # exec'd by user code does not hold it). One line, too: a trace function's line
+        # event at a continuation line's return escapes this try (CPython 3.11).
+        return (shm := posix_ipc.SharedMemory(name, CREATE_NEW, mode=0o600)).unlink() or shm.fd
     except (OSError, posix_ipc.Error) as exc:
         err = errno_of(exc) if isinstance(exc, OSError) else errno.EACCES
         raise ShmCapacityError(err, f"creating a shared-memory object in {SHM_DIR} failed "
                                     f"({exc}); fix: {FIXES.get(err, SPACE_FIX)}") from exc
     except BaseException:
         # Python runs a signal handler once a C call returns, so Ctrl-C can still land inside
-        # that statement, after shm_open and before the unlink: the name goes here. (The
-        # descriptor goes with this process's exit; the name would outlive it.) A process
+        # that statement, after shm_open and before the unlink: the name goes here, and the
+        # descriptor, which no variable may hold yet, is found by its name. A process
         # SIGKILLed there leaves the name to its reaper: ``remove_names_of``.
         _unlink(name)
+        _close_descriptors_of(name)
         raise
+
+
+def _close_descriptors_of(name: str) -> None:
+    target = f"{SHM_DIR}{name}"
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") in (target, f"{target} (deleted)"):
+                os.close(int(fd))
+        except OSError:
+            pass  # closed meanwhile (the listing's own descriptor)
 
 
 def _unlink(name: str) -> None:

@@ -115,13 +115,12 @@ def epoch_batches(options: LoaderOptions, sampler: Any, batch_sampler: Any,
     if not options.auto_collation:
         return itertools.islice(sampler, first, None) if first else iter(sampler)
     arrays = filler.reads_index_arrays
-    if type(batch_sampler) is BatchSampler and (options.num_workers > 0 or first or arrays):
+    if type(batch_sampler) is BatchSampler:
         # int64 arrays straight into the batch order (workers read them as ints); the
         # in-process loader hands the dataset ints, as torch does, so takes lists, but where
         # the dataset's read_into takes the batch's index array.
-        batches = batch_sampler.index_batches(first)
-        if options.num_workers == 0 and not arrays:
-            batches = (b if type(b) is list else b.tolist() for b in batches)
+        batches = batch_sampler.index_batches(first, lists=options.num_workers == 0
+                                              and not arrays)
     elif first:
         batches = itertools.islice(batch_sampler, first, None)
     else:

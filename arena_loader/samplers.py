@@ -113,9 +113,12 @@ class SequentialSampler:
     def __iter__(self) -> Iterator[int]:
         return iter(range(len(self.data_source)))
 
+    def _draws_array(self) -> bool:
+        return True
+
     def _index_array(self) -> np.ndarray:
         """The epoch's indices as one array (BatchSampler slices it: no list per index)."""
-        return np.arange(len(self.data_source))
+        return np.arange(len(self.data_source), dtype=np.int64)
 
     def _indices_from(self, skip: int) -> Iterator[int]:
         return iter(range(skip, len(self.data_source)))
@@ -161,13 +164,20 @@ class RandomSampler:
             return self._torch_indices(torch, n)
         return iter(self._numpy_indices(n).tolist())
 
-    def _index_array(self) -> np.ndarray | None:
-        """The epoch's indices as one array, drawn now; None when they follow torch's
-        generator (drawn one by one, as torch does, by ``iter``)."""
+    def _draws_array(self) -> bool:
+        """The epoch is drawn as one array (``_index_array``): not from a torch generator of
+        the caller's, which torch draws from chunk by chunk as the epoch goes on."""
+        return len(self.data_source) > 0 and (self.generator is None
+                                               or torch_for(self.generator) is None)
+
+    def _index_array(self) -> np.ndarray:
+        """The epoch's indices as one int64 array, drawn now; with torch's RNG by torch's
+        calls, every chunk at once (from a generator of its own, seeded now, as torch's)."""
         n = len(self.data_source)
-        if n == 0 or torch_for(self.generator) is not None:
-            return None
-        return self._numpy_indices(n)
+        torch = torch_for(self.generator)
+        if torch is None:
+            return self._numpy_indices(n).astype(np.int64, copy=False)
+        return np.fromiter(self._torch_indices(torch, n), np.int64)
 
     def _numpy_indices(self, n: int) -> np.ndarray:
         if self.replacement:
@@ -217,6 +227,36 @@ class RandomSampler:
         return self.num_samples
 
 
+class SlicedBatches:
+    """One epoch of our samplers' batches: the indices drawn as one array at the first next()
+    (when torch's BatchSampler draws them), then a slice per next(). Not a generator: CPython
+    raises a Ctrl-C where it next looks for signals, which inside a generator finishes it
+    (the rest of the epoch was lost, silently); here ``_start`` moves with the return, after
+    the batch is made, so an interrupted next() moves nothing."""
+
+    __slots__ = ("_array", "_draw", "_drop_last", "_lists", "_size", "_start")
+
+    def __init__(self, draw: Any, size: int, drop_last: bool, first: int, lists: bool):
+        self._draw, self._size, self._drop_last, self._lists = draw, size, drop_last, lists
+        self._array: np.ndarray | None = None
+        self._start = first * size
+
+    def __iter__(self) -> SlicedBatches:
+        return self
+
+    def __next__(self) -> list[int] | np.ndarray:
+        array = self._array
+        if array is None:
+            array = self._array = self._draw()
+        start, end, n = self._start, self._start + self._size, len(array)
+        if start >= (n - n % self._size if self._drop_last else n):
+            raise StopIteration
+        batch = array[start: end].tolist() if self._lists else array[start: end]
+        # One line: a trace function's line event (the suite's Ctrl-C at every line) lands
+        # before both; CPython itself handles no signal between them.
+        self._start = end; return batch  # noqa: E702
+
+
 class BatchSampler:
     """Groups the indices of ``sampler`` into lists of ``batch_size``."""
 
@@ -239,22 +279,20 @@ class BatchSampler:
         for batch in self.index_batches():
             yield batch if type(batch) is list else batch.tolist()
 
-    def index_batches(self, first: int = 0) -> Iterator[list[int] | np.ndarray]:
+    def index_batches(self, first: int = 0,
+                      lists: bool = False) -> Iterator[list[int] | np.ndarray]:
         """The epoch's batches as ``__iter__`` draws them, but each as a slice of one int64
         array where the sampler is one of ours (what a loader with workers writes into the
-        batch order as it is); lists otherwise. ``first``: batches to skip (a resumed
-        epoch): the sampler draws as in a whole epoch, and the skipped indices are dropped
-        before any list is made."""
-        index_array = getattr(self.sampler, "_index_array", None)
-        array = index_array() if index_array is not None and type(self.sampler) in (
-            RandomSampler, SequentialSampler) else None
-        if array is not None:
-            array = array.astype(np.int64, copy=False)
-            size = self.batch_size
-            stop = len(array) - len(array) % size if self.drop_last else len(array)
-            for start in range(first * size, stop, size):
-                yield array[start: start + size]
-            return
+        batch order as it is; ``lists``: its ``tolist()``); lists otherwise. ``first``:
+        batches to skip (a resumed epoch): the sampler draws as in a whole epoch, and the
+        skipped indices are dropped before any list is made."""
+        sampler = self.sampler
+        if type(sampler) in (RandomSampler, SequentialSampler) and sampler._draws_array():
+            return SlicedBatches(sampler._index_array, self.batch_size, self.drop_last, first,
+                                 lists)
+        return self._listed_batches(first)
+
+    def _listed_batches(self, first: int) -> Iterator[list[int]]:
         skip = first * self.batch_size
         if skip and type(self.sampler) in (RandomSampler, SequentialSampler):
             indices = self.sampler._indices_from(skip)

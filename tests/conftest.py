@@ -48,6 +48,17 @@ def our_shm_mappings() -> list[str]:
         return [line.strip() for line in maps if f"{SHM_DIR}/{NAME_PREFIX}" in line]
 
 
+def our_shm_descriptors() -> list[str]:
+    """This process's open descriptors of our shared memory (unlinked ones included)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (the listing's own descriptor, closed by now)
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(f"{SHM_DIR}/{NAME_PREFIX}"):
+                held.append(f"{fd} -> {target}")
+    return held
+
+
 def our_slab_mappings() -> list[str]:
     """This process's mappings of our slabs and segments (not of the order rings)."""
     return [line for line in our_shm_mappings() if ORDER_TAG not in line]
@@ -87,7 +98,8 @@ def wait_until(predicate, timeout_s: float = 5.0, interval_s: float = 0.02) -> b
 
 @pytest.fixture(autouse=True)
 def no_leaks():
-    """After the test: no child process, dispatch thread, /dev/shm object or slab mapping."""
+    """After the test: no child process, dispatch thread, /dev/shm object, slab mapping or
+    descriptor."""
     yield
     gc.collect()
     assert wait_until(lambda: not live_children()), (
@@ -103,6 +115,7 @@ def no_leaks():
         pytest.fail(f"shared-memory objects leaked: {leaked}")
     gc.collect()
     assert not our_shm_mappings(), f"shared memory still mapped: {our_shm_mappings()}"
+    assert not our_shm_descriptors(), f"shared memory still open: {our_shm_descriptors()}"
     # What survived is long-lived too (modules the test imported: the bench's peers, numba's
     # simulator, ...), frozen as at collection's end: each teardown scans only what the next
     # test makes. (Frozen only at collection's end, a worker that had run the bench tests

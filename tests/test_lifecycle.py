@@ -542,3 +542,34 @@ def test_close_from_another_thread_while_num_workers_0_loads_is_loader_closed_er
     del iterator
     loader.close()
     assert not our_slab_mappings()
+
+
+@pytest.mark.timeout(60)
+def test_an_epoch_end_interrupted_while_giving_the_slab_back_is_finished_later(monkeypatch):
+    """num_workers=0: a Ctrl-C inside the epoch's end, while the iterator gives the slab
+    back to the loader, is finished by the next next() (StopIteration again), so close()
+    closes the slab: no descriptor or mapping of it stays (a finalizer's own call forgot the
+    give-back before running it, and the slab stayed open for good)."""
+    from arena_loader._arena import ArenaSource
+
+    real, calls = ArenaSource.unclaim, []
+
+    def interrupted_once(self, arena):
+        calls.append(arena)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, arena)
+
+    monkeypatch.setattr(ArenaSource, "unclaim", interrupted_once)
+    loader = ArenaLoader(ImageDataset(6, shape=(4,)), batch_size=2)
+    iterator = iter(loader)
+    assert len([batch for _, batch in zip(range(3), iterator)]) == 3
+    with pytest.raises(KeyboardInterrupt):
+        next(iterator)  # the epoch's end, interrupted in unclaim
+    with pytest.raises(StopIteration):
+        next(iterator)
+    assert len(calls) == 2 and loader.snapshot().in_use is False
+    loader.close()
+    del iterator
+    gc.collect()
+    assert not our_slab_mappings()

@@ -13,6 +13,8 @@ from arena_loader import ShmCapacityError
 from arena_loader._pool import SlotPool, SlotState
 from arena_loader._slab import NAME_PREFIX, Slab, open_shared, shm_available_bytes
 
+from .conftest import our_shm_descriptors
+
 
 def test_slab_is_unlinked_at_once_and_preallocated():
     """No /dev/shm name exists after construction, yet the memory is allocated and shared."""
@@ -34,7 +36,8 @@ def test_slab_is_unlinked_at_once_and_preallocated():
 
 def test_an_interrupt_between_creating_and_unlinking_leaves_no_name(monkeypatch):
     """Ctrl-C lands right after shm_open returns (Python runs signal handlers once a C call
-    returns): the KeyboardInterrupt goes on, and the name does not stay in /dev/shm."""
+    returns): the KeyboardInterrupt goes on, and neither the name stays in /dev/shm nor the
+    descriptor open (no variable held it yet)."""
     real = posix_ipc.SharedMemory
     made = []
 
@@ -48,7 +51,7 @@ def test_an_interrupt_between_creating_and_unlinking_leaves_no_name(monkeypatch)
     monkeypatch.undo()
     assert len(made) == 1
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(NAME_PREFIX)]
-    made[0].close_fd()
+    assert not our_shm_descriptors()
     fd = open_shared()  # and the next one works
     os.close(fd)
 

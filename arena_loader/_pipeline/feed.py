@@ -8,7 +8,7 @@ from __future__ import annotations
 import traceback
 from typing import Any
 
-from .._resume_stream import EpochPlan
+from .._resume_stream import EpochPlan, draw_into
 from .crew import Crew
 from .order import EntryKind
 from .reorder import Reorderer
@@ -23,6 +23,7 @@ class Feed:
         self._iterable = iterable
         self.epoch = epoch
         self.pending: Any = NO_PENDING  # indices drawn, waiting for a slot
+        self._drawn: list = []  # indices a Ctrl-C kept from pending (draw_into)
         self.send_idx = plan.first_idx  # (a resumed epoch: past the batches handed out)
         self.exhausted = False
         self.sampler_error: BaseException | None = None
@@ -38,9 +39,10 @@ class Feed:
         """The sampler's next indices into ``pending``. Its error is kept for its batch's turn,
         after the batches before it (``Consumer`` stashes it then, for next() to raise)."""
         try:
-            self.pending = next(self._batches)
-        except StopIteration:
-            self.exhausted = True
+            if not draw_into(self._drawn, self._batches):
+                self.exhausted = True
+                return
+            self.pending, self._drawn = self._drawn[0], []  # (one statement)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
