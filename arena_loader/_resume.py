@@ -89,14 +89,20 @@ def _set_generator_state(generator: Any, state: Any) -> None:
 
 
 def epoch_start(loader: Any, seeds: Any) -> dict[str, Any]:
-    """What the next epoch draws from, now: generator states and the samplers' states."""
+    """What the next epoch draws from, now: generator states and the samplers' states.
+
+    A sampler with ``set_epoch`` and an int ``epoch`` (DistributedSampler, torch's, ours or
+    torchdata's ``StatefulDistributedSampler``) draws its epoch from its seed and ``epoch``:
+    that is what is kept, never its ``state_dict()``. torchdata's is a position (indices
+    yielded), and here, before the epoch's first draw, it is the last epoch's end, so loaded
+    it made the resumed epoch empty; the index skip already gives the position."""
     samplers: dict[str, Any] = {}
     for role, sampler in _samplers(loader):
-        if is_stateful(sampler):
-            samplers[role] = {"state": sampler.state_dict()}
-        elif callable(getattr(sampler, "set_epoch", None)) and \
+        if callable(getattr(sampler, "set_epoch", None)) and \
                 isinstance(getattr(sampler, "epoch", None), int):
             samplers[role] = {"epoch": sampler.epoch}
+        elif is_stateful(sampler):
+            samplers[role] = {"state": sampler.state_dict()}
     return {"generators": {role: _generator_state(g)
                            for role, g in random_streams(loader, seeds).items()},
             "samplers": samplers}

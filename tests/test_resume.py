@@ -328,3 +328,67 @@ def test_state_dict_with_required_arguments_is_not_torchdatas_protocol(workers):
     with ArenaLoader(ArgumentStateStream(), batch_size=2, num_workers=workers) as loader:
         loader.load_state_dict(state)
         assert [b.tolist() for b in loader] == torch_batches[3:]
+
+
+class _YieldCountingDistributedSampler:
+    """torchdata's ``StatefulDistributedSampler``, in plain Python: the order comes from the
+    seed and ``set_epoch``; ``state_dict()`` is the indices yielded this iteration, reset only
+    when the next iteration starts drawing (a generator), and ``load_state_dict`` leaves a
+    resume point that the next ``__iter__`` skips to."""
+
+    def __init__(self, size: int):
+        self.size, self.epoch, self.yielded, self.next_yielded = size, 0, 0, None
+
+    def __len__(self):
+        return self.size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        self.yielded, self.next_yielded = self.next_yielded or 0, None
+        order = np.random.default_rng(self.epoch).permutation(self.size).tolist()
+        for index in order[self.yielded:]:
+            self.yielded += 1
+            yield index
+
+    def state_dict(self) -> dict:
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_yielded = state["yielded"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("taken_after", [0, 2])
+def test_stateful_distributed_sampler_resumes_after_the_first_epoch(workers, taken_after):
+    """A DistributedSampler-like sampler with torchdata's position state, resumed in its
+    second epoch: the rest of that epoch, then the next, as uninterrupted (the state taken at
+    the epoch's start said the first epoch had ended, and loaded it emptied the epoch)."""
+    def make():
+        sampler = _YieldCountingDistributedSampler(11)
+        return ArenaLoader(list(range(11)), batch_size=3, sampler=sampler,
+                           num_workers=workers), sampler
+
+    def epoch(loader, sampler, number):
+        sampler.set_epoch(number)
+        return [np.asarray(b).tolist() for b in loader]
+
+    loader, sampler = make()
+    with loader:
+        whole = [epoch(loader, sampler, number) for number in range(3)]
+    loader, sampler = make()
+    with loader:
+        epoch(loader, sampler, 0)
+        sampler.set_epoch(1)
+        batches = iter(loader)
+        head = [np.asarray(next(batches)).tolist() for _ in range(taken_after)]
+        state = pickle.loads(pickle.dumps(loader.state_dict()))
+        del batches
+    assert head == whole[1][:taken_after]
+    loader, sampler = make()
+    with loader:
+        loader.load_state_dict(state)
+        assert [epoch(loader, sampler, 1), epoch(loader, sampler, 2)] == \
+            [whole[1][taken_after:], whole[2]]
