@@ -16,6 +16,8 @@ from ._slab import map_new_segment
 from .errors import ShmCapacityError, forked_iterator_error
 from .snapshot import IteratorSnapshot
 
+_NOTHING = object()  # nothing taken from the stash yet
+
 
 class InProcessIterator:
     def __init__(self, owner: Any, filler: BatchFiller, source: ArenaSource, plan: EpochPlan):
@@ -53,13 +55,23 @@ class InProcessIterator:
         # One batch at a time, even when several threads share the iterator (as a
         # DataLoader iterator may be): without the lock two threads could take the same
         # pending batch.
-        with self._lock:
-            if self._source.pending_warning is not None:
-                self._source.warn_pending(stacklevel=2)
-            self._next()
-            if self._failed:
-                raise self._stash.pop()
-            return self._stash.pop()
+        given = _NOTHING
+        try:
+            with self._lock:
+                if self._source.pending_warning is not None:
+                    self._source.warn_pending(stacklevel=2)
+                self._next()
+                if not self._failed:
+                    # Out of the stash with no call (as Consumer.next_batch): an interrupt
+                    # from here on, the lock's exit included, puts it back.
+                    (given,), self._stash = self._stash, []
+                    return given
+        except KeyboardInterrupt:
+            if given is not _NOTHING:
+                self._stash = [given]
+            raise
+        with self._lock:  # the batch's error (as Consumer.next_batch)
+            raise self._stash.pop()
 
     def _next(self) -> None:
         """Leave the next batch (or its error) in ``_stash``."""

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from .session import Session
 
 
+_NOTHING = object()  # nothing taken from the stash yet
+
+
 class Consumer:
     def __init__(self, session: Session):
         self.session = session
@@ -28,24 +31,35 @@ class Consumer:
         session = self.session
         if _forksafe.generation() != session.generation:
             raise forked_iterator_error(session.pid)
+        handout, given = session.handout, _NOTHING
+        try:
+            with session.consumer_lock:
+                try:
+                    if session.source.pending_warning is not None:
+                        session.source.warn_pending(stacklevel=3)
+                    self._next_batch()
+                except StopIteration:
+                    session.end_epoch()
+                    raise
+                except BaseException:
+                    with session.lock:
+                        session.handout.put_back(session.order)  # taken, not handed over
+                    raise
+                handout = session.handout
+                if not handout.failed:
+                    # Out of the stash with no call (CPython handles a signal as a call
+                    # returns, and a pop's return value was lost to it): an interrupt from
+                    # here on, the lock's exit included, puts it back for the next next().
+                    (given,), handout.stash = handout.stash, []
+                    return given
+        except KeyboardInterrupt:
+            if given is not _NOTHING:
+                handout.stash = [given]
+            raise
+        # The batch's error, raised by the pop (an interrupt before leaves it for the next
+        # next()); outside the handler above, whose check an interrupt could replace it in.
         with session.consumer_lock:
-            try:
-                if session.source.pending_warning is not None:
-                    session.source.warn_pending(stacklevel=3)
-                self._next_batch()
-            except StopIteration:
-                session.end_epoch()
-                raise
-            except BaseException:
-                with session.lock:
-                    session.handout.put_back(session.order)  # taken, not handed over
-                raise
-            handout = session.handout
-            # The last lines: the pop leaves the stash in the statement that returns or raises
-            # (an interrupt before it leaves the batch, or its error, for the next next()).
-            if handout.failed:
-                raise handout.stash.pop()
-            return handout.stash.pop()
+            raise handout.stash.pop()
 
     def _next_batch(self) -> None:
         """Leave the next batch (or its error) in the handout's ``stash``."""
