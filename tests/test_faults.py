@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dis
+import functools
 import gc
 import linecache
 import os
@@ -924,6 +925,26 @@ def test_a_ctrl_c_as_the_sampler_returns_a_batch_loses_none(num_workers):
     _in_fresh_interpreter(f"_ctrl_c_as_the_sampler_returns({num_workers})", timeout_s=50)
 
 
+def _first_rows_under_profile(iterator, make_profiler) -> list[int]:
+    """Each batch's first value over the rest of ``iterator``'s epoch, every ``next()`` run
+    under the profile function ``make_profiler()`` gave (a new one after each batch; after
+    an interrupt the user calls ``next()`` again, under the same one)."""
+    got, profiler = [], make_profiler()
+    while True:
+        sys.setprofile(profiler)
+        try:
+            batch = iterator.__next__()
+        except KeyboardInterrupt:
+            continue
+        except StopIteration:
+            return got
+        finally:
+            sys.setprofile(None)
+        got.append(int(batch[0, 0]))
+        profiler = make_profiler()
+        del batch
+
+
 class _InterruptAtCReturn:
     """A profile function raising KeyboardInterrupt as the k-th call into C that next()'s
     hand-out frames make returns: where CPython itself handles a real signal (a trace
@@ -952,24 +973,9 @@ def test_a_ctrl_c_as_next_hands_out_its_batch_loses_none(num_workers):
     expected = list(range(0, 40, 2))
     with ArenaLoader(_Indexed(), batch_size=2, num_workers=num_workers) as loader:
         for k in range(1, 6):
-            got, interrupts = [], 0
             iterator = iter(loader)
-            profiler = _InterruptAtCReturn(k)
-            while True:
-                sys.setprofile(profiler)
-                try:
-                    batch = iterator.__next__()
-                except KeyboardInterrupt:
-                    interrupts += 1
-                    continue  # the user goes on: the next call runs uninterrupted
-                except StopIteration:
-                    break
-                finally:
-                    sys.setprofile(None)
-                got.append(int(batch[0, 0]))
-                profiler = _InterruptAtCReturn(k)
-                del batch
-            assert got == expected, (k, interrupts, got)
+            got = _first_rows_under_profile(iterator, functools.partial(_InterruptAtCReturn, k))
+            assert got == expected, (k, got)
             del iterator
 
 
@@ -997,18 +1003,7 @@ def test_a_ctrl_c_as_a_segment_descriptor_arrives_loses_no_batch(worker_mode):
     forever: chaos seed 1186), and the epoch gives every batch once, in order."""
     with ArenaLoader(_Indexed(), batch_size=2, num_workers=2, worker_mode=worker_mode,
                      timeout=10) as loader:
-        iterator, profiler, got = iter(loader), _InterruptAsADescriptorArrives(), []
-        while True:
-            sys.setprofile(profiler)
-            try:
-                batch = iterator.__next__()
-            except KeyboardInterrupt:
-                continue
-            except StopIteration:
-                break
-            finally:
-                sys.setprofile(None)
-            got.append(int(batch[0, 0]))
-            del batch
+        iterator, profiler = iter(loader), _InterruptAsADescriptorArrives()
+        got = _first_rows_under_profile(iterator, lambda: profiler)
         del iterator
     assert profiler.fired and got == list(range(0, 40, 2))
