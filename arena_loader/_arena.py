@@ -342,7 +342,9 @@ class ArenaSource:
             else:
                 batch = plan.assemble(host, objects, _raw_field if plan.raw else None)
                 if self._to_torch is not None and (self._output == "torch" or plan.torch):
-                    kept = frozenset(id(objects[i]) for i in plan.leaf_objects)
+                    # (object leaves handed out as they came: only batches that have any)
+                    kept = frozenset(id(objects[i]) for i in plan.leaf_objects) \
+                        if plan.leaf_objects else frozenset()
                     batch = self._to_torch(batch, plan.collated, plan.converted, kept)
             if self._pin_batch is not None:
                 numpy_left: list = []

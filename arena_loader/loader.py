@@ -10,7 +10,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
-from ._arena import ArenaSource
+from ._arena import CLOSED, ArenaSource
 from ._distributed import EpochSetter, warn_if_every_rank_loads_all
 from ._inprocess import InProcessIterator
 from ._options import LoaderOptions, is_iterable_dataset
@@ -49,7 +49,7 @@ def _check_open(loader: Any, made: Any = None) -> None:
     if loader._closed:
         if made is not None:
             made.close()
-        raise LoaderClosedError("this ArenaLoader was closed; create a new one")
+        raise LoaderClosedError(CLOSED)
 
 
 class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co]):

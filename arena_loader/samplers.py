@@ -177,7 +177,7 @@ class RandomSampler:
         torch = torch_for(self.generator)
         if torch is None:
             return self._numpy_indices(n).astype(np.int64, copy=False)
-        return np.fromiter(self._torch_indices(torch, n), np.int64)
+        return torch.cat(list(self._torch_chunks(torch, n))).numpy()  # (int64, as drawn)
 
     def _numpy_indices(self, n: int) -> np.ndarray:
         if self.replacement:
@@ -203,25 +203,26 @@ class RandomSampler:
         """torch.utils.data.RandomSampler.__iter__'s draws, call for call (a generator, like
         torch's, so its seed is drawn at the first next()); the first ``skip`` indices are
         drawn and dropped."""
+        for drawn in self._torch_chunks(torch, n):
+            if skip >= len(drawn):  # (drawn even when skipped: the generator moves as in
+                skip -= len(drawn)  # an epoch)
+                continue
+            yield from drawn[skip:].tolist()
+            skip = 0
+
+    def _torch_chunks(self, torch: Any, n: int) -> Iterator[Any]:
+        """The tensors torch's RandomSampler draws, in its order (its seed drawn first)."""
         generator = self.generator
         if generator is None:
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
             generator = torch.Generator()
             generator.manual_seed(seed)
         if self.replacement:
-            chunks = [32] * (self.num_samples // 32) + [self.num_samples % 32]
-            draw = lambda size: torch.randint(high=n, size=(size,),  # noqa: E731
-                                              dtype=torch.int64, generator=generator)
+            for size in [32] * (self.num_samples // 32) + [self.num_samples % 32]:
+                yield torch.randint(high=n, size=(size,), dtype=torch.int64, generator=generator)
         else:
-            chunks = [n] * (self.num_samples // n) + [self.num_samples % n]
-            draw = lambda size: torch.randperm(n, generator=generator)[:size]  # noqa: E731
-        for size in chunks:
-            drawn = draw(size)  # (drawn even when skipped: the generator moves as in an epoch)
-            if skip >= size:
-                skip -= size
-                continue
-            yield from drawn[skip:].tolist()
-            skip = 0
+            for size in [n] * (self.num_samples // n) + [self.num_samples % n]:
+                yield torch.randperm(n, generator=generator)[:size]
 
     def __len__(self) -> int:
         return self.num_samples

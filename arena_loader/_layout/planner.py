@@ -68,15 +68,14 @@ def _numpy_number(value: Any) -> bool:
     return type(value) is np.ndarray and value.ndim == 0 and value.dtype.kind in "biufc"
 
 
-def _number_dtype(values: list, path: str, indices: Sequence[Any]) -> np.dtype:
+def _number_dtype(values: list, path: str, indices: Sequence[Any], types: set) -> np.dtype:
     """torch's default_collate for a batch of Python numbers: the first one's type decides,
     and a float among ints gives torch's default float dtype (float32). Numeric numpy scalars
     (and 0-d arrays) among them are taken as torch's ``tensor()`` takes them: after a Python
     float the batch is float64 (torch's dtype there), after an int or bool their dtypes
     promote with the Python numbers' (``[0, np.int64(3)]`` -> int64, ``[0, np.float16(1)]``
     -> float16)."""
-    first = type(values[0])
-    types = set(map(type, values))
+    first = type(values[0])  # (``types``: the values' types, the caller's set)
     scalars = types - set(PYTHON_NUMBER_DTYPES)
     if scalars and all(map(_numpy_number, (v for v in values if type(v) in scalars))):
         dtypes = {v.dtype for v in values if type(v) in scalars}
@@ -139,11 +138,12 @@ def _column(values: list, path: str, indices: Sequence[Any],
             _check_dtype(first.dtype, path, indices[0])
             return values, FieldPlacement(first.dtype, (len(values), *first.shape), 0)
     if type(first) in PYTHON_NUMBER_DTYPES:
-        kind = KIND_NUMPY
-        others = set(map(type, values)).difference(PYTHON_NUMBER_DTYPES)
+        kind, types = KIND_NUMPY, set(map(type, values))
+        others = types.difference(PYTHON_NUMBER_DTYPES)
         if others and any(is_tensor(v) for v in values if type(v) in others):
             values, kind = _numbers_of_tensors(values), KIND_TORCH
-        dtype = _number_dtype(values, path, indices)
+            types = set(map(type, values))
+        dtype = _number_dtype(values, path, indices, types)
         if dtype.kind == "i":
             for value, index in zip(values, indices):
                 if type(value) is int and not -(2**63) <= value < 2**63:
