@@ -17,7 +17,7 @@ from ._layout import (
     promote_to,
     rows_view,
 )
-from ._messages import listed
+from ._messages import add_note, listed
 from ._resume_stream import next_items
 from ._rows import RowWriter
 from ._sample_threads import FirstFailure, SampleThreads
@@ -325,10 +325,7 @@ def _note_rows(error: BaseException, indices: list, thread: int, count: int) -> 
     """Name the sample(s) in the error: with threads, the traceback alone cannot say which
     of the batch's samples failed."""
     which = f"sample index {indices[0]!r}" if len(indices) == 1 else f"sample indices {indices!r}"
-    try:
-        error.add_note(f"(while loading {which} in thread {thread} of worker_threads={count})")
-    except (AttributeError, TypeError):
-        pass
+    add_note(error, f"(while loading {which} in thread {thread} of worker_threads={count})")
 
 
 def as_index_array(indices: Any) -> np.ndarray:

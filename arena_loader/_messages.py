@@ -6,6 +6,7 @@ The per-batch path has no message of this kind: the batch order is an entry of t
 from __future__ import annotations
 
 import pickle
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ class RemoteError:
             pickled = None
         return cls(
             type_name=f"{type(exc).__module__}.{type(exc).__qualname__}",
-            traceback="".join(traceback.format_exception(exc)),
+            traceback=formatted(exc),
             pickled=pickled,
         )
 
@@ -45,6 +46,29 @@ class RemoteError:
             return pickle.loads(self.pickled)
         except Exception:
             return None
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)``. Python 3.10 has no notes: there the note goes into the same
+    list (``__notes__``), which ``formatted`` writes under the traceback as 3.11 prints it."""
+    try:
+        if callable(getattr(error, "add_note", None)):
+            error.add_note(note)
+            return
+        notes = getattr(error, "__notes__", None)
+        if not isinstance(notes, list):
+            notes = error.__notes__ = []
+        notes.append(note)
+    except (AttributeError, TypeError):
+        pass  # (an exception type that takes no attributes: the note is lost, not the error)
+
+
+def formatted(error: BaseException) -> str:
+    """``error``'s traceback as Python prints it, with its notes on Python 3.10 too."""
+    text = "".join(traceback.format_exception(error))
+    if sys.version_info < (3, 11):
+        text += "".join(f"{note}\n" for note in getattr(error, "__notes__", None) or ())
+    return text
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import weakref
 
 import numpy as np
@@ -84,7 +85,9 @@ def test_slow_sampler_stalls_next_as_torch_and_close_from_another_thread_returns
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_sampler_error_is_raised_after_the_batches_before_it(num_workers):
     """An exception from the sampler comes after every batch sampled before it, then the
-    epoch ends."""
+    epoch ends. The sampler's own frame is in its traceback, or with workers (where it was
+    raised while batches were drawn ahead) in its traceback's text, kept as a note (on Python
+    3.10 too: ``_messages.add_note``)."""
     dataset = ImageDataset(40, shape=(1,), dtype=np.int64)
     expected = reference_epoch(dataset, 2, False)
     with ArenaLoader(dataset, batch_size=2, num_workers=num_workers,
@@ -92,8 +95,15 @@ def test_sampler_error_is_raised_after_the_batches_before_it(num_workers):
         iterator = iter(loader)
         for i in range(10):
             np.testing.assert_array_equal(next(iterator), expected[i])
-        with pytest.raises(LookupError, match="sampler broke at 21"):
+        with pytest.raises(LookupError, match="sampler broke at 21") as caught:
             next(iterator)
+        notes = getattr(caught.value, "__notes__", [])
+        if num_workers == 0:
+            text = "".join(traceback.format_tb(caught.value.__traceback__))
+        else:
+            assert len(notes) == 1 and "drawn ahead" in notes[0], notes
+            text = notes[0]
+        assert 'raise LookupError(f"sampler broke at {i}")' in text
         with pytest.raises(StopIteration):
             next(iterator)
         del iterator

@@ -63,19 +63,25 @@ class CorruptError(Exception):
         self.index = index
 
 
+class NotelessError(CorruptError):
+    """An error as Python 3.10 makes them: no ``add_note``."""
+
+    add_note = None
+
+
 class FailingDataset(ImageDataset):
     """Raises ``CorruptError`` for every index in ``bad``: at once for the first, after a short
     wait for the others, so that a later row's error arrives last."""
 
-    def __init__(self, n: int, bad: set[int]):
+    def __init__(self, n: int, bad: set[int], error: type[CorruptError] = CorruptError):
         super().__init__(n)
-        self.bad = bad
+        self.bad, self.error = bad, error
 
     def __getitem__(self, index: int) -> np.ndarray:
         if index in self.bad:
             if index != min(self.bad):
                 time.sleep(0.05)
-            raise CorruptError(f"sample {index} is corrupt", index)
+            raise self.error(f"sample {index} is corrupt", index)
         return super().__getitem__(index)
 
 
@@ -153,16 +159,18 @@ def test_collate_fn_gets_the_concurrently_fetched_samples_once_in_order():
     assert {name for name, _ in seen} <= {"arena_loader-worker-0", "arena_loader-worker-1"}
 
 
+@pytest.mark.parametrize("error", [CorruptError, NotelessError])
 @pytest.mark.parametrize("mode", MODES)
-def test_error_keeps_type_traceback_and_first_sample_index(mode):
+def test_error_keeps_type_traceback_and_first_sample_index(mode, error):
     """A sample's error comes back with its type, its traceback and the sample index: the
-    batch's first failing row, as with one thread; the epoch goes on."""
-    dataset = FailingDataset(32, bad={9, 14})
+    batch's first failing row, as with one thread; the epoch goes on. Also for an error
+    without ``add_note`` (every error on Python 3.10): the index goes into ``__notes__``."""
+    dataset = FailingDataset(32, bad={9, 14}, error=error)
     with ArenaLoader(dataset, batch_size=8, num_workers=2, worker_mode=mode,
                      worker_threads=4) as loader:
         iterator = iter(loader)
         next(iterator)
-        with pytest.raises(CorruptError) as caught:
+        with pytest.raises(error) as caught:
             next(iterator)
         text = "".join(traceback.format_exception(caught.value))
         assert "sample 9 is corrupt" in text and "sample 14" not in text

@@ -5,9 +5,9 @@ any two lines leaves the batch either sent and owed, or pending."""
 
 from __future__ import annotations
 
-import traceback
 from typing import Any
 
+from .._messages import add_note, formatted
 from .._resume_stream import EpochPlan, draw_into
 from .crew import Crew
 from .order import EntryKind
@@ -92,9 +92,8 @@ def _detached(error: BaseException) -> BaseException:
     (``f_back``) to ``next()``'s and so to the iterator, which could then only be freed by the
     cyclic garbage collector, and its workers would outlive a dropped iterator. The sampler's
     traceback text stays with it as a note."""
-    text = "".join(traceback.format_exception(error))
+    text = formatted(error)
     error = error.with_traceback(None)
     error.__context__ = None
-    if hasattr(error, "add_note"):
-        error.add_note(f"Raised by the sampler while the next batches were drawn ahead:\n{text}")
+    add_note(error, f"Raised by the sampler while the next batches were drawn ahead:\n{text}")
     return error
