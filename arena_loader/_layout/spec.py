@@ -60,14 +60,17 @@ def _is_field(value: Any) -> bool:
 
 
 def _kept_subclass(value: Any, converted: bool) -> bool:
-    """A numpy array subclass in a ``collate_fn``'s batch (a ``MaskedArray``, ``recarray``,
-    ``matrix``): torch hands it out as it is (its workers pickle it), so it travels as an
-    object leaf, keeping its type and state (a mask). ``np.memmap`` (what slicing a memmap
-    gives) stays a field, stored as a plain array: its mapping cannot cross processes anyway.
-    ``converted`` (``batch_size=None``, no ``collate_fn``): torch's ``default_convert`` makes
-    tensors of numpy's own subclasses (module ``numpy``: ``matrix``) and passes the others
-    (``numpy.ma``, ``numpy.rec``) through."""
+    """A numpy array or tensor subclass in a ``collate_fn``'s batch (a ``MaskedArray``,
+    ``recarray``, ``matrix``, PyG's ``EdgeIndex``, a ``Parameter``): torch hands it out as it
+    is (its workers pickle it), so it travels as an object leaf, keeping its type and state (a
+    mask, a sparse size). ``np.memmap`` (what slicing a memmap gives) stays a field, stored
+    as a plain array: its mapping cannot cross processes anyway. ``converted``
+    (``batch_size=None``, no ``collate_fn``): torch's ``default_convert`` keeps tensor
+    subclasses, makes tensors of numpy's own array subclasses (module ``numpy``:
+    ``matrix``) and passes the others (``numpy.ma``, ``numpy.rec``) through."""
     cls = type(value)
+    if is_tensor(value):
+        return cls is not sys.modules["torch"].Tensor
     if cls is np.ndarray or not isinstance(value, np.ndarray) or isinstance(value, np.memmap):
         return False
     return not (converted and cls.__module__ == "numpy")
