@@ -3,7 +3,7 @@ in-process (``num_workers=0``) path, so both behave identically."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +21,30 @@ from ._messages import add_note, listed
 from ._resume_stream import next_items
 from ._rows import RowWriter
 from ._sample_threads import FirstFailure, SampleThreads
+from .errors import SampleTypeError
 from .worker_info import get_worker_info
 
 _END = object()
+
+
+def _check_getitems(got: Any, indices: list) -> None:
+    """What ``__getitems__`` returned must be one sample per index for default collation:
+    a dict of columns or a generator is named here, with the fix (torch's default_collate
+    fails on both too, with a bare ``KeyError: 0`` or a ``TypeError`` about subscripting)."""
+    if isinstance(got, Mapping):
+        keys = list(got)
+        shown = f"{keys[:8]!r}"[:-1] + ", ...]" if len(keys) > 8 else repr(keys)
+        raise SampleTypeError(
+            f"dataset.__getitems__ returned a dict (keys {shown}) for indices "
+            f"{listed(indices)}; without a collate_fn it must return a list of samples, one "
+            "per index, in order. For a batched read that returns one structure for the "
+            "whole batch (a dict of columns), pass a collate_fn: it gets what __getitems__ "
+            "returned as it is")
+    if not hasattr(got, "__len__") or not hasattr(got, "__getitem__"):
+        raise SampleTypeError(
+            f"dataset.__getitems__ returned a {type(got).__name__} for indices "
+            f"{listed(indices)}; it must return a list of samples, one per index, in order "
+            "(return list(...) of it)")
 
 
 @dataclass
@@ -167,6 +188,7 @@ class BatchFiller:
                 # is (a batched read may return one structure, not one sample per index).
                 return Fetched(rows=len(indices), samples=None,
                                batch=self.collate_fn(samples))
+            _check_getitems(samples, indices)
             if len(samples) != len(indices):
                 raise ValueError(
                     f"dataset.__getitems__ returned {len(samples)} samples for {len(indices)} "
@@ -196,6 +218,7 @@ class BatchFiller:
             if getitems is not None:  # one __getitems__ call per thread, for its rows
                 try:
                     got = getitems([indices[i] for i in share])
+                    _check_getitems(got, [indices[i] for i in share])
                     if len(got) != len(share):
                         raise ValueError(
                             f"dataset.__getitems__ returned {len(got)} samples for "

@@ -178,3 +178,73 @@ def test_property_any_configuration_matches_reference(n, batch_size, drop_last, 
             assert_batches_equal(actual, expected[i], f"batch {i}")
             count += 1
     assert count == len(expected)
+
+
+class _SubclassSamples:
+    """Samples as numpy arrays, for collate_fns returning numpy's array subclasses."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return np.arange(3, dtype=np.float32) + index
+
+
+def _masked_collate(batch: list) -> np.ma.MaskedArray:
+    return np.ma.masked_array(np.stack(batch), mask=np.stack([b % 2 == 0 for b in batch]))
+
+
+def _matrix_collate(batch: list) -> np.matrix:
+    return np.matrix(np.stack(batch))
+
+
+def _recarray_collate(batch: list) -> dict:
+    columns = [np.array([b[0] for b in batch]), np.array([b[1] for b in batch])]
+    return {"rec": np.rec.fromarrays(columns, names="a,b")}
+
+
+class _MaskedSamples(_SubclassSamples):
+    def __getitem__(self, index: int) -> dict:
+        return {"m": np.ma.masked_array(np.arange(3.0) + index, mask=[True, False, index % 2 == 0])}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_collate_fn_numpy_subclasses_are_handed_out_as_they_are(num_workers):
+    """A collate_fn's MaskedArray keeps its mask, a matrix stays a matrix and a recarray a
+    recarray, as torch's DataLoader hands them out (they were plain arrays: the mask dropped,
+    masked values exposed, and a matrix's ``*`` silently elementwise)."""
+    for collate, check in (
+            (_masked_collate, lambda b: isinstance(b, np.ma.MaskedArray)
+             and np.array_equal(b.mask, b.data % 2 == 0)),
+            (_matrix_collate, lambda b: type(b) is np.matrix and b.shape == (2, 3)),
+            (_recarray_collate, lambda b: type(b["rec"]) is np.recarray
+             and np.array_equal(b["rec"].b, b["rec"].a + 1))):
+        with ArenaLoader(_SubclassSamples(), batch_size=2, num_workers=num_workers,
+                         collate_fn=collate) as loader:
+            batches = list(loader)
+        assert len(batches) == 3 and all(check(b) for b in batches), collate.__name__
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batch_size_none_keeps_a_masked_array_as_torch_does(num_workers):
+    """batch_size=None: torch's default_convert passes a MaskedArray through (its module is
+    numpy.ma); it kept its values but lost its mask here."""
+    with ArenaLoader(_MaskedSamples(), batch_size=None, num_workers=num_workers) as loader:
+        samples = list(loader)
+    assert all(isinstance(s["m"], np.ma.MaskedArray) for s in samples)
+    assert [s["m"].mask.tolist() for s in samples] == [
+        [True, False, i % 2 == 0] for i in range(6)]
+
+
+def _memmap_collate(batch: list) -> np.ndarray:
+    return np.stack(batch).view(np.memmap)
+
+
+def test_collate_fn_memmap_slices_still_go_into_the_slot():
+    """np.memmap (what slicing a memmap gives) is stored as a plain array in the slab, the fast
+    path, not pickled: its mapping cannot cross processes anyway."""
+    with ArenaLoader(_SubclassSamples(), batch_size=2, num_workers=0,
+                     collate_fn=_memmap_collate) as loader:
+        batch = next(iter(loader))
+        assert type(batch) is np.ndarray
+        np.testing.assert_array_equal(batch, [[0, 1, 2], [1, 2, 3]])

@@ -1017,3 +1017,38 @@ def test_a_ctrl_c_as_a_segment_descriptor_arrives_loses_no_batch(worker_mode):
         got = _first_rows_under_profile(iterator, lambda: profiler)
         del iterator
     assert profiler.fired and got == list(range(0, 40, 2))
+
+
+class _ColumnsDataset(ImageDataset):
+    """__getitems__ returning one dict of columns (an Arrow/pandas-style batched read)."""
+
+    def __getitems__(self, indices):
+        return {"x": np.stack([self[i] for i in indices]), "a": indices, "b": indices,
+                "c": indices}
+
+
+class _GeneratorDataset(ImageDataset):
+    def __getitems__(self, indices):
+        return (self[i] for i in indices)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+@pytest.mark.parametrize("batch_size", [3, 4])
+def test_getitems_returning_a_dict_of_columns_is_named(num_workers, batch_size):
+    """A dict from __getitems__ under default collation is named with the fix (a collate_fn),
+    also when it happens to have one key per index (it raised a bare KeyError: 0 then, as
+    torch's default_collate does)."""
+    with ArenaLoader(_ColumnsDataset(8), batch_size=batch_size,
+                     num_workers=num_workers) as loader:
+        with pytest.raises(TypeError, match=r"__getitems__ returned a dict \(keys \['x', 'a', "
+                                            r"'b', 'c'\]\).*pass a collate_fn") as info:
+            list(loader)
+    assert isinstance(info.value, ValueError)  # as the wrong-count error, caught as before
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_getitems_returning_a_generator_is_named(num_workers):
+    """A generator from __getitems__ is a TypeError (as torch's) that names __getitems__."""
+    with ArenaLoader(_GeneratorDataset(6), batch_size=3, num_workers=num_workers) as loader:
+        with pytest.raises(TypeError, match=r"__getitems__ returned a generator.*list of samples"):
+            list(loader)

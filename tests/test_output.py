@@ -191,3 +191,50 @@ def test_collate_fn_mapping_keeps_its_attributes(output, num_workers):
     assert [(type(b), b.words, list(b)) for b in ours] == [
         (type(b), b.words, list(b)) for b in theirs]
     assert ours[1].words == ["w2", "w3"] and torch.equal(ours[1]["ids"], theirs[1]["ids"])
+
+
+class _LibraryTensor(torch.Tensor):
+    """A tensor subclass with metadata, as a library defines one (PyG's ``EdgeIndex`` with
+    its ``sparse_size``, torchvision's ``tv_tensors``); its module starts with "torch"."""
+
+    meta: str = ""
+
+    def __reduce_ex__(self, protocol):
+        return _rebuild_library_tensor, (self.as_subclass(torch.Tensor), self.meta)
+
+
+_LibraryTensor.__module__ = "torch_ext.tensors"
+
+
+def _rebuild_library_tensor(data, meta):
+    out = data.as_subclass(_LibraryTensor)
+    out.meta = meta
+    return out
+
+
+class _IndexSamples:
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def _library_tensor_collate(batch: list) -> dict:
+    out = torch.tensor(batch).as_subclass(_LibraryTensor)
+    out.meta = f"rows {batch}"
+    return {"t": out, "p": torch.nn.Parameter(torch.ones(2) * batch[0])}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_collate_fn_tensor_subclasses_are_handed_out_as_they_are(num_workers):
+    """A collate_fn's tensor subclasses keep their type and metadata, as with torch's
+    DataLoader (PyG's EdgeIndex came back a plain Tensor without its sparse_size, a
+    Parameter a Tensor without requires_grad)."""
+    with ArenaLoader(_IndexSamples(), batch_size=2, num_workers=num_workers,
+                     collate_fn=_library_tensor_collate) as loader:
+        batches = list(loader)
+    assert [type(b["t"]) for b in batches] == [_LibraryTensor] * 2
+    assert [b["t"].meta for b in batches] == ["rows [0, 1]", "rows [2, 3]"]
+    assert [b["t"].tolist() for b in batches] == [[0, 1], [2, 3]]
+    assert all(type(b["p"]) is torch.nn.Parameter and b["p"].requires_grad for b in batches)

@@ -317,7 +317,7 @@ def prepare_batch(batch: Any, label: str, converted: bool = False) -> Prepared:
     torch passes through ``default_convert``."""
     if batch is None:
         reject_none(batch, label)
-    builder = SpecBuilder(keep_state=True)
+    builder = SpecBuilder(keep_state=True, converted=converted)
     spec = builder.build(batch, "batch")
     columns, placements = [], []
     for value, path in zip(builder.field_values, builder.field_paths):

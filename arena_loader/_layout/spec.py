@@ -59,6 +59,23 @@ def _is_field(value: Any) -> bool:
     return is_tensor(value) and _slab_holds(value)
 
 
+def _kept_subclass(value: Any, converted: bool) -> bool:
+    """A numpy array or tensor subclass in a ``collate_fn``'s batch (a ``MaskedArray``,
+    ``recarray``, ``matrix``, PyG's ``EdgeIndex``, a ``Parameter``): torch hands it out as it
+    is (its workers pickle it), so it travels as an object leaf, keeping its type and state (a
+    mask, a sparse size). ``np.memmap`` (what slicing a memmap gives) stays a field, stored
+    as a plain array: its mapping cannot cross processes anyway. ``converted``
+    (``batch_size=None``, no ``collate_fn``): torch's ``default_convert`` keeps tensor
+    subclasses, makes tensors of numpy's own array subclasses (module ``numpy``:
+    ``matrix``) and passes the others (``numpy.ma``, ``numpy.rec``) through."""
+    cls = type(value)
+    if is_tensor(value):
+        return cls is not sys.modules["torch"].Tensor
+    if cls is np.ndarray or not isinstance(value, np.ndarray) or isinstance(value, np.memmap):
+        return False
+    return not (converted and cls.__module__ == "numpy")
+
+
 def tensor_array(value: Any) -> tuple[np.ndarray, int, str]:
     """A CPU torch tensor's values as numpy: (array, kind, raw torch dtype name)."""
     tensor = value.detach()
@@ -87,9 +104,11 @@ def _is_namedtuple(value: Any) -> bool:
 class SpecBuilder:
     """Walks a sample (or a collated batch) and records its structure, fields and objects."""
 
-    def __init__(self, keep_state: bool = False) -> None:
-        # A collate_fn's batch: mappings with attributes of their own keep them (``shell``).
+    def __init__(self, keep_state: bool = False, converted: bool = False) -> None:
+        # A collate_fn's batch: mappings with attributes of their own keep them (``shell``),
+        # and numpy array subclasses are kept as they are (``_kept_subclass``).
         self.keep_state = keep_state
+        self.converted = converted
         self.field_paths: list[str] = []
         self.field_values: list[Any] = []
         self.object_paths: list[str] = []
@@ -99,7 +118,8 @@ class SpecBuilder:
         self.object_in_sequence: list[bool] = []
 
     def build(self, value: Any, path: str, in_sequence: bool = False) -> Any:
-        if _is_field(value):
+        if _is_field(value) and not (self.keep_state
+                                     and _kept_subclass(value, self.converted)):
             self.field_paths.append(path)
             self.field_values.append(value)
             return FieldLeaf(len(self.field_paths) - 1)
