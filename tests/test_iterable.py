@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 
 import numpy as np
@@ -86,8 +87,9 @@ def test_the_epoch_ends_without_a_wait_when_the_streams_end(num_workers, persist
                 last = time.perf_counter()
             stalls.append(time.perf_counter() - last)
             assert sorted(seen) == list(range(65))
-    # (A wait came in most epochs; 16 epochs without one took ~0.1 s in all.)
-    assert sum(stalls) < 1.0, [round(s, 3) for s in stalls]
+    # A wait came in most epochs (0.5 s each); 16 epochs without one took ~0.1 s in all. The
+    # median, since a machine busy with other work can stall any one epoch's end.
+    assert statistics.median(stalls) < 0.25, [round(s, 3) for s in stalls]
 
 
 def test_every_stream_empty_ends_the_epoch_at_once():
