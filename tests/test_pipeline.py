@@ -498,8 +498,10 @@ class _PopThenInterrupt(dict):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("target", [2, 5])  # a batch in the middle, the last batch
-def test_ctrl_c_as_a_batch_arrives_loses_no_batch(monkeypatch, target):
+# (idx, samples): the epoch ended early / its last batch was lost / next() waited for good
+# (here until `timeout`: the batches after it filled the window, so nothing more was sent)
+@pytest.mark.parametrize(("target", "samples"), [(2, 12), (5, 12), (2, 80)])
+def test_ctrl_c_as_a_batch_arrives_loses_no_batch(monkeypatch, target, samples):
     """A Ctrl-C handled just as ``Reorderer.arrive`` had popped a batch from ``in_flight``
     left it in neither ``in_flight`` nor ``done``; its record, filed again by the next
     ``next()``, was taken for one filed already and dropped: the last batch was lost without
@@ -518,8 +520,8 @@ def test_ctrl_c_as_a_batch_arrives_loses_no_batch(monkeypatch, target):
     monkeypatch.setattr(Reorderer, "__init__", init)
     monkeypatch.setattr(_PopThenInterrupt, "target", target)
     monkeypatch.setattr(_PopThenInterrupt, "fired", 0)
-    dataset = ImageDataset(12, shape=(3,), dtype=np.int64)
-    with ArenaLoader(dataset, batch_size=2, num_workers=2, timeout=10) as loader:
+    dataset = ImageDataset(samples, shape=(3,), dtype=np.int64)
+    with ArenaLoader(dataset, batch_size=2, num_workers=2, timeout=5) as loader:
         iterator, got = iter(loader), []
         for _ in range(20):
             try:
