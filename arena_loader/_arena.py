@@ -166,8 +166,11 @@ class ArenaSource:
         self._pinner = pinner
         self._lease_only = lease_only
         self._output = output
-        self._to_torch = None if output == "numpy" or lease_only else make_converter("torch",
-                                                                                   lazy=True)
+        # output="torch" imports torch now, not at the first batch: a Ctrl-C landing in an
+        # import inside next() leaves torch half-imported for good (every later next() then
+        # fails, the batch lost). output=None converts only tensor samples (torch is loaded).
+        self._to_torch = None if output == "numpy" or lease_only else make_converter(
+            "torch", lazy=output != "torch")
         # pin_memory without a device: the batch's tensors copied into torch's page-locked
         # memory (_output.tensor_pinner); its slot goes back as the views die.
         self._pin_batch = pin_batch

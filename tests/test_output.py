@@ -238,3 +238,24 @@ def test_collate_fn_tensor_subclasses_are_handed_out_as_they_are(num_workers):
     assert [b["t"].meta for b in batches] == ["rows [0, 1]", "rows [2, 3]"]
     assert [b["t"].tolist() for b in batches] == [[0, 1], [2, 3]]
     assert all(type(b["p"]) is torch.nn.Parameter and b["p"].requires_grad for b in batches)
+
+
+def test_output_torch_imports_torch_with_the_loader_not_inside_next():
+    """output="torch" imports torch when the loader is made. Imported lazily by the first
+    next(), a Ctrl-C landing in that import (it takes a second or more) left torch
+    half-imported: every later next() raised RuntimeError ("Only a single TORCH_LIBRARY ...",
+    "cannot initialize type ...") and the epoch was lost (found by benchmarks/chaos.py)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import numpy as np\n"
+        "from arena_loader import ArenaLoader\n"
+        "loader = ArenaLoader([np.zeros(2)] * 4, batch_size=2, output='torch')\n"
+        "assert 'torch' in sys.modules, 'torch is not imported by the loader'\n"
+        "assert [type(b).__name__ for b in loader] == ['Tensor', 'Tensor']\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -4,6 +4,7 @@ buffer and slot reconciliation (no worker processes)."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -479,3 +480,121 @@ def _wait_until_asleep(ring, worker):
     deadline = time.monotonic() + 5
     while not ring._sleeping[worker] and time.monotonic() < deadline:
         time.sleep(0.001)
+
+
+class _PopThenInterrupt(dict):
+    """``in_flight`` whose ``pop`` of one idx raises ``KeyboardInterrupt`` once the entry is
+    removed: what a real SIGINT does there (CPython handles a signal as a call into C
+    returns, here ``dict.pop`` inside ``Reorderer.arrive``)."""
+
+    target = -1
+    fired = 0
+
+    def pop(self, key, *default):
+        value = super().pop(key, *default)
+        if key == type(self).target and not type(self).fired:
+            type(self).fired += 1
+            raise KeyboardInterrupt
+        return value
+
+
+@pytest.mark.timeout(60)
+# (idx, samples): the epoch ended early / its last batch was lost / next() waited for good
+# (here until `timeout`: the batches after it filled the window, so nothing more was sent)
+@pytest.mark.parametrize(("target", "samples"), [(2, 12), (5, 12), (2, 80)])
+def test_ctrl_c_as_a_batch_arrives_loses_no_batch(monkeypatch, target, samples):
+    """A Ctrl-C handled just as ``Reorderer.arrive`` had popped a batch from ``in_flight``
+    left it in neither ``in_flight`` nor ``done``; its record, filed again by the next
+    ``next()``, was taken for one filed already and dropped: the last batch was lost without
+    a word, an earlier one left ``next()`` waiting for it forever (found by
+    benchmarks/chaos.py: seeds 702422293 and 725662815)."""
+    from arena_loader import ArenaLoader
+
+    from .datasets import ImageDataset, reference_epoch
+
+    original = Reorderer.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.in_flight = _PopThenInterrupt()
+
+    monkeypatch.setattr(Reorderer, "__init__", init)
+    monkeypatch.setattr(_PopThenInterrupt, "target", target)
+    monkeypatch.setattr(_PopThenInterrupt, "fired", 0)
+    dataset = ImageDataset(samples, shape=(3,), dtype=np.int64)
+    with ArenaLoader(dataset, batch_size=2, num_workers=2, timeout=5) as loader:
+        iterator, got = iter(loader), []
+        for _ in range(20):
+            try:
+                got.extend(np.array(batch) for batch in iterator)
+                break
+            except KeyboardInterrupt:
+                continue
+        del iterator
+    assert _PopThenInterrupt.fired == 1
+    expected = reference_epoch(dataset, 2, False)
+    assert len(got) == len(expected)
+    for batch, reference in zip(got, expected):
+        np.testing.assert_array_equal(batch, reference)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("in_order", [True, False])
+def test_ctrl_c_as_a_worker_s_records_are_read_loses_none(in_order):
+    """A Ctrl-C handled at the first point CPython handles one (a call into C returning)
+    after a worker's bytes have left its result pipe: ``buffer += os.read(...)`` dropped
+    them, their records were never filed, and ``next()`` waited for their batches for good
+    (found by benchmarks/chaos.py, seed 702422293: a hang). Simulated with a profile
+    function, which raises at the same point (``c_return``) with the call's result dropped,
+    as a signal handled there does."""
+    import fcntl
+    import struct
+    import sys
+    import termios
+
+    from arena_loader import ArenaLoader
+
+    from .datasets import ImageDataset, reference_epoch
+
+    def unread(fd: int) -> int:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+
+    before: dict = {}
+    fired: list = []
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if fired or code.co_name != "fill" or not code.co_filename.endswith("completions.py"):
+            return
+        fd = frame.f_locals["self"].fds[frame.f_locals["worker"]]
+        if event == "call":
+            before[frame] = unread(fd)
+        elif event == "c_return" and unread(fd) < before.get(frame, 0):
+            fired.append(fd)
+            raise KeyboardInterrupt
+
+    dataset = ImageDataset(80, shape=(3,), dtype=np.int64)
+    with ArenaLoader(dataset, batch_size=2, num_workers=2, timeout=5,
+                     in_order=in_order) as loader:
+        iterator = iter(loader)
+        got = [np.array(next(iterator))]
+        time.sleep(0.3)  # the workers' records wait in their pipes
+        sys.setprofile(profile)
+        try:
+            for _ in range(20):
+                try:
+                    got.extend(np.array(batch) for batch in iterator)
+                    break
+                except KeyboardInterrupt:
+                    continue
+        finally:
+            sys.setprofile(None)
+        del iterator
+    assert fired
+    expected = reference_epoch(dataset, 2, False)
+    key = (lambda batch: batch.tobytes()) if not in_order else None
+    got = got if in_order else sorted(got, key=key)
+    expected = expected if in_order else sorted(expected, key=key)
+    assert len(got) == len(expected)
+    for batch, reference in zip(got, expected):
+        np.testing.assert_array_equal(batch, reference)

@@ -84,6 +84,8 @@ class CompletionReader:
         self.records = 0  # parsed so far, and their bytes (tests check no array travels)
         self.nbytes = 0
         self._buffers = [bytearray() for _ in fds]
+        # Per worker, the bytes of a read that the buffer has not taken yet (see ``fill``).
+        self._reads: list[list[bytes]] = [[] for _ in fds]
         self._decoders = [PlanDecoder() for _ in fds]
         self._last_plan: list[tuple[bytes, Any]] = [(b"", None)] * len(fds)
 
@@ -94,13 +96,20 @@ class CompletionReader:
         nothing is waiting (a record the counter does not show yet is found by the poll).
 
         A record is appended before the buffer drops its bytes: interrupted in between, it is
-        parsed again, and the session files a duplicate as a no-op."""
+        parsed again, and the session files a duplicate as a no-op. The read's bytes are kept
+        by ``list.extend``, which calls ``os.read`` from C: CPython handles a signal as a call
+        into C returns, and ``buffer += os.read(...)`` lost the bytes to a Ctrl-C handled as
+        the read returned (their records never filed: ``next()`` waited for good)."""
         buffer = self._buffers[worker]
         sent = self._sent
         got: bool | None = False
         if not speculative or sent is None or sent[worker] != self._received[worker]:
             try:
-                buffer += (data := os.read(self.fds[worker], READ_NBYTES))  # one statement
+                read = self._reads[worker]
+                if not read:  # (else the bytes an interrupt left out of the buffer)
+                    read.extend(map(os.read, (self.fds[worker],), (READ_NBYTES,)))
+                data = read[0]
+                buffer += data; read.clear()  # noqa: E702 (one line: taken, then forgotten)
                 # (Interrupted before this, it lags: reads are then never skipped, only wasted.)
                 self._received[worker] += len(data)
                 got = True if data else None
@@ -110,6 +119,12 @@ class CompletionReader:
         if buffer:  # (also what an interrupt left unparsed, when the read was skipped)
             self._parse(worker)
         return got
+
+    def kept_reads(self, owed: int | None = None) -> list[int]:
+        """Workers (``owed`` only, if given) whose read an interrupt kept out of the buffer:
+        their pipe may be empty now, so a poll would not say so."""
+        return [worker for worker, read in enumerate(self._reads)
+                if read and (owed is None or worker == owed)]
 
     def spin_for(self, worker: int) -> bool:
         """Yield the CPU a moment while ``worker``'s counter shows nothing unread, and nap
@@ -133,6 +148,8 @@ class CompletionReader:
         self.arrived.clear()
         for buffer in self._buffers:
             buffer.clear()
+        for read in self._reads:
+            read.clear()
 
     def stop_counting(self) -> None:
         """The ring holding the workers' counters is closing: read without them."""

@@ -162,6 +162,9 @@ class Crew:
         ready at once."""
         if not self._open or self.group.closed:
             return []
+        kept = self.reader.kept_reads(owed)
+        if kept:
+            return [(worker, False) for worker in kept]
         poller = self._poller if owed is None else self._owed_pollers[owed]
         events = poller.poll(max(0, int(timeout_s * 1000)))
         owner = self._owner

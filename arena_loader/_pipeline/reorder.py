@@ -21,9 +21,13 @@ class Reorderer:
         self.states: dict[int, bytes] = {}
 
     def arrive(self, ready: Any) -> None:
-        """Batch ``ready.idx`` is loaded (it was in flight). One statement moves it, so it is
-        never both in flight and arrived; ``settle`` finishes an interrupted arrival."""
-        self.done[ready.idx] = (self.in_flight.pop(ready.idx, None), ready)[1]
+        """Batch ``ready.idx`` is loaded (it was in flight). Filed in ``done`` first, then out
+        of flight, on one line: CPython handles a signal as a call into C returns, so a
+        Ctrl-C can land only after the pop, when the move is done (``pop`` first, it landed
+        between the two, and the batch was in neither: its record, filed again, passed for
+        one taken already and was dropped); a trace function's line event, before both.
+        ``settle`` finishes an interrupted arrival."""
+        self.done[ready.idx] = ready; self.in_flight.pop(ready.idx, None)  # noqa: E702
         if not self.in_order:
             self._arrival.append(ready.idx)
 
