@@ -448,6 +448,7 @@ class Run:
         at = max(1, int(e["at"] * length))  # batches delivered when the action happens
         KNOBS.set(bad=action == "bad", slow=action == "slow",
                   delay=e["sample_delay"] if e["ctrlc"] else 0.0)
+        self.late_ok = self.pending_crash  # a worker killed earlier may surface this epoch
         try:
             it = iter(loader)
         except WorkerCrashedError:
@@ -639,11 +640,11 @@ class Run:
             if len(errors) != 1 or errors[0][1] != "WorkerCrashedError":
                 fail("a killed worker must give one WorkerCrashedError")
             word = "SIGKILL" if action == "sigkill" else "SIGTERM"
-            if word not in errors[0][2] and "exited" not in errors[0][2]:
+            if word not in errors[0][2] and "exited" not in errors[0][2] and not self.late_ok:
                 fail(f"crash message does not name {word}")
             if not matches(prefix=True):
                 fail("batches before a crash are not the reference's prefix")
-            if len(batches) < at:
+            if len(batches) < at and not self.late_ok:
                 fail("fewer batches than were delivered before the kill")
             return
         if action == "close":
@@ -803,7 +804,11 @@ def child(seed: int, verbose: bool, limit: float) -> int:
         if left:
             raise FailureError(f"with no batch held: still mapped {left}")
     except FailureError as exc:
-        result.update(ok=False, kind="FAIL", error=str(exc)[:6000])
+        # BatchSampler._listed_batches (our RandomSampler with a torch generator) is a
+        # generator: a Ctrl-C inside it ends the epoch (reported, not fixed here)
+        known = any("samplers.py" in line for line in INTERRUPT_LOG)
+        result.update(ok=False, kind="FAIL (Ctrl-C in a sampler generator)" if known else
+                      "FAIL", error=str(exc)[:6000])
     except BaseException as exc:  # anything else is a failure to report
         result.update(ok=False, kind=f"EXC {type(exc).__name__}",
                       error="".join(traceback.format_exception(exc))[-6000:])
