@@ -12,6 +12,7 @@ defaults the loader builds from ``shuffle``, ``batch_size`` and ``drop_last``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from collections import deque
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ._distributed import DistributedSampler
+from ._epoch_batches import ChunkedBatches, SlicedBatches
 from ._options import torch_worded
 
 __all__ = [
@@ -217,45 +219,32 @@ class RandomSampler:
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
             generator = torch.Generator()
             generator.manual_seed(seed)
+        draws, sizes = self._chunk_draws(torch, n, generator)
+        for (call, args), size in zip(draws, sizes):
+            yield call(*(arg[0] for arg in args))[:size]
+
+    def _chunk_draws(self, torch: Any, n: int,
+                     generator: Any) -> tuple[list[tuple[Any, tuple]], list[int]]:
+        """torch's RandomSampler's draws from ``generator``: per chunk a C callable and its
+        argument iterables (``map(call, *args)`` draws it), and how many of its indices
+        count."""
         if self.replacement:
-            for size in [32] * (self.num_samples // 32) + [self.num_samples % 32]:
-                yield torch.randint(high=n, size=(size,), dtype=torch.int64, generator=generator)
-        else:
-            for size in [n] * (self.num_samples // n) + [self.num_samples % n]:
-                yield torch.randperm(n, generator=generator)[:size]
+            call = functools.partial(torch.randint, dtype=torch.int64, generator=generator)
+            sizes = [32] * (self.num_samples // 32) + [self.num_samples % 32]
+            return [(call, ((n,), ((size,),))) for size in sizes], sizes
+        call = functools.partial(torch.randperm, generator=generator)
+        sizes = [n] * (self.num_samples // n) + [self.num_samples % n]
+        return [(call, ((n,),))] * len(sizes), sizes
+
+    def _chunked_batches(self, size: int, drop_last: bool, first: int,
+                         lists: bool) -> ChunkedBatches:
+        """The epoch's batches drawn from the caller's torch generator as torch draws them."""
+        n = len(self.data_source)
+        draws, sizes = self._chunk_draws(torch_for(self.generator), n, self.generator)
+        return ChunkedBatches(draws, sizes, size, drop_last, first, lists)
 
     def __len__(self) -> int:
         return self.num_samples
-
-
-class SlicedBatches:
-    """One epoch of our samplers' batches: the indices drawn as one array at the first next()
-    (when torch's BatchSampler draws them), then a slice per next(). Not a generator: CPython
-    raises a Ctrl-C where it next looks for signals, which inside a generator finishes it
-    (the rest of the epoch was lost, silently); here ``_start`` moves with the return, after
-    the batch is made, so an interrupted next() moves nothing."""
-
-    __slots__ = ("_array", "_draw", "_drop_last", "_lists", "_size", "_start")
-
-    def __init__(self, draw: Any, size: int, drop_last: bool, first: int, lists: bool):
-        self._draw, self._size, self._drop_last, self._lists = draw, size, drop_last, lists
-        self._array: np.ndarray | None = None
-        self._start = first * size
-
-    def __iter__(self) -> SlicedBatches:
-        return self
-
-    def __next__(self) -> list[int] | np.ndarray:
-        array = self._array
-        if array is None:
-            array = self._array = self._draw()
-        start, end, n = self._start, self._start + self._size, len(array)
-        if start >= (n - n % self._size if self._drop_last else n):
-            raise StopIteration
-        batch = array[start: end].tolist() if self._lists else array[start: end]
-        # One line: a trace function's line event (the suite's Ctrl-C at every line) lands
-        # before both; CPython itself handles no signal between them.
-        self._start = end; return batch  # noqa: E702
 
 
 class BatchSampler:
@@ -291,6 +280,8 @@ class BatchSampler:
         if type(sampler) in (RandomSampler, SequentialSampler) and sampler._draws_array():
             return SlicedBatches(sampler._index_array, self.batch_size, self.drop_last, first,
                                  lists)
+        if type(sampler) is RandomSampler and len(sampler.data_source) > 0:
+            return sampler._chunked_batches(self.batch_size, self.drop_last, first, lists)
         return self._listed_batches(first)
 
     def _listed_batches(self, first: int) -> Iterator[list[int]]:

@@ -1019,6 +1019,69 @@ def test_a_ctrl_c_as_a_segment_descriptor_arrives_loses_no_batch(worker_mode):
     assert profiler.fired and got == list(range(0, 40, 2))
 
 
+class _InterruptInTheDraw:
+    """Raises KeyboardInterrupt once, at the k-th ``event`` in the sampler's code
+    (``samplers.py``, ``_epoch_batches.py``): ``"c_return"`` as a profile function (a call into
+    C returning, where CPython handles a real signal), ``"line"`` as a trace function."""
+
+    def __init__(self, k: int, event: str):
+        self.k, self.event, self.count, self.fired = k, event, 0, False
+
+    def __call__(self, frame, event, arg):
+        name = frame.f_code.co_filename
+        if event == self.event and not self.fired \
+                and name.endswith(("samplers.py", "_epoch_batches.py")):
+            self.count += 1
+            if self.count == self.k:
+                self.fired = True
+                raise KeyboardInterrupt
+        return self
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("event", ["c_return", "line"])
+def test_a_ctrl_c_in_a_torch_generators_draw_loses_no_batch(num_workers, event):
+    """shuffle=True with the caller's torch.Generator: the sampler draws torch's chunks as
+    torch does, as the epoch reaches them (inside next()). A KeyboardInterrupt anywhere in
+    that code leaves the epoch whole: every batch once, in torch's order, and the generator
+    where torch leaves it. (Drawn by generators, an interrupt finished them and the rest of
+    the epoch was lost, silently: chaos seeds 702422293 and 83118498.)"""
+    import torch
+
+    def epoch_of(loader_class, generator, **options):
+        return [int(b[0, 0]) for b in loader_class(_Indexed(), batch_size=2, shuffle=True,
+                                                 generator=generator, **options)]
+
+    reference = torch.Generator().manual_seed(7)
+    expected = epoch_of(torch.utils.data.DataLoader, reference)
+    install = sys.setprofile if event == "c_return" else sys.settrace
+    fired = 0
+    for k in range(1, 13, 2):
+        generator = torch.Generator().manual_seed(7)
+        hook = _InterruptInTheDraw(k, event)
+        with ArenaLoader(_Indexed(), batch_size=2, shuffle=True, generator=generator,
+                         num_workers=num_workers, timeout=10 if num_workers else 0) as loader:
+            iterator, got = iter(loader), []
+            while True:
+                install(hook)
+                try:
+                    batch = iterator.__next__()
+                except KeyboardInterrupt:
+                    continue
+                except StopIteration:
+                    break
+                finally:
+                    install(None)
+                got.append(int(batch[0, 0]))
+                del batch
+            del iterator
+        fired += hook.fired
+        assert got == expected, (k, got)
+        assert torch.equal(generator.get_state(), reference.get_state()), k
+    assert fired >= 3, fired
+
+
 class _ColumnsDataset(ImageDataset):
     """__getitems__ returning one dict of columns (an Arrow/pandas-style batched read)."""
 
