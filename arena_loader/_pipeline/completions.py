@@ -84,8 +84,10 @@ class CompletionReader:
         self.records = 0  # parsed so far, and their bytes (tests check no array travels)
         self.nbytes = 0
         self._buffers = [bytearray() for _ in fds]
-        # Per worker, the bytes of a read that the buffer has not taken yet (see ``fill``).
+        # Per worker, the bytes of a read that the buffer has not taken yet (see ``fill``), and
+        # os.read's arguments, as map() takes them.
         self._reads: list[list[bytes]] = [[] for _ in fds]
+        self._read_args = [((fd,), (READ_NBYTES,)) for fd in self.fds]
         self._decoders = [PlanDecoder() for _ in fds]
         self._last_plan: list[tuple[bytes, Any]] = [(b"", None)] * len(fds)
 
@@ -107,7 +109,7 @@ class CompletionReader:
             try:
                 read = self._reads[worker]
                 if not read:  # (else the bytes an interrupt left out of the buffer)
-                    read.extend(map(os.read, (self.fds[worker],), (READ_NBYTES,)))
+                    read.extend(map(os.read, *self._read_args[worker]))
                 data = read[0]
                 buffer += data; read.clear()  # noqa: E702 (one line: taken, then forgotten)
                 # (Interrupted before this, it lags: reads are then never skipped, only wasted.)
@@ -123,6 +125,8 @@ class CompletionReader:
     def kept_reads(self, owed: int | None = None) -> list[int]:
         """Workers (``owed`` only, if given) whose read an interrupt kept out of the buffer:
         their pipe may be empty now, so a poll would not say so."""
+        if not any(self._reads):  # (the common case, in C)
+            return []
         return [worker for worker, read in enumerate(self._reads)
                 if read and (owed is None or worker == owed)]
 
