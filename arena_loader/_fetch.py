@@ -31,6 +31,8 @@ def _check_getitems(got: Any, indices: list) -> None:
     """What ``__getitems__`` returned must be one sample per index for default collation:
     a dict of columns or a generator is named here, with the fix (torch's default_collate
     fails on both too, with a bare ``KeyError: 0`` or a ``TypeError`` about subscripting)."""
+    if type(got) is list:  # (the common case, without the ABC check)
+        return
     if isinstance(got, Mapping):
         keys = list(got)
         shown = f"{keys[:8]!r}"[:-1] + ", ...]" if len(keys) > 8 else repr(keys)
@@ -216,16 +218,17 @@ class BatchFiller:
         def load_share(thread: int) -> None:
             share = range(thread, rows, count)
             if getitems is not None:  # one __getitems__ call per thread, for its rows
+                keys = [indices[i] for i in share]
                 try:
-                    got = getitems([indices[i] for i in share])
-                    _check_getitems(got, [indices[i] for i in share])
+                    got = getitems(keys)
+                    _check_getitems(got, keys)
                     if len(got) != len(share):
                         raise ValueError(
                             f"dataset.__getitems__ returned {len(got)} samples for "
                             f"{len(share)} indices; it must return one sample per index, in "
                             "order")
                 except BaseException as exc:
-                    _note_rows(exc, [indices[i] for i in share], thread, count)
+                    _note_rows(exc, keys, thread, count)
                     failure.record(share.start, exc)
                     return
                 pairs = zip(share, got)

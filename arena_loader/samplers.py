@@ -122,9 +122,6 @@ class SequentialSampler:
         """The epoch's indices as one array (BatchSampler slices it: no list per index)."""
         return np.arange(len(self.data_source), dtype=np.int64)
 
-    def _indices_from(self, skip: int) -> Iterator[int]:
-        return iter(range(skip, len(self.data_source)))
-
     def __len__(self) -> int:
         return len(self.data_source)
 
@@ -192,25 +189,11 @@ class RandomSampler:
             drawn = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return drawn
 
-    def _indices_from(self, skip: int) -> Iterator[int]:
-        """The epoch's indices after the first ``skip``, drawn as a whole epoch draws them (a
-        resumed epoch): the skipped ones are never made into Python ints."""
-        n = len(self.data_source)
-        torch = torch_for(self.generator)
-        if n == 0 or torch is None:
-            return iter(self._numpy_indices(n)[skip:].tolist()) if n else iter(())
-        return self._torch_indices(torch, n, skip)
-
-    def _torch_indices(self, torch: Any, n: int, skip: int = 0) -> Iterator[int]:
+    def _torch_indices(self, torch: Any, n: int) -> Iterator[int]:
         """torch.utils.data.RandomSampler.__iter__'s draws, call for call (a generator, like
-        torch's, so its seed is drawn at the first next()); the first ``skip`` indices are
-        drawn and dropped."""
+        torch's, so its seed is drawn at the first next())."""
         for drawn in self._torch_chunks(torch, n):
-            if skip >= len(drawn):  # (drawn even when skipped: the generator moves as in
-                skip -= len(drawn)  # an epoch)
-                continue
-            yield from drawn[skip:].tolist()
-            skip = 0
+            yield from drawn.tolist()
 
     def _torch_chunks(self, torch: Any, n: int) -> Iterator[Any]:
         """The tensors torch's RandomSampler draws, in its order (its seed drawn first)."""
@@ -221,7 +204,7 @@ class RandomSampler:
             generator.manual_seed(seed)
         draws, sizes = self._chunk_draws(torch, n, generator)
         for (call, args), size in zip(draws, sizes):
-            yield call(*(arg[0] for arg in args))[:size]
+            yield next(map(call, *args))[:size]
 
     def _chunk_draws(self, torch: Any, n: int,
                      generator: Any) -> tuple[list[tuple[Any, tuple]], list[int]]:
@@ -286,12 +269,9 @@ class BatchSampler:
 
     def _listed_batches(self, first: int) -> Iterator[list[int]]:
         skip = first * self.batch_size
-        if skip and type(self.sampler) in (RandomSampler, SequentialSampler):
-            indices = self.sampler._indices_from(skip)
-        else:
-            indices = iter(self.sampler)
-            if skip:  # drawn and dropped in C, no list per batch
-                deque(itertools.islice(indices, skip), maxlen=0)
+        indices = iter(self.sampler)
+        if skip:  # drawn and dropped in C, no list per batch
+            deque(itertools.islice(indices, skip), maxlen=0)
         while True:
             batch = list(itertools.islice(indices, self.batch_size))
             if len(batch) < self.batch_size and (self.drop_last or not batch):

@@ -935,13 +935,14 @@ def test_a_ctrl_c_as_the_sampler_returns_a_batch_loses_none(num_workers):
     _in_fresh_interpreter(f"_ctrl_c_as_the_sampler_returns({num_workers})", timeout_s=50)
 
 
-def _first_rows_under_profile(iterator, make_profiler) -> list[int]:
+def _first_rows_under_profile(iterator, make_profiler, install=sys.setprofile) -> list[int]:
     """Each batch's first value over the rest of ``iterator``'s epoch, every ``next()`` run
     under the profile function ``make_profiler()`` gave (a new one after each batch; after
-    an interrupt the user calls ``next()`` again, under the same one)."""
+    an interrupt the user calls ``next()`` again, under the same one); ``install``:
+    ``sys.settrace`` for a trace function."""
     got, profiler = [], make_profiler()
     while True:
-        sys.setprofile(profiler)
+        install(profiler)
         try:
             batch = iterator.__next__()
         except KeyboardInterrupt:
@@ -949,7 +950,7 @@ def _first_rows_under_profile(iterator, make_profiler) -> list[int]:
         except StopIteration:
             return got
         finally:
-            sys.setprofile(None)
+            install(None)
         got.append(int(batch[0, 0]))
         profiler = make_profiler()
         del batch
@@ -1062,19 +1063,8 @@ def test_a_ctrl_c_in_a_torch_generators_draw_loses_no_batch(num_workers, event):
         hook = _InterruptInTheDraw(k, event)
         with ArenaLoader(_Indexed(), batch_size=2, shuffle=True, generator=generator,
                          num_workers=num_workers, timeout=10 if num_workers else 0) as loader:
-            iterator, got = iter(loader), []
-            while True:
-                install(hook)
-                try:
-                    batch = iterator.__next__()
-                except KeyboardInterrupt:
-                    continue
-                except StopIteration:
-                    break
-                finally:
-                    install(None)
-                got.append(int(batch[0, 0]))
-                del batch
+            iterator = iter(loader)
+            got = _first_rows_under_profile(iterator, lambda hook=hook: hook, install)
             del iterator
         fired += hook.fired
         assert got == expected, (k, got)

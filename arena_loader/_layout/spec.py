@@ -106,7 +106,7 @@ class SpecBuilder:
 
     def __init__(self, keep_state: bool = False, converted: bool = False) -> None:
         # A collate_fn's batch: mappings with attributes of their own keep them (``shell``),
-        # and numpy array subclasses are kept as they are (``_kept_subclass``).
+        # and numpy array and tensor subclasses are kept as they are (``_kept_subclass``).
         self.keep_state = keep_state
         self.converted = converted
         self.field_paths: list[str] = []
