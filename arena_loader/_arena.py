@@ -9,7 +9,6 @@ import os
 import threading
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -183,11 +182,12 @@ class ArenaSource:
         self._claimed = False
         self._closed = False
         self._lock = threading.Lock()
-        # Segment batches handed out, and those whose views all died (appended by finalizers
-        # in any thread: deque.append takes no lock the dropping thread might hold).
-        self._segments_given = 0
+        # A weak reference to each segment batch handed out whose views are alive. Its
+        # callback, this set's discard, is a C-level call (in whatever thread drops the last
+        # view): no lock the dropping thread might hold, and no interrupt can cut it short (a
+        # Python finalizer would swallow a Ctrl-C there and count the batch held forever).
+        self._held_segments: set[weakref.ref] = set()
         self._delivered = 0  # batches handed out (or being): tells an unused iterator
-        self._segments_released: deque[None] = deque()
         self._warned = False
         self._pid = os.getpid()
         self._outgrown = 0  # the largest batch that did not fit its slot (note_outgrown)
@@ -249,7 +249,7 @@ class ArenaSource:
         with self._lock:
             arena, in_use, closed = self._arena, self._claimed, self._closed
         states = tuple(state.value for state in arena.pool.states()) if arena else ()
-        segments = self._segments_given - len(self._segments_released)
+        segments = len(self._held_segments)
         return LoaderSnapshot(
             closed=closed, slots=self.slots, slot_nbytes=self.slot_nbytes,
             slab_nbytes=arena.slab.nbytes if arena else None,
@@ -269,7 +269,7 @@ class ArenaSource:
     def held(self, arena: Arena | None) -> int:
         """Batches the consumer holds: leased slots plus batches in segments."""
         leased = arena.pool.held() if arena is not None else 0
-        return leased + self._segments_given - len(self._segments_released)
+        return leased + len(self._held_segments)
 
     def over_limit(self, arena: Arena | None) -> bool:
         return self._limit.reached(functools.partial(self.held, arena))
@@ -324,8 +324,8 @@ class ArenaSource:
                 lease = SegmentLease(storage)
                 # A child forked while the batch is held keeps a private copy of it.
                 _forksafe.keep_across_fork(lease, storage.ctypes.data, plan.nbytes)
-                self._segments_given += 1
-                weakref.finalize(lease, self._segments_released.append, None).atexit = False
+                held = self._held_segments  # (the reference hashes now, while alive)
+                held.add(weakref.ref(lease, held.discard))
                 pinned = False
             self._delivered += 1
             host = np.asarray(lease)

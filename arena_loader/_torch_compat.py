@@ -203,15 +203,16 @@ def check_worker_number(num_workers: int, stacklevel: int) -> None:
 # collection can start inside a generator's get_state() or set_state() (the state tensor's
 # allocation), which holds that generator's lock, and asking for it again there waits forever.
 _deferred: list[Callable[[], None]] = []
-_collecting = False
+# The collection's phase, kept by two C-level callbacks: gc calls each with (phase, info), and
+# pop then setdefault move the phase's key to the end, so the last key is the phase now. A
+# Python callback would run the handler of any signal that arrived during the collection and
+# gc would swallow what it raises (a Ctrl-C in any program that imported us, ignored).
+_gc_phases: dict[str, Any] = {"stop": None}
+gc.callbacks.extend((_gc_phases.pop, _gc_phases.setdefault))
 
 
-def _note_collection(phase: str, _info: dict) -> None:
-    global _collecting
-    _collecting = phase == "start"
-
-
-gc.callbacks.append(_note_collection)
+def _collecting() -> bool:
+    return next(reversed(_gc_phases)) == "start"
 
 
 class UnusedIteratorDraws:
@@ -269,7 +270,7 @@ class UnusedIteratorDraws:
 
     def _died(self, delivered: Callable[[], int], delivered_then: int,
               on_give_back: Callable[[], None] | None) -> None:
-        if _collecting:
+        if _collecting():
             _deferred.append(lambda: self._give_back(delivered, delivered_then, on_give_back))
         else:
             self._give_back(delivered, delivered_then, on_give_back)
