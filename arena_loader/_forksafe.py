@@ -30,10 +30,11 @@ import select
 import signal
 import threading
 import time
-import weakref
 from typing import Any
 
 import numpy as np
+
+from ._leases import WeakEntries
 
 logger = logging.getLogger("arena_loader")
 
@@ -60,36 +61,14 @@ _libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctyp
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
-class _Registry:
-    """Entries ``(owner, key)`` that last as long as their owner. A plain dict and no lock: a
-    lock held by another thread at a fork would stay locked forever in the child; dict
-    operations are atomic under the GIL. An entry leaves through its weak reference's callback
-    when the owner dies. Owners that are closed (an mmap or a Slab) count as gone: the range
-    or inode they named may already belong to something else."""
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
-
-    def add(self, owner: Any, key: Any) -> None:
-        ref = weakref.ref(owner, self._forget)
-        self._entries[id(ref)] = (ref, key)
-
-    def _forget(self, ref: weakref.ref) -> None:
-        self._entries.pop(id(ref), None)
+class _Registry(WeakEntries):
+    """Entries ``(owner, key)`` that last as long as their owner (``WeakEntries``: no lock,
+    none to leave locked in a forked child). Owners that are closed (an mmap or a Slab) count
+    as gone: the range or inode they named may already belong to something else."""
 
     def live(self) -> list[tuple[Any, Any]]:
-        live = []
-        for ref, key in list(self._entries.values()):
-            owner = ref()
-            if owner is not None and not getattr(owner, "closed", False):
-                live.append((owner, key))
-        return live
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
+        return [(owner, key) for owner, key in self.items()
+                if not getattr(owner, "closed", False)]
 
 
 # Shared mappings and visible regions: key (address, nbytes). Shared-memory objects held open

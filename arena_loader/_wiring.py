@@ -15,6 +15,7 @@ import numpy as np
 
 from ._arena import ArenaSource
 from ._fetch import BatchFiller
+from ._leases import WeakEntries
 from ._options import LoaderOptions
 from ._output import NUMPY_UNPINNED, tensor_pinner
 from ._pipeline.iterator import MultiProcessIterator
@@ -160,19 +161,18 @@ class LiveIterators:
     order they were made) and its persistent one, with the face ``iter(loader)`` returns."""
 
     def __init__(self) -> None:
-        self.live: weakref.WeakSet = weakref.WeakSet()
-        self._by_order: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        self._made = itertools.count()
+        # (WeakEntries, not WeakSet: their callbacks cannot swallow a Ctrl-C.)
+        self.live = WeakEntries()  # what close() closes (a staged iterator: its wrapper)
+        self._made = WeakEntries()  # every iterator made, in order (snapshots)
         self.persistent: MultiProcessIterator | None = None
         self._face: weakref.ref | None = None
 
     def add(self, iterator: Any) -> None:
         self.live.add(iterator)
-        self._by_order[next(self._made)] = iterator
+        self._made.add(iterator)
 
     def snapshots(self) -> tuple:
-        return tuple(iterator.snapshot() for _, iterator in sorted(self._by_order.items(),
-                                                                   key=lambda item: item[0]))
+        return tuple(iterator.snapshot() for iterator, _ in self._made.items())
 
     def persistent_face(self, owner: Any, iterator: MultiProcessIterator) -> PersistentEpoch:
         """The same object every epoch while the user holds it, as torch's."""
@@ -256,11 +256,11 @@ def open_cuda(options: LoaderOptions) -> tuple[Any, Any]:
                        "machine with a GPU")
 
 
-def close_all(source: ArenaSource, live: weakref.WeakSet, pid: int) -> None:
+def close_all(source: ArenaSource, live: WeakEntries, pid: int) -> None:
     if os.getpid() != pid:
         return  # a finalizer copied into a forked worker: the loader is the parent's
     try:
-        for iterator in list(live):
+        for iterator, _ in live.items():
             iterator.close()
     finally:
         source.close()
