@@ -70,8 +70,8 @@ class InProcessIterator:
             if given is not _NOTHING:
                 self._stash = [given]
             raise
-        with self._lock:  # the batch's error (as Consumer.next_batch)
-            raise self._stash.pop()
+        with self._lock:  # the batch's error, out of the stash with no call (as Consumer's)
+            (error,), self._stash = self._stash, []; raise error  # noqa: E702 (one line)
 
     def _next(self) -> None:
         """Leave the next batch (or its error) in ``_stash``."""

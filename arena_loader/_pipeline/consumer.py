@@ -56,10 +56,11 @@ class Consumer:
             if given is not _NOTHING:
                 handout.stash = [given]
             raise
-        # The batch's error, raised by the pop (an interrupt before leaves it for the next
-        # next()); outside the handler above, whose check an interrupt could replace it in.
+        # The batch's error, out of the stash with no call and raised on the same line (an
+        # interrupt before leaves it for the next next(); one as a pop returned lost it);
+        # outside the handler above, whose check an interrupt could replace it in.
         with session.consumer_lock:
-            raise handout.stash.pop()
+            (error,), handout.stash = handout.stash, []; raise error  # noqa: E702 (one line)
 
     def _next_batch(self) -> None:
         """Leave the next batch (or its error) in the handout's ``stash``."""

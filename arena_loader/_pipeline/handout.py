@@ -1,10 +1,10 @@
 """The batch ``next()`` is handing out, held so that a ``KeyboardInterrupt`` at any line of
 ``next()`` loses nothing: a batch taken from the ``Reorderer`` is in ``taken`` until it is
 built (an interrupt puts it back at the front: ``put_back``); built, it is in ``stash`` until
-``next()``'s last line pops it (an interrupt before leaves it for the next ``next()``). A
-batch that failed is stashed the same way, as its error (``failed``): ``next()`` raises it
-with the pop, so an interrupt can neither swallow it nor raise it twice. One per epoch; the
-session calls it under its lock."""
+``next()``'s last lines take it out, with no call (an interrupt before leaves it for the next
+``next()``; a pop's return would lose it). A batch that failed is stashed the same way, as its
+error (``failed``), and raised once taken out: an interrupt can neither swallow it nor raise
+it twice. One per epoch; the session calls it under its lock."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class Handout:
     def __init__(self, position: EpochPosition) -> None:
         self.taken: Completion | None = None  # taken, not yet built
         # What the next pop hands out (empty, or one item): the built batch, or with
-        # ``failed`` the error to raise in its place. Popped by ``next()``'s last line.
+        # ``failed`` the error to raise in its place. Taken out by ``next()``'s last lines.
         self.stash: list = []
         self.failed = False
         self.position = position  # moved as each batch is handed over (state_dict)
