@@ -303,6 +303,10 @@ class ArenaSource:
         collection here: it would cost a collection per batch while the user keeps batches).
         Raises when the consumer holds ``held_batch_limit`` batches."""
         slot = arena.pool.acquire()
+        if slot is None and arena.pool.reconcile(set()):
+            # A slot that an interrupt left ASSIGNED as it was taken (num_workers=0 owns no
+            # slot between batches: each is written, then leased, within one next()).
+            slot = arena.pool.acquire()
         if slot is None:
             if self.over_limit(arena):
                 raise self.limit_error(arena)

@@ -190,6 +190,9 @@ class InProcessIterator:
         self._done = True
         finalizer = self._finalizer
         if finalizer is not None and finalizer.alive:
+            # A slot an interrupt left ASSIGNED as it was taken is free again (none is this
+            # iterator's between batches).
+            self._arena.pool.reconcile(set())
             # Not the finalizer's own call, which forgets it before running it: a Ctrl-C in
             # unclaim then left the slab claimed, and so open, for good.
             self._source.unclaim(self._arena)

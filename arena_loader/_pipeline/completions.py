@@ -122,13 +122,20 @@ class CompletionReader:
             self._parse(worker)
         return got
 
-    def kept_reads(self, owed: int | None = None) -> list[int]:
-        """Workers (``owed`` only, if given) whose read an interrupt kept out of the buffer:
-        their pipe may be empty now, so a poll would not say so."""
-        if not any(self._reads):  # (the common case, in C)
+    def unreported(self, owed: int | None = None) -> list[int]:
+        """Workers (``owed`` only, if given) with records here that an interrupt kept from
+        being filed, which no poll would report (their pipe may be empty now): a read kept
+        out of the buffer, a whole record left unparsed in it, records parsed and not filed.
+        ``fill`` (``Intake.receive``) takes them in."""
+        if not (self.arrived or any(self._reads) or any(self._buffers)):  # (common: in C)
             return []
-        return [worker for worker, read in enumerate(self._reads)
-                if read and (owed is None or worker == owed)]
+        header = COMPLETION.size
+        workers = {completion.worker for completion in self.arrived}
+        for worker, (read, buffer) in enumerate(zip(self._reads, self._buffers)):
+            if read or (len(buffer) >= header and
+                        len(buffer) >= header + COMPLETION.unpack_from(buffer)[0]):
+                workers.add(worker)
+        return sorted(w for w in workers if owed is None or w == owed)
 
     def spin_for(self, worker: int) -> bool:
         """Yield the CPU a moment while ``worker``'s counter shows nothing unread, and nap

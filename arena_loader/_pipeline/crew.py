@@ -162,7 +162,7 @@ class Crew:
         ready at once."""
         if not self._open or self.group.closed:
             return []
-        kept = self.reader.kept_reads(owed)
+        kept = self.reader.unreported(owed)  # (what an interrupt kept: no poll shows it)
         if kept:
             return [(worker, False) for worker in kept]
         poller = self._poller if owed is None else self._owed_pollers[owed]

@@ -13,8 +13,10 @@ class Reorderer:
     def __init__(self, in_order: bool, first_idx: int = 0):
         self.in_order = in_order
         self.in_flight: dict[int, tuple[int, int, Any]] = {}  # idx -> (worker, slot, indices)
-        self.done: dict[int, Any] = {}  # idx -> its filed Completion
-        self._arrival: deque[int] = deque()  # in_order=False: idx in completion order
+        # idx -> its filed Completion, in the order they arrived (in_order=False takes the
+        # first: completion order, with no call to record it)
+        self.done: dict[int, Any] = {}
+        self._again: deque[int] = deque()  # in_order=False: idx put back, taken first
         self.next_idx = first_idx  # in_order: the idx next() hands out next
         # idx -> the worker's replica state sent before that batch's record (datasets with
         # state_dict only: empty, and never looked into, otherwise)
@@ -28,25 +30,29 @@ class Reorderer:
         one taken already and was dropped); a trace function's line event, before both.
         ``settle`` finishes an interrupted arrival."""
         self.done[ready.idx] = ready; self.in_flight.pop(ready.idx, None)  # noqa: E702
-        if not self.in_order:
-            self._arrival.append(ready.idx)
 
     def settle(self, idx: int) -> None:
-        """An arrived batch filed again: make sure it is out of flight and, in completion
-        order, in line to be taken."""
+        """An arrived batch filed again: make sure it is out of flight."""
         self.in_flight.pop(idx, None)
-        if not self.in_order and idx in self.done and idx not in self._arrival:
-            self._arrival.append(idx)
 
     def take(self) -> Any | None:
-        """The next batch to hand out, removed (one statement: the caller keeps it in the
-        same one); None if it has not arrived. Then ``taken(ready)``."""
+        """The next batch to hand out, removed; None if it has not arrived. Then
+        ``taken(ready)``. Looked up, then removed by ``del`` and returned on one line: a
+        signal is handled as a call into C returns, and ``done.pop`` returning lost the
+        batch to it (in neither ``done`` nor the caller's hands: the epoch waited for it);
+        ``del`` is no call, and the caller keeps the return in the statement that calls."""
+        done = self.done
         if self.in_order:
-            return self.done.pop(self.next_idx, None)
-        arrival = self._arrival
-        while arrival and arrival[0] not in self.done:
-            arrival.popleft()  # its batch was taken before an interrupt put it in line again
-        return self.done.pop(arrival.popleft()) if arrival else None
+            idx = self.next_idx
+        else:
+            again = self._again
+            while again and again[0] not in done:
+                again.popleft()  # taken already (left in line: dropped once taken)
+            idx = again[0] if again else next(iter(done), None)
+        ready = done.get(idx)
+        if ready is not None:
+            del done[idx]; return ready  # noqa: E702 (one line: no call, no line event)
+        return None
 
     def taken(self, ready: Any) -> None:
         """The caller holds ``ready``: the batch after it is next (``unget`` undoes this)."""
@@ -59,7 +65,7 @@ class Reorderer:
         if self.in_order:
             self.next_idx = min(self.next_idx, ready.idx)
         else:
-            self._arrival.appendleft(ready.idx)
+            self._again.appendleft(ready.idx)  # (interrupted before: taken in its turn)
 
     def owed(self) -> list[int]:
         """The idx whose absence holds up next(), for error messages."""
@@ -69,5 +75,5 @@ class Reorderer:
         """Drop every arrived batch; returns them (their slots are the caller's to reclaim)."""
         dropped = list(self.done.values())
         self.done.clear()
-        self._arrival.clear()
+        self._again.clear()
         return dropped
