@@ -363,15 +363,15 @@ def draw_more(s: dict[str, Any], rng: random.Random) -> None:
     options and actions where these leave them): user samplers, worker_init_fn, spawn and
     forkserver, the device leg, getitems, and the actions of NEW_ACTIONS."""
     workers, epochs = s["num_workers"], s["epochs"]
-    s["sampler"] = more.draw_sampler(rng, s["n"]) if (
-        not s["iterable"] and rng.random() < 0.35) else None
-    if s["sampler"]:
-        s["shuffle"] = False
+    with_sampler = not s["iterable"] and rng.random() < 0.35
     s["getitems"] = not s["iterable"] and rng.random() < 0.2
     s["context"] = None
     if s["worker_mode"] == "process" and workers and not s["iterable"] and rng.random() < 0.06:
         s.update(context=rng.choice(["spawn", "forkserver"]), num_workers=min(workers, 2),
                  n=min(s["n"], 40))
+    s["sampler"] = more.draw_sampler(rng, s["n"]) if with_sampler else None  # (n as cut)
+    if s["sampler"]:
+        s["shuffle"] = False
     s["device"] = None
     if s["context"] is None and rng.random() < 0.07:
         s.update(device="cuda", output="numpy", pin_memory=False)
@@ -536,7 +536,9 @@ class Run:
         gen_state = gen.get_state() if gen is not None else None
         sampler_state = more.sampler_state(self.sampler)
         if self.carried is not None:  # a state loaded at the epoch's end: the old loader's
-            (gen_state, sampler_state), self.carried = self.carried, None
+            # generators (the epoch: set_epoch, called on this loader before this)
+            (gen_state, (sampler_gen, _)), self.carried = self.carried, None
+            sampler_state = (sampler_gen, sampler_state[1])
         bases = [more.torch_base_seed(gen_state if gen is not None else torch.get_rng_state())]
         if s.get("sampler"):
             return [more.sampler_reference(s["sampler"], s["n"], s["batch_size"],
