@@ -587,6 +587,9 @@ class Run:
                 flag.touch()
             else:
                 flag.unlink(missing_ok=True)
+        if action in ("dropload", "interleave") and self.pending_crash:
+            e = dict(e, action="full")  # a worker killed earlier surfaces: this loop's part
+            action = "full"
         if action in ("dropload", "interleave"):
             return self.epoch_apart(loader, e, number)
         refs, bases = self.expect(loader)
@@ -709,19 +712,7 @@ class Run:
             why = more.reap(pid)
             if why:
                 raise FailureError(f"epoch {number}: {why}")
-        if self.seed_dir:
-            records = more.read_seeds(self.seed_dir)
-            self.log(f"  epoch {number}: worker seeds {[(r['seed'], r['pid']) for r in records]}, "
-                     f"torch's base {bases}")
-            # Persistent workers restarted on a grown slab keep their base seed (design.md,
-            # "Slot budget"; "Known limits")
-            kept = [self.worker_base] if s["persistent_workers"] and self.worker_base else []
-            why = more.check_seeds(records, bases + kept, s["num_workers"],
-                                   s["worker_mode"] == "process")
-            if records:
-                self.worker_base = (records[0]["seed"] - records[0]["worker_id"]) % 2 ** 64
-            if why:
-                raise FailureError(f"epoch {number}: {why}")
+        self.check_worker_seeds(bases, number)
         if action == "stateend":
             return self.resume_at_end(loader, number), True
         if action == "close":
@@ -735,6 +726,24 @@ class Run:
             done = [g for g in got if g and g[0] != "error"]
             return self.resume(loader, state, refs, done, number), True
         return loader, True
+
+    def check_worker_seeds(self, bases: list[int], number: int) -> None:
+        """The seeds the workers started this epoch recorded follow torch's rule."""
+        if not self.seed_dir:
+            return
+        s = self.s
+        records = more.read_seeds(self.seed_dir)
+        self.log(f"  epoch {number}: worker seeds {[(r['seed'], r['pid']) for r in records]}, "
+                 f"torch's base {bases}")
+        # Persistent workers keep their base seed: restarted on a grown slab (design.md, "Slot
+        # budget"; "Known limits"), or resumed from a state taken between epochs
+        kept = [self.worker_base] if s["persistent_workers"] and self.worker_base else []
+        why = more.check_seeds(records, bases + kept, s["num_workers"],
+                               s["worker_mode"] == "process")
+        if records:
+            self.worker_base = (records[0]["seed"] - records[0]["worker_id"]) % 2 ** 64
+        if why:
+            raise FailureError(f"epoch {number}: {why}")
 
     def epoch_apart(self, loader: Any, e: dict[str, Any], number: int) -> tuple[Any, bool]:
         """``dropload``: a new loader dropped (``del``, collected) mid-epoch while its iterator
@@ -751,7 +760,8 @@ class Run:
                 loader.close()
                 loader = self.new_loader()
                 self.carried = None  # (a new loader: its own generators' states)
-                refs, _ = self.expect(loader)
+                self.worker_base = 0
+                refs, bases = self.expect(loader)
                 it = iter(loader)
                 pids = [p for p in getattr(it, "worker_pids", []) or [] if p != os.getpid()]
                 self.seen_pids.update(pids)
@@ -771,13 +781,15 @@ class Run:
                 alive = more.pids_gone(pids)
                 if alive:
                     raise FailureError(f"{where}: workers {alive} outlive loader and iterator")
+                self.check_worker_seeds(bases, number)
+                self.worker_base = 0
                 return self.new_loader(), True
             s2 = dict(s, sampler=None, getitems=False, context=None, device=None, init=None,
                       in_order=True, pin_memory=False, slots=None, held_batch_limit=None,
                       timeout=0, worker_mode="process", worker_threads=1, prefetch_factor=None,
                       **e["other"])
             other = ArenaLoader(make_dataset(s2), **loader_kwargs(s2))
-            refs, _ = self.expect(loader)
+            refs, bases = self.expect(loader)
             gen2 = other.generator
             refs2 = references(s2, gen2.get_state() if gen2 is not None else None)
             its = [iter(loader), iter(other)]
@@ -802,6 +814,7 @@ class Run:
                 raise FailureError(f"{where}: this loader's {gots[0]}, refs {refs}")
             if gots[1] not in refs2:
                 raise FailureError(f"{where}: the other loader's {gots[1]}, refs {refs2}")
+            self.check_worker_seeds(bases, number)
             return loader, True
         finally:
             stop.set()
