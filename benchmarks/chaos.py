@@ -976,8 +976,10 @@ class Run:
                     fail("the error did not come at its batch's turn")
             return
         if errors:
-            if action == "stopcont" and all(x[1] == "LoaderTimeoutError" for x in errors):
-                pass
+            if (action == "stopcont" or s["timeout"] < 1) and all(
+                    x[1] == "LoaderTimeoutError" for x in errors):
+                pass  # (a slow epoch's 0.3 s timeout holds in every epoch: new workers under
+                # load may miss it; a timeout loses nothing, which matches() below checks)
             else:
                 fail("unexpected errors")
         if ended in ("break", "state", "abandon"):
