@@ -240,3 +240,38 @@ def test_a_stream_whose_iter_returns_itself_is_read_with_next_only(num_workers, 
     with ArenaLoader(SelfIteratingStream(), **kwargs) as loader:  # (capped: it was endless)
         got = [[b.tolist() for b in itertools.islice(loader, 5)] for _ in range(3)]
     assert got == expected
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_as_a_workers_doorbell_rings_keeps_the_round_robin(monkeypatch):
+    """A Ctrl-C raised after the order ring took a batch (while its doorbell is rung) moves
+    the round robin on: the epoch is still torch's order. (It sent the next batch to the same
+    worker, and batches changed places: the chaos soak's seed 158658498.)"""
+    from arena_loader._pipeline.order import EntryKind, OrderRing
+
+    publish = OrderRing.publish
+    streams = itertools.count()
+    armed = []  # (once iter() has returned: only next() is interrupted)
+
+    def interrupted_publish(self, worker, kind, *args):
+        sent = publish(self, worker, kind, *args)
+        if armed and kind is EntryKind.STREAM and next(streams) in (0, 3):
+            raise KeyboardInterrupt  # where the doorbell's os.write would take it
+        return sent
+
+    monkeypatch.setattr(OrderRing, "publish", interrupted_publish)
+    got, interrupts = [], 0
+    with ArenaLoader(ShardedStream(24), batch_size=2, num_workers=2) as loader:
+        it = iter(loader)
+        armed.append(True)
+        while True:
+            try:
+                got.append(next(it)["index"].tolist())
+            except KeyboardInterrupt:
+                interrupts += 1
+            except StopIteration:
+                break
+    shards = [list(range(worker, 24, 2)) for worker in (0, 1)]
+    expected = [shards[k % 2][k // 2 * 2: k // 2 * 2 + 2] for k in range(12)]
+    assert interrupts == 2
+    assert got == expected

@@ -72,14 +72,16 @@ class Feed:
                 (worker, slot, None if self._iterable else indices), NO_PENDING, idx + 1)
             kind = EntryKind.STREAM if self._iterable else EntryKind.INDICES
             sent = crew.publish(worker, kind, idx, slot, self.epoch, indices)
+            if not sent:
+                self._unsend(order, idx, indices)
+            elif self._iterable:
+                self._next_worker = worker + 1
         except BaseException:
             if published[worker] <= seq:  # the ring did not take it
                 self._unsend(order, idx, indices)
+            elif self._iterable:  # it did (a Ctrl-C at the doorbell): the next worker's turn
+                self._next_worker = worker + 1
             raise
-        if not sent:
-            self._unsend(order, idx, indices)
-        elif self._iterable:
-            self._next_worker = worker + 1
         return sent
 
     def _unsend(self, order: Reorderer, idx: int, indices: Any) -> None:
