@@ -240,6 +240,45 @@ def test_collate_fn_tensor_subclasses_are_handed_out_as_they_are(num_workers):
     assert all(type(b["p"]) is torch.nn.Parameter and b["p"].requires_grad for b in batches)
 
 
+class _MetaTensor(torch.Tensor):
+    """A tensor subclass from outside torch's modules whose ``__torch_function__`` merges
+    its metadata through ``torch.stack``, as MONAI's ``MetaTensor`` does."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func is torch.stack and isinstance(out, _MetaTensor):
+            out.meta = tuple(m for t in args[0] for m in t.meta)
+        return out
+
+
+class _MetaSamples(_IndexSamples):
+    def __getitem__(self, index: int) -> dict:
+        image = torch.full((2,), float(index)).as_subclass(_MetaTensor)
+        image.meta = (f"s{index}",)
+        return {"image": image, "label": index}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_default_collation_stacks_tensor_subclasses_with_torch(num_workers):
+    """Samples holding a tensor subclass defined outside torch are stacked by torch.stack,
+    as torch's default_collate does: the batch keeps the subclass and the metadata its
+    __torch_function__ merges, and its other fields are tensors (found by a user trial:
+    MONAI's MetaTensor raised SampleTypeError)."""
+    kwargs = dict(batch_size=2, num_workers=num_workers)
+    theirs = list(torch.utils.data.DataLoader(_MetaSamples(), **kwargs))
+    with ArenaLoader(_MetaSamples(), **kwargs) as loader:
+        ours = list(loader)
+
+    def seen(batch):
+        return (type(batch["image"]), batch["image"].meta, batch["image"].tolist(),
+                type(batch["label"]), batch["label"].tolist())
+
+    assert [seen(b) for b in ours] == [seen(b) for b in theirs]
+    assert seen(ours[1]) == (_MetaTensor, ("s2", "s3"), [[2.0, 2.0], [3.0, 3.0]],
+                             torch.Tensor, [2, 3])
+
+
 def test_output_torch_imports_torch_with_the_loader_not_inside_next():
     """output="torch" imports torch when the loader is made. Imported lazily by the first
     next(), a Ctrl-C landing in that import (it takes a second or more) left torch

@@ -235,6 +235,8 @@ def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
     fields = placements
     pickled = None
     if objects:
+        # stacked by torch (a tensor subclass, a nested tensor): the dataset makes tensors
+        torch = torch or (collated and any(map(is_tensor, objects)))
         pickled = _pickled(objects, object_paths)
     objects_offset = offset
     nbytes = max(FIELD_ALIGNMENT, align(offset + (len(pickled) if pickled else 0)))

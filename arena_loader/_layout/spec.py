@@ -35,7 +35,23 @@ def describe(value: Any) -> str:
 
 
 def is_tensor(value: Any) -> bool:
-    return type(value).__module__.startswith("torch") and hasattr(value, "untyped_storage")
+    """A torch tensor, of torch's classes or a subclass from any module (MONAI's
+    ``MetaTensor``, a user's ``class Tagged(torch.Tensor)``)."""
+    if type(value).__module__.startswith("torch"):
+        return hasattr(value, "untyped_storage")
+    torch = sys.modules.get("torch")  # not imported: no value is a tensor
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _stacks_as_subclass(tensor: Any) -> bool:
+    """A tensor subclass that ``torch.stack`` keeps, through its ``__torch_function__``
+    (``MetaTensor`` then merges its metadata): default collation stacks these with torch, as
+    torch's ``default_collate`` does, and hands the result out pickled. ``Parameter`` and
+    ``Buffer`` disable torch functions, so they stack to plain tensors, as fields do."""
+    torch = sys.modules["torch"]
+    cls = type(tensor)
+    return (cls is not torch.Tensor
+            and cls.__torch_function__ is not torch._C._disabled_torch_function_impl)
 
 
 def _slab_holds(tensor: Any) -> bool:
@@ -49,14 +65,14 @@ def _slab_holds(tensor: Any) -> bool:
 def _is_field(value: Any) -> bool:
     """A leaf stored as an array in the slab: numpy arrays but object ones, numeric numpy
     scalars (a ``np.str_`` is a str to torch's ``default_collate``, so an object leaf), Python
-    numbers, dense tensors."""
+    numbers, dense tensors (but subclasses that stack as themselves)."""
     if type(value) in PYTHON_NUMBER_DTYPES:
         return True
     if isinstance(value, np.ndarray):  # object arrays travel pickled, as torch's do
         return not value.dtype.hasobject
     if isinstance(value, np.generic):
         return not isinstance(value, np.character)
-    return is_tensor(value) and _slab_holds(value)
+    return is_tensor(value) and _slab_holds(value) and not _stacks_as_subclass(value)
 
 
 def _kept_subclass(value: Any, converted: bool) -> bool:
@@ -233,10 +249,10 @@ def object_array_error(dtype: np.dtype, where: str) -> SampleTypeError:
 
 def collate_objects(values: list, path: str, in_sequence: bool, indices: Sequence[Any]) -> Any:
     """One object leaf's values under default collation, as torch's ``default_collate`` gives
-    them: str and bytes as they are (a tuple inside a tuple or list sample, the list otherwise),
-    a tensor kind the slab cannot hold stacked by torch (nested and sparse raise torch's
-    ``RuntimeError``); what torch rejects raises ``SampleTypeError`` (a ``TypeError``). As in
-    torch, the first sample's value decides."""
+    them: str and bytes as they are (a tuple inside a tuple or list sample, the list
+    otherwise), a tensor kind the slab cannot hold, or a subclass, stacked by torch (nested
+    and sparse raise torch's ``RuntimeError``); what torch rejects raises
+    ``SampleTypeError`` (a ``TypeError``). As in torch, the first sample's value decides."""
     first = values[0]
     if isinstance(first, (str, bytes)):
         return tuple(values) if in_sequence else values
