@@ -279,6 +279,40 @@ def test_default_collation_stacks_tensor_subclasses_with_torch(num_workers):
                              torch.Tensor, [2, 3])
 
 
+class _Box:
+    """A class default collation cannot batch until a collate function is registered for it
+    in torch's ``default_collate_fn_map``."""
+
+    def __init__(self, value: int | list) -> None:
+        self.value = value
+
+
+def _collate_boxes(batch: list, *, collate_fn_map: dict) -> _Box:
+    return _Box([box.value for box in batch])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_default_collation_uses_collate_functions_registered_with_torch(num_workers,
+                                                                         monkeypatch):
+    """A type registered in torch's default_collate_fn_map is collated by its function, as
+    torch's default_collate does (found by a user trial: MONAI's list_data_collate registers
+    MetaTensor's, after which torch's batches carried per-sample metadata and ours did not)."""
+    from torch.utils.data._utils.collate import default_collate_fn_map
+
+    monkeypatch.setitem(default_collate_fn_map, _Box, _collate_boxes)
+    samples = [{"box": _Box(i), "x": (i, float(i))} for i in range(4)]
+    kwargs = dict(batch_size=2, num_workers=num_workers)
+    theirs = list(torch.utils.data.DataLoader(samples, **kwargs))
+    with ArenaLoader(samples, **kwargs) as loader:
+        ours = list(loader)
+
+    def seen(batch):
+        return (type(batch["box"]), batch["box"].value, [x.tolist() for x in batch["x"]])
+
+    assert [seen(b) for b in ours] == [seen(b) for b in theirs]
+    assert seen(ours[1]) == (_Box, [2, 3], [[2, 3], [2.0, 3.0]])
+
+
 def test_output_torch_imports_torch_with_the_loader_not_inside_next():
     """output="torch" imports torch when the loader is made. Imported lazily by the first
     next(), a Ctrl-C landing in that import (it takes a second or more) left torch

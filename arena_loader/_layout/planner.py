@@ -32,6 +32,7 @@ from .spec import (
     PYTHON_NUMBER_DTYPES,
     FieldLeaf,
     SpecBuilder,
+    collate_extensions,
     collate_objects,
     describe,
     flatten,
@@ -284,7 +285,8 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any]) -> Prepared:
     """Default collation: the samples stacked per leaf as torch's ``default_collate`` would
     (dtype promotion included); str and other objects become lists."""
     first = samples[0]
-    if type(first) is np.ndarray:  # the commonest sample: one array (no structure to walk)
+    # the commonest sample: one array (no structure to walk), torch's collate for arrays
+    if type(first) is np.ndarray and not collate_extensions():
         rows, placement = _column(samples, "sample", indices)
         if type(rows) is EqualRows:
             return Prepared(_equal_rows_plan(placement), [rows], None)
@@ -302,8 +304,11 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any]) -> Prepared:
             if sample is None:
                 reject_none(sample, f"dataset[{index!r}]", collated=True)
             flatten(spec, sample, raw_columns, objects, index)
-        objects = [collate_objects(values, path, in_sequence, indices) for values, path, in_sequence
-                   in zip(objects, builder.object_paths, builder.object_in_sequence)]
+        objects = [collate(values, collate_fn_map=builder.extensions) if collate is not None
+                   else collate_objects(values, path, in_sequence, indices)
+                   for values, path, in_sequence, collate in zip(
+                       objects, builder.object_paths, builder.object_in_sequence,
+                       builder.object_collates)]
     columns, placements = [], []
     for values, path in zip(raw_columns, builder.field_paths):
         rows, placement = _column(values, path, indices)

@@ -51,7 +51,7 @@ def _stacks_as_subclass(tensor: Any) -> bool:
     torch = sys.modules["torch"]
     cls = type(tensor)
     return (cls is not torch.Tensor
-            and cls.__torch_function__ is not torch._C._disabled_torch_function_impl)
+            and cls.__torch_function__ is not torch.nn.Parameter.__torch_function__)
 
 
 def _slab_holds(tensor: Any) -> bool:
@@ -113,6 +113,30 @@ def tensor_array(value: Any) -> tuple[np.ndarray, int, str]:
     return tensor.numpy(), KIND_TORCH, ""
 
 
+_TORCH_COLLATE = "torch.utils.data._utils.collate"
+
+
+def collate_extensions() -> dict:
+    """torch's ``default_collate_fn_map`` if a library or the user registered a collate
+    function of their own in it (MONAI's ``list_data_collate`` adds ``MetaTensor``'s), else
+    an empty dict. Read per batch: the map may change at any time, in a worker too."""
+    collate = sys.modules.get(_TORCH_COLLATE)
+    table = getattr(collate, "default_collate_fn_map", None)
+    if not table or all(getattr(fn, "__module__", None) == _TORCH_COLLATE
+                        for fn in table.values()):
+        return {}
+    return table
+
+
+def registered_collate(value: Any, table: dict) -> Any:
+    """The collate function ``table`` registers for ``value`` if not torch's own, found as
+    torch's ``collate`` finds it (its exact type, else the first key it is an instance of)."""
+    fn = table.get(type(value))
+    if fn is None:
+        fn = next((table[key] for key in table if isinstance(value, key)), None)
+    return fn if fn is not None and fn.__module__ != _TORCH_COLLATE else None
+
+
 def _is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
@@ -125,6 +149,10 @@ class SpecBuilder:
         # and numpy array and tensor subclasses are kept as they are (``_kept_subclass``).
         self.keep_state = keep_state
         self.converted = converted
+        # Default collation: leaves of a type registered in default_collate_fn_map are
+        # collated by that function (``object_collates``), before any structure is walked.
+        self.extensions = {} if keep_state or converted else collate_extensions()
+        self.object_collates: list[Any] = []
         self.field_paths: list[str] = []
         self.field_values: list[Any] = []
         self.object_paths: list[str] = []
@@ -134,6 +162,10 @@ class SpecBuilder:
         self.object_in_sequence: list[bool] = []
 
     def build(self, value: Any, path: str, in_sequence: bool = False) -> Any:
+        if self.extensions:
+            collate = registered_collate(value, self.extensions)
+            if collate is not None:
+                return self._object(value, path, in_sequence, collate)
         if _is_field(value) and not (self.keep_state
                                      and _kept_subclass(value, self.converted)):
             self.field_paths.append(path)
@@ -145,10 +177,8 @@ class SpecBuilder:
             shell = _emptied_copy(value) if self.keep_state and type(value) is not dict else None
             if shell is None:
                 return MappingNode(type(value), keys, children, path)
-            self.object_paths.append(path)
-            self.object_values.append(shell)
-            self.object_in_sequence.append(False)
-            return MappingNode(type(value), keys, children, path, len(self.object_paths) - 1)
+            leaf = self._object(shell, path, False)
+            return MappingNode(type(value), keys, children, path, leaf.index)
         if isinstance(value, (tuple, list)):
             if _is_namedtuple(value):
                 names = type(value)._fields
@@ -162,9 +192,13 @@ class SpecBuilder:
             names = tuple(value.__dataclass_fields__)
             children = tuple(self.build(getattr(value, n), f"{path}.{n}") for n in names)
             return MappingNode(type(value), names, children, path)
+        return self._object(value, path, in_sequence)
+
+    def _object(self, value: Any, path: str, in_sequence: bool, collate: Any = None) -> Any:
         self.object_paths.append(path)
         self.object_values.append(value)
         self.object_in_sequence.append(in_sequence)
+        self.object_collates.append(collate)
         return ObjectLeaf(len(self.object_paths) - 1)
 
 
