@@ -10,7 +10,7 @@ import warnings
 
 import numpy as np
 import torch
-from monai import transforms as T
+from monai import transforms as T  # noqa: N812 (MONAI's own spelling)
 from monai.data import (
     CacheDataset,
     Dataset,
@@ -129,7 +129,7 @@ if __name__ == "__main__":
         ours = dict(collate_fn=list_data_collate, worker_init_fn=monai_worker_init)
         for name, cls, extra in (("monai", MonaiLoader, {}), ("arena", ArenaLoader, ours)):
             try:
-                res[name] = collect(cls, lambda extra=extra: dict(
+                res[name] = collect(cls, lambda extra=extra, kw=kw: dict(
                     kw, generator=torch.Generator().manual_seed(5), **extra),
                     ds_rand if nw or cls is MonaiLoader else ds_rand_as_monai, 2)
             except Exception as e:
