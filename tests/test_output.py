@@ -193,6 +193,25 @@ def test_collate_fn_mapping_keeps_its_attributes(output, num_workers):
     assert ours[1].words == ["w2", "w3"] and torch.equal(ours[1]["ids"], theirs[1]["ids"])
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_default_collation_keeps_the_first_samples_mapping_attributes(num_workers):
+    """Samples that are mappings with state of their own (a tokenizer's BatchEncoding) collate
+    into a copy of the first sample's mapping, as torch's default_collate makes one (found by
+    a user trial: the batch was rebuilt from its items, its encodings None)."""
+    samples = [Encoding({"ids": [i, i + 1], "label": i}, words=[f"w{i}"]) for i in range(4)]
+    kwargs = dict(batch_size=2, num_workers=num_workers)
+    theirs = list(torch.utils.data.DataLoader(samples, **kwargs))
+    with ArenaLoader(samples, output="torch", **kwargs) as loader:
+        ours = list(loader)
+
+    def seen(batch):
+        return (type(batch), batch.words, [x.tolist() for x in batch["ids"]],
+                batch["label"].tolist())
+
+    assert [seen(b) for b in ours] == [seen(b) for b in theirs]
+    assert seen(ours[1]) == (Encoding, ["w2"], [[2, 3], [3, 4]], [2, 3])
+
+
 class _LibraryTensor(torch.Tensor):
     """A tensor subclass with metadata, as a library defines one (PyG's ``EdgeIndex`` with
     its ``sparse_size``, torchvision's ``tv_tensors``); its module starts with "torch"."""

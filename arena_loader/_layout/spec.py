@@ -145,8 +145,9 @@ class SpecBuilder:
     """Walks a sample (or a collated batch) and records its structure, fields and objects."""
 
     def __init__(self, keep_state: bool = False, converted: bool = False) -> None:
-        # A collate_fn's batch: mappings with attributes of their own keep them (``shell``),
-        # and numpy array and tensor subclasses are kept as they are (``_kept_subclass``).
+        # Mappings with attributes of their own keep them (``shell``: the first sample's, in
+        # default collation, as torch's copy.copy(elem).update(...) does); in a collate_fn's
+        # batch, numpy array and tensor subclasses are kept as they are (``_kept_subclass``).
         self.keep_state = keep_state
         self.converted = converted
         # Default collation: leaves of a type registered in default_collate_fn_map are
@@ -174,10 +175,10 @@ class SpecBuilder:
         if isinstance(value, Mapping):
             keys = tuple(value.keys())
             children = tuple(self.build(value[k], f"{path}[{k!r}]") for k in keys)
-            shell = _emptied_copy(value) if self.keep_state and type(value) is not dict else None
+            shell = _emptied_copy(value) if type(value) is not dict else None
             if shell is None:
                 return MappingNode(type(value), keys, children, path)
-            leaf = self._object(shell, path, False)
+            leaf = self._object(shell, path, False, _first_shell)
             return MappingNode(type(value), keys, children, path, leaf.index)
         if isinstance(value, (tuple, list)):
             if _is_namedtuple(value):
@@ -200,6 +201,11 @@ class SpecBuilder:
         self.object_in_sequence.append(in_sequence)
         self.object_collates.append(collate)
         return ObjectLeaf(len(self.object_paths) - 1)
+
+
+def _first_shell(shells: list, *, collate_fn_map: dict) -> Any:
+    """Default collation of a mapping's shell: the first sample's, as torch copies it."""
+    return shells[0]
 
 
 def _emptied_copy(mapping: Mapping) -> Any:
