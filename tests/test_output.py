@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import gc
+import threading
+import types
 import typing
 
 import numpy as np
@@ -210,6 +212,23 @@ def test_default_collation_keeps_the_first_samples_mapping_attributes(num_worker
 
     assert [seen(b) for b in ours] == [seen(b) for b in theirs]
     assert seen(ours[1]) == (Encoding, ["w2"], [[2, 3], [3, 4]], [2, 3])
+
+
+def test_in_process_batches_hold_the_collate_fns_objects_themselves():
+    """With num_workers=0 a collate_fn's non-array values are the very objects it returned,
+    as torch's are there, not pickled copies (found by a user trial: a BatchEncoding batch
+    lost its _n_sequences to pickling; a lock in a batch raised TypeError)."""
+    lock, made = threading.Lock(), []
+
+    def collate(samples):
+        made.append(types.SimpleNamespace(rows=samples))
+        return {"x": torch.tensor(samples), "lock": lock, "tag": made[-1]}
+
+    with ArenaLoader(list(range(4)), batch_size=2, collate_fn=collate) as loader:
+        batches = list(loader)
+    assert [(b["lock"] is lock, b["tag"] is tag) for b, tag in zip(batches, made)] == [
+        (True, True)] * 2
+    assert [b["x"].tolist() for b in batches] == [[0, 1], [2, 3]]
 
 
 class _LibraryTensor(torch.Tensor):

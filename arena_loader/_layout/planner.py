@@ -227,7 +227,10 @@ def _leaf_placement(value: Any, path: str, label: str,
 
 def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
             objects: list | None, collated: bool, converted: bool = False,
-            object_paths: Sequence[str] = ()) -> Prepared:
+            object_paths: Sequence[str] = (), live: bool = False) -> Prepared:
+    """``live``: the batch stays in this process (num_workers=0), so its object leaves are
+    handed out as they are, as torch's are there: not pickled (a lossy pickle, such as
+    BatchEncoding's, an object's identity, or one that does not pickle, all kept)."""
     offset, torch = 0, False
     for p in placements:  # placements are this batch's own: set their offsets in place
         p.offset = offset
@@ -238,12 +241,13 @@ def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
     if objects:
         # stacked by torch (a tensor subclass, a nested tensor): the dataset makes tensors
         torch = torch or (collated and any(map(is_tensor, objects)))
-        pickled = _pickled(objects, object_paths)
+        pickled = None if live else _pickled(objects, object_paths)
     objects_offset = offset
     nbytes = max(FIELD_ALIGNMENT, align(offset + (len(pickled) if pickled else 0)))
+    live = bool(live and objects)
     plan = Plan(spec, tuple(fields), objects_offset, len(pickled) if pickled else 0, nbytes,
-                torch, collated, converted)
-    return Prepared(plan, columns, pickled)
+                torch, collated, converted, live)
+    return Prepared(plan, columns, pickled, objects if live else None)
 
 
 def _pickled(objects: list, paths: Sequence[str]) -> bytes:
@@ -281,7 +285,8 @@ def _equal_rows_plan(placement: FieldPlacement) -> Plan:
     return plan
 
 
-def prepare_samples(samples: Sequence[Any], indices: Sequence[Any]) -> Prepared:
+def prepare_samples(samples: Sequence[Any], indices: Sequence[Any],
+                    live: bool = False) -> Prepared:
     """Default collation: the samples stacked per leaf as torch's ``default_collate`` would
     (dtype promotion included); str and other objects become lists."""
     first = samples[0]
@@ -315,10 +320,11 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any]) -> Prepared:
         columns.append(rows)
         placements.append(placement)
     return _finish(spec, columns, placements, objects, collated=True,
-                   object_paths=builder.object_paths)
+                   object_paths=builder.object_paths, live=live)
 
 
-def prepare_batch(batch: Any, label: str, converted: bool = False) -> Prepared:
+def prepare_batch(batch: Any, label: str, converted: bool = False,
+                  live: bool = False) -> Prepared:
     """A batch a ``collate_fn`` made (or one sample, with ``batch_size=None``): every leaf
     keeps its own shape and dtype. ``converted``: one sample with no ``collate_fn``, which
     torch passes through ``default_convert``."""
@@ -332,7 +338,7 @@ def prepare_batch(batch: Any, label: str, converted: bool = False) -> Prepared:
         columns.append(column)
         placements.append(placement)
     return _finish(spec, columns, placements, builder.object_values, collated=False,
-                   converted=converted, object_paths=builder.object_paths)
+                   converted=converted, object_paths=builder.object_paths, live=live)
 
 
 def prepare_rows(sample: Any, rows: int, index: Any) -> tuple[Prepared, Any]:
