@@ -46,7 +46,7 @@ def is_tensor(value: Any) -> bool:
 def _stacks_as_subclass(tensor: Any) -> bool:
     """A tensor subclass that ``torch.stack`` keeps, through its ``__torch_function__``
     (``MetaTensor`` then merges its metadata): default collation stacks these with torch, as
-    torch's ``default_collate`` does, and hands the result out pickled. ``Parameter`` and
+    torch's ``default_collate`` does, and hand the result out as an object. ``Parameter`` and
     ``Buffer`` disable torch functions, so they stack to plain tensors, as fields do."""
     torch = sys.modules["torch"]
     cls = type(tensor)
@@ -134,7 +134,7 @@ def registered_collate(value: Any, table: dict) -> Any:
     fn = table.get(type(value))
     if fn is None:
         fn = next((table[key] for key in table if isinstance(value, key)), None)
-    return fn if fn is not None and fn.__module__ != _TORCH_COLLATE else None
+    return fn if fn is not None and getattr(fn, "__module__", None) != _TORCH_COLLATE else None
 
 
 def _is_namedtuple(value: Any) -> bool:
