@@ -330,7 +330,8 @@ class ArenaSource:
             self._delivered += 1
             host = np.asarray(lease)
             try:
-                objects = live_objects if live_objects is not None else plan.objects(host)
+                objects = live_objects if live_objects is not None else (
+                    plan.objects(host) if plan.objects_len else [])
             except Exception as exc:
                 raise RuntimeError(
                     f"the non-array values of batch idx={idx} (indices {listed(indices)!r}) "
