@@ -316,9 +316,9 @@ class ArenaSource:
     # -- delivery ------------------------------------------------------------------------
 
     def deliver(self, arena: Arena | None, slot: int | None, storage: np.ndarray | None,
-                plan: Plan, idx: int, indices: Any) -> Any:
+                plan: Plan, idx: int, indices: Any, live_objects: list | None = None) -> Any:
         """Hand batch ``idx`` to the consumer: from a FILLED ``slot`` of ``arena`` (leased
-        now) or from a segment's ``storage``."""
+        now) or from a segment's ``storage``; its object leaves ``live_objects`` if given."""
         lease: Any = None
         try:
             if slot is not None:
@@ -334,7 +334,8 @@ class ArenaSource:
             self._delivered += 1
             host = np.asarray(lease)
             try:
-                objects = plan.objects(host) if plan.objects_len else []
+                objects = live_objects if live_objects is not None else (
+                    plan.objects(host) if plan.objects_len else [])
             except Exception as exc:
                 raise RuntimeError(
                     f"the non-array values of batch idx={idx} (indices {listed(indices)!r}) "

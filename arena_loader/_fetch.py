@@ -257,8 +257,9 @@ class BatchFiller:
             return Fetched(rows=rows, samples=samples)
         return Fetched(rows=rows, samples=None, batch=self.collate_fn(samples))
 
-    def prepare(self, fetched: Fetched, indices: Any) -> Prepared:
-        """The batch's plan (fields, shapes, dtypes, objects) and what to write."""
+    def prepare(self, fetched: Fetched, indices: Any, live: bool = False) -> Prepared:
+        """The batch's plan (fields, shapes, dtypes, objects) and what to write (``live``:
+        for this process, its object leaves kept as they are, not pickled)."""
         if fetched.written is not None:
             return fetched.written
         if fetched.direct:  # planned from one sample; read_into then writes whole batches
@@ -273,10 +274,10 @@ class BatchFiller:
                 self._direct_plans[fetched.rows] = prepared
             return prepared
         if fetched.samples is not None:
-            return prepare_samples(fetched.samples, indices)
+            return prepare_samples(fetched.samples, indices, live)
         # (Without a collate_fn, the batch is one sample: batch_size=None.)
         return prepare_batch(fetched.batch, _label(self, indices),
-                             converted=self.collate_fn is None)
+                             converted=self.collate_fn is None, live=live)
 
     def write(self, prepared: Prepared, fetched: Fetched, storage: np.ndarray,
               indices: Any) -> None:

@@ -101,7 +101,7 @@ class InProcessIterator:
                 return  # (Ctrl-C: retried)
             self._pending = (indices, fetched)
         try:
-            prepared = filler.prepare(fetched, indices)
+            prepared = filler.prepare(fetched, indices, live=True)
         except Exception as exc:
             self._stash, self._failed, self._pending = [exc], True, None
             return
@@ -133,7 +133,7 @@ class InProcessIterator:
             if slot is not None:
                 arena.pool.mark_filled(slot)
             batch = source.deliver(arena, slot, storage if slot is None else None,
-                                   prepared.plan, self._count, indices)
+                                   prepared.plan, self._count, indices, prepared.live_objects)
             self._epoch_position.handed(0, self._stream_state)
             # Counted, then stashed and no longer pending (one statement): interrupted before,
             # the handler below does it (counting only if that did not run).

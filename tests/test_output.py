@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import gc
+import threading
+import types
 import typing
 
 import numpy as np
@@ -193,6 +195,42 @@ def test_collate_fn_mapping_keeps_its_attributes(output, num_workers):
     assert ours[1].words == ["w2", "w3"] and torch.equal(ours[1]["ids"], theirs[1]["ids"])
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_default_collation_keeps_the_first_samples_mapping_attributes(num_workers):
+    """Samples that are mappings with state of their own (a tokenizer's BatchEncoding) collate
+    into a copy of the first sample's mapping, as torch's default_collate makes one (found by
+    a user trial: the batch was rebuilt from its items, its encodings None)."""
+    samples = [Encoding({"ids": [i, i + 1], "label": i}, words=[f"w{i}"]) for i in range(4)]
+    kwargs = dict(batch_size=2, num_workers=num_workers)
+    theirs = list(torch.utils.data.DataLoader(samples, **kwargs))
+    with ArenaLoader(samples, output="torch", **kwargs) as loader:
+        ours = list(loader)
+
+    def seen(batch):
+        return (type(batch), batch.words, [x.tolist() for x in batch["ids"]],
+                batch["label"].tolist())
+
+    assert [seen(b) for b in ours] == [seen(b) for b in theirs]
+    assert seen(ours[1]) == (Encoding, ["w2"], [[2, 3], [3, 4]], [2, 3])
+
+
+def test_in_process_batches_hold_the_collate_fns_objects_themselves():
+    """With num_workers=0 a collate_fn's non-array values are the very objects it returned,
+    as torch's are there, not pickled copies (found by a user trial: a BatchEncoding batch
+    lost its _n_sequences to pickling; a lock in a batch raised TypeError)."""
+    lock, made = threading.Lock(), []
+
+    def collate(samples):
+        made.append(types.SimpleNamespace(rows=samples))
+        return {"x": torch.tensor(samples), "lock": lock, "tag": made[-1]}
+
+    with ArenaLoader(list(range(4)), batch_size=2, collate_fn=collate) as loader:
+        batches = list(loader)
+    assert [(b["lock"] is lock, b["tag"] is tag) for b, tag in zip(batches, made)] == [
+        (True, True)] * 2
+    assert [b["x"].tolist() for b in batches] == [[0, 1], [2, 3]]
+
+
 class _LibraryTensor(torch.Tensor):
     """A tensor subclass with metadata, as a library defines one (PyG's ``EdgeIndex`` with
     its ``sparse_size``, torchvision's ``tv_tensors``); its module starts with "torch"."""
@@ -238,6 +276,79 @@ def test_collate_fn_tensor_subclasses_are_handed_out_as_they_are(num_workers):
     assert [b["t"].meta for b in batches] == ["rows [0, 1]", "rows [2, 3]"]
     assert [b["t"].tolist() for b in batches] == [[0, 1], [2, 3]]
     assert all(type(b["p"]) is torch.nn.Parameter and b["p"].requires_grad for b in batches)
+
+
+class _MetaTensor(torch.Tensor):
+    """A tensor subclass from outside torch's modules whose ``__torch_function__`` merges
+    its metadata through ``torch.stack``, as MONAI's ``MetaTensor`` does."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func is torch.stack and isinstance(out, _MetaTensor):
+            out.meta = tuple(m for t in args[0] for m in t.meta)
+        return out
+
+
+class _MetaSamples(_IndexSamples):
+    def __getitem__(self, index: int) -> dict:
+        image = torch.full((2,), float(index)).as_subclass(_MetaTensor)
+        image.meta = (f"s{index}",)
+        return {"image": image, "label": index}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_default_collation_stacks_tensor_subclasses_with_torch(num_workers):
+    """Samples holding a tensor subclass defined outside torch are stacked by torch.stack,
+    as torch's default_collate does: the batch keeps the subclass and the metadata its
+    __torch_function__ merges, and its other fields are tensors (found by a user trial:
+    MONAI's MetaTensor raised SampleTypeError)."""
+    kwargs = dict(batch_size=2, num_workers=num_workers)
+    theirs = list(torch.utils.data.DataLoader(_MetaSamples(), **kwargs))
+    with ArenaLoader(_MetaSamples(), **kwargs) as loader:
+        ours = list(loader)
+
+    def seen(batch):
+        return (type(batch["image"]), batch["image"].meta, batch["image"].tolist(),
+                type(batch["label"]), batch["label"].tolist())
+
+    assert [seen(b) for b in ours] == [seen(b) for b in theirs]
+    assert seen(ours[1]) == (_MetaTensor, ("s2", "s3"), [[2.0, 2.0], [3.0, 3.0]],
+                             torch.Tensor, [2, 3])
+
+
+class _Box:
+    """A class default collation cannot batch until a collate function is registered for it
+    in torch's ``default_collate_fn_map``."""
+
+    def __init__(self, value: int | list) -> None:
+        self.value = value
+
+
+def _collate_boxes(batch: list, *, collate_fn_map: dict) -> _Box:
+    return _Box([box.value for box in batch])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_default_collation_uses_collate_functions_registered_with_torch(num_workers,
+                                                                         monkeypatch):
+    """A type registered in torch's default_collate_fn_map is collated by its function, as
+    torch's default_collate does (found by a user trial: MONAI's list_data_collate registers
+    MetaTensor's, after which torch's batches carried per-sample metadata and ours did not)."""
+    from torch.utils.data._utils.collate import default_collate_fn_map
+
+    monkeypatch.setitem(default_collate_fn_map, _Box, _collate_boxes)
+    samples = [{"box": _Box(i), "x": (i, float(i))} for i in range(4)]
+    kwargs = dict(batch_size=2, num_workers=num_workers)
+    theirs = list(torch.utils.data.DataLoader(samples, **kwargs))
+    with ArenaLoader(samples, **kwargs) as loader:
+        ours = list(loader)
+
+    def seen(batch):
+        return (type(batch["box"]), batch["box"].value, [x.tolist() for x in batch["x"]])
+
+    assert [seen(b) for b in ours] == [seen(b) for b in theirs]
+    assert seen(ours[1]) == (_Box, [2, 3], [[2, 3], [2.0, 3.0]])
 
 
 def test_output_torch_imports_torch_with_the_loader_not_inside_next():

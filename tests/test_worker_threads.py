@@ -107,8 +107,8 @@ def test_rows_are_written_in_place_and_mismatches_collate_as_with_one_thread(mon
     calls = []
     original = fetch_module.prepare_samples
     monkeypatch.setattr(fetch_module, "prepare_samples",
-                        lambda samples, indices: calls.append(list(indices))
-                        or original(samples, indices))
+                        lambda samples, indices, *live: calls.append(list(indices))
+                        or original(samples, indices, *live))
     dataset = ImageDataset(32, shape=(4, 4), dtype=np.int16)
     got = _epoch(dataset, worker_mode="thread", worker_threads=4)
     assert calls == []  # every batch written in place

@@ -90,11 +90,13 @@ class Plan:
 
     def __init__(self, spec: Any, fields: tuple[FieldPlacement, ...], objects_offset: int,
                  objects_len: int, nbytes: int, torch: bool, collated: bool = True,
-                 converted: bool = False):
+                 converted: bool = False, live_objects: bool = False):
         self.spec = spec
         self.fields = fields
         self.objects_offset = objects_offset
-        self.objects_len = objects_len  # bytes of the pickled object-leaf lists (0: none)
+        # bytes of the pickled object-leaf lists (0: none, or ``live_objects``: the objects
+        # themselves are handed to the consumer, num_workers=0, as torch's are)
+        self.objects_len = objects_len
         self.nbytes = nbytes  # bytes of storage the batch uses
         self.torch = torch  # some leaf was a torch tensor: output=None hands out tensors
         # Stacked by default collation (tuples become lists in torch output, as torch's
@@ -111,7 +113,7 @@ class Plan:
         self.single = fields[0] if alone and fields[0].kind not in SCALAR_KINDS else None
         # Which of the objects are object leaves (not a mapping's shell): handed out as they
         # came, as torch's default_collate hands out a str-first field's list untouched.
-        self.leaf_objects = _object_leaves(spec) if objects_len else ()
+        self.leaf_objects = _object_leaves(spec) if objects_len or live_objects else ()
 
     def objects(self, storage: np.ndarray) -> list:
         """The object-leaf values, unpickled from ``storage`` (host memory)."""
@@ -151,12 +153,14 @@ class Plan:
 class Prepared:
     """A batch ready to be written: its plan and the values to write."""
 
-    __slots__ = ("_columns", "_objects", "plan")
+    __slots__ = ("_columns", "_objects", "live_objects", "plan")
 
-    def __init__(self, plan: Plan, columns: list, objects: bytes | None):
+    def __init__(self, plan: Plan, columns: list, objects: bytes | None,
+                 live_objects: list | None = None):
         self.plan = plan
         self._columns = columns  # per field: a list of row values, or one value (collated)
         self._objects = objects
+        self.live_objects = live_objects  # the object leaves unpickled (``live`` below)
 
     @property
     def nbytes(self) -> int:

@@ -32,6 +32,7 @@ from .spec import (
     PYTHON_NUMBER_DTYPES,
     FieldLeaf,
     SpecBuilder,
+    collate_extensions,
     collate_objects,
     describe,
     flatten,
@@ -226,7 +227,10 @@ def _leaf_placement(value: Any, path: str, label: str,
 
 def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
             objects: list | None, collated: bool, converted: bool = False,
-            object_paths: Sequence[str] = ()) -> Prepared:
+            object_paths: Sequence[str] = (), live: bool = False) -> Prepared:
+    """``live``: the batch stays in this process (num_workers=0), so its object leaves are
+    handed out as they are, as torch's are there: not pickled (a lossy pickle, such as
+    BatchEncoding's, an object's identity, or one that does not pickle, all kept)."""
     offset, torch = 0, False
     for p in placements:  # placements are this batch's own: set their offsets in place
         p.offset = offset
@@ -235,12 +239,15 @@ def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
     fields = placements
     pickled = None
     if objects:
-        pickled = _pickled(objects, object_paths)
+        # stacked by torch (a tensor subclass, a nested tensor): the dataset makes tensors
+        torch = torch or (collated and any(map(is_tensor, objects)))
+        pickled = None if live else _pickled(objects, object_paths)
     objects_offset = offset
     nbytes = max(FIELD_ALIGNMENT, align(offset + (len(pickled) if pickled else 0)))
+    live = bool(live and objects)
     plan = Plan(spec, tuple(fields), objects_offset, len(pickled) if pickled else 0, nbytes,
-                torch, collated, converted)
-    return Prepared(plan, columns, pickled)
+                torch, collated, converted, live)
+    return Prepared(plan, columns, pickled, objects if live else None)
 
 
 def _pickled(objects: list, paths: Sequence[str]) -> bytes:
@@ -278,11 +285,13 @@ def _equal_rows_plan(placement: FieldPlacement) -> Plan:
     return plan
 
 
-def prepare_samples(samples: Sequence[Any], indices: Sequence[Any]) -> Prepared:
+def prepare_samples(samples: Sequence[Any], indices: Sequence[Any],
+                    live: bool = False) -> Prepared:
     """Default collation: the samples stacked per leaf as torch's ``default_collate`` would
     (dtype promotion included); str and other objects become lists."""
     first = samples[0]
-    if type(first) is np.ndarray:  # the commonest sample: one array (no structure to walk)
+    # the commonest sample: one array (no structure to walk), torch's collate for arrays
+    if type(first) is np.ndarray and not collate_extensions():
         rows, placement = _column(samples, "sample", indices)
         if type(rows) is EqualRows:
             return Prepared(_equal_rows_plan(placement), [rows], None)
@@ -300,18 +309,22 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any]) -> Prepared:
             if sample is None:
                 reject_none(sample, f"dataset[{index!r}]", collated=True)
             flatten(spec, sample, raw_columns, objects, index)
-        objects = [collate_objects(values, path, in_sequence, indices) for values, path, in_sequence
-                   in zip(objects, builder.object_paths, builder.object_in_sequence)]
+        objects = [collate(values, collate_fn_map=builder.extensions) if collate is not None
+                   else collate_objects(values, path, in_sequence, indices)
+                   for values, path, in_sequence, collate in zip(
+                       objects, builder.object_paths, builder.object_in_sequence,
+                       builder.object_collates)]
     columns, placements = [], []
     for values, path in zip(raw_columns, builder.field_paths):
         rows, placement = _column(values, path, indices)
         columns.append(rows)
         placements.append(placement)
     return _finish(spec, columns, placements, objects, collated=True,
-                   object_paths=builder.object_paths)
+                   object_paths=builder.object_paths, live=live)
 
 
-def prepare_batch(batch: Any, label: str, converted: bool = False) -> Prepared:
+def prepare_batch(batch: Any, label: str, converted: bool = False,
+                  live: bool = False) -> Prepared:
     """A batch a ``collate_fn`` made (or one sample, with ``batch_size=None``): every leaf
     keeps its own shape and dtype. ``converted``: one sample with no ``collate_fn``, which
     torch passes through ``default_convert``."""
@@ -325,7 +338,7 @@ def prepare_batch(batch: Any, label: str, converted: bool = False) -> Prepared:
         columns.append(column)
         placements.append(placement)
     return _finish(spec, columns, placements, builder.object_values, collated=False,
-                   converted=converted, object_paths=builder.object_paths)
+                   converted=converted, object_paths=builder.object_paths, live=live)
 
 
 def prepare_rows(sample: Any, rows: int, index: Any) -> tuple[Prepared, Any]:

@@ -35,7 +35,23 @@ def describe(value: Any) -> str:
 
 
 def is_tensor(value: Any) -> bool:
-    return type(value).__module__.startswith("torch") and hasattr(value, "untyped_storage")
+    """A torch tensor, of torch's classes or a subclass from any module (MONAI's
+    ``MetaTensor``, a user's ``class Tagged(torch.Tensor)``)."""
+    if type(value).__module__.startswith("torch"):
+        return hasattr(value, "untyped_storage")
+    torch = sys.modules.get("torch")  # not imported: no value is a tensor
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _stacks_as_subclass(tensor: Any) -> bool:
+    """A tensor subclass that ``torch.stack`` keeps, through its ``__torch_function__``
+    (``MetaTensor`` then merges its metadata): default collation stacks these with torch, as
+    torch's ``default_collate`` does, and hand the result out as an object. ``Parameter`` and
+    ``Buffer`` disable torch functions, so they stack to plain tensors, as fields do."""
+    torch = sys.modules["torch"]
+    cls = type(tensor)
+    return (cls is not torch.Tensor
+            and cls.__torch_function__ is not torch.nn.Parameter.__torch_function__)
 
 
 def _slab_holds(tensor: Any) -> bool:
@@ -49,14 +65,14 @@ def _slab_holds(tensor: Any) -> bool:
 def _is_field(value: Any) -> bool:
     """A leaf stored as an array in the slab: numpy arrays but object ones, numeric numpy
     scalars (a ``np.str_`` is a str to torch's ``default_collate``, so an object leaf), Python
-    numbers, dense tensors."""
+    numbers, dense tensors (but subclasses that stack as themselves)."""
     if type(value) in PYTHON_NUMBER_DTYPES:
         return True
     if isinstance(value, np.ndarray):  # object arrays travel pickled, as torch's do
         return not value.dtype.hasobject
     if isinstance(value, np.generic):
         return not isinstance(value, np.character)
-    return is_tensor(value) and _slab_holds(value)
+    return is_tensor(value) and _slab_holds(value) and not _stacks_as_subclass(value)
 
 
 def _kept_subclass(value: Any, converted: bool) -> bool:
@@ -97,6 +113,30 @@ def tensor_array(value: Any) -> tuple[np.ndarray, int, str]:
     return tensor.numpy(), KIND_TORCH, ""
 
 
+_TORCH_COLLATE = "torch.utils.data._utils.collate"
+
+
+def collate_extensions() -> dict:
+    """torch's ``default_collate_fn_map`` if a library or the user registered a collate
+    function of their own in it (MONAI's ``list_data_collate`` adds ``MetaTensor``'s), else
+    an empty dict. Read per batch: the map may change at any time, in a worker too."""
+    collate = sys.modules.get(_TORCH_COLLATE)
+    table = getattr(collate, "default_collate_fn_map", None)
+    if not table or all(getattr(fn, "__module__", None) == _TORCH_COLLATE
+                        for fn in table.values()):
+        return {}
+    return table
+
+
+def registered_collate(value: Any, table: dict) -> Any:
+    """The collate function ``table`` registers for ``value`` if not torch's own, found as
+    torch's ``collate`` finds it (its exact type, else the first key it is an instance of)."""
+    fn = table.get(type(value))
+    if fn is None:
+        fn = next((table[key] for key in table if isinstance(value, key)), None)
+    return fn if fn is not None and getattr(fn, "__module__", None) != _TORCH_COLLATE else None
+
+
 def _is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
@@ -105,10 +145,15 @@ class SpecBuilder:
     """Walks a sample (or a collated batch) and records its structure, fields and objects."""
 
     def __init__(self, keep_state: bool = False, converted: bool = False) -> None:
-        # A collate_fn's batch: mappings with attributes of their own keep them (``shell``),
-        # and numpy array and tensor subclasses are kept as they are (``_kept_subclass``).
+        # Mappings with attributes of their own keep them (``shell``: the first sample's, in
+        # default collation, as torch's copy.copy(elem).update(...) does); in a collate_fn's
+        # batch, numpy array and tensor subclasses are kept as they are (``_kept_subclass``).
         self.keep_state = keep_state
         self.converted = converted
+        # Default collation: leaves of a type registered in default_collate_fn_map are
+        # collated by that function (``object_collates``), before any structure is walked.
+        self.extensions = {} if keep_state or converted else collate_extensions()
+        self.object_collates: list[Any] = []
         self.field_paths: list[str] = []
         self.field_values: list[Any] = []
         self.object_paths: list[str] = []
@@ -118,6 +163,10 @@ class SpecBuilder:
         self.object_in_sequence: list[bool] = []
 
     def build(self, value: Any, path: str, in_sequence: bool = False) -> Any:
+        if self.extensions:
+            collate = registered_collate(value, self.extensions)
+            if collate is not None:
+                return self._object(value, path, in_sequence, collate)
         if _is_field(value) and not (self.keep_state
                                      and _kept_subclass(value, self.converted)):
             self.field_paths.append(path)
@@ -126,13 +175,11 @@ class SpecBuilder:
         if isinstance(value, Mapping):
             keys = tuple(value.keys())
             children = tuple(self.build(value[k], f"{path}[{k!r}]") for k in keys)
-            shell = _emptied_copy(value) if self.keep_state and type(value) is not dict else None
+            shell = _emptied_copy(value) if type(value) is not dict else None
             if shell is None:
                 return MappingNode(type(value), keys, children, path)
-            self.object_paths.append(path)
-            self.object_values.append(shell)
-            self.object_in_sequence.append(False)
-            return MappingNode(type(value), keys, children, path, len(self.object_paths) - 1)
+            leaf = self._object(shell, path, False, _first_shell)
+            return MappingNode(type(value), keys, children, path, leaf.index)
         if isinstance(value, (tuple, list)):
             if _is_namedtuple(value):
                 names = type(value)._fields
@@ -146,10 +193,19 @@ class SpecBuilder:
             names = tuple(value.__dataclass_fields__)
             children = tuple(self.build(getattr(value, n), f"{path}.{n}") for n in names)
             return MappingNode(type(value), names, children, path)
+        return self._object(value, path, in_sequence)
+
+    def _object(self, value: Any, path: str, in_sequence: bool, collate: Any = None) -> Any:
         self.object_paths.append(path)
         self.object_values.append(value)
         self.object_in_sequence.append(in_sequence)
+        self.object_collates.append(collate)
         return ObjectLeaf(len(self.object_paths) - 1)
+
+
+def _first_shell(shells: list, *, collate_fn_map: dict) -> Any:
+    """Default collation of a mapping's shell: the first sample's, as torch copies it."""
+    return shells[0]
 
 
 def _emptied_copy(mapping: Mapping) -> Any:
@@ -233,10 +289,10 @@ def object_array_error(dtype: np.dtype, where: str) -> SampleTypeError:
 
 def collate_objects(values: list, path: str, in_sequence: bool, indices: Sequence[Any]) -> Any:
     """One object leaf's values under default collation, as torch's ``default_collate`` gives
-    them: str and bytes as they are (a tuple inside a tuple or list sample, the list otherwise),
-    a tensor kind the slab cannot hold stacked by torch (nested and sparse raise torch's
-    ``RuntimeError``); what torch rejects raises ``SampleTypeError`` (a ``TypeError``). As in
-    torch, the first sample's value decides."""
+    them: str and bytes as they are (a tuple inside a tuple or list sample, the list
+    otherwise), a tensor kind the slab cannot hold, or a subclass, stacked by torch (nested
+    and sparse raise torch's ``RuntimeError``); what torch rejects raises
+    ``SampleTypeError`` (a ``TypeError``). As in torch, the first sample's value decides."""
     first = values[0]
     if isinstance(first, (str, bytes)):
         return tuple(values) if in_sequence else values
