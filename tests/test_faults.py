@@ -1233,43 +1233,17 @@ def test_ctrl_cs_between_batches_all_reach_the_loop():
     assert (int(caught), in_order, swallowed.strip()) == (int(fired), "True", "[]"), done.stdout
 
 
-class _InterruptAtTheKthCReturn:
-    """A profile function raising KeyboardInterrupt once, as the k-th call into C that any
-    arena_loader frame of this process makes returns (where CPython handles a real signal;
-    forked workers inherit the function, and ignore it)."""
+def _interrupt_sweep():
+    """benchmarks/interrupt_sweep.py (its harness: a KeyboardInterrupt as the k-th call into C
+    of an arena_loader frame returns), loaded by path."""
+    import importlib.util
+    from pathlib import Path
 
-    def __init__(self, k: int):
-        self.k, self.count, self.pid = k, 0, os.getpid()
-
-    def __call__(self, frame, event, arg):
-        if event == "c_return" and "arena_loader" in frame.f_code.co_filename \
-                and os.getpid() == self.pid:
-            self.count += 1
-            if self.count == self.k:
-                raise KeyboardInterrupt
-
-
-def _epoch_interrupted_at(loader, k: int, every_next: bool) -> tuple[list[int], int]:
-    """One epoch (iter() included) with a KeyboardInterrupt at its k-th C return (with
-    ``every_next``: at the k-th of each next()); the user goes on with the same iterator.
-    Each batch's first value, and the most C returns one hook counted."""
-    hook, iterator, got, most = _InterruptAtTheKthCReturn(k), None, [], 0
-    while True:
-        sys.setprofile(hook)
-        try:
-            if iterator is None:
-                iterator = iter(loader)
-            batch = iterator.__next__()
-        except KeyboardInterrupt:
-            continue
-        except StopIteration:
-            return got, max(most, hook.count)
-        finally:
-            sys.setprofile(None)
-        got.append(int(batch[0, 0]))
-        del batch
-        if every_next:
-            most, hook = max(most, hook.count), _InterruptAtTheKthCReturn(k)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "interrupt_sweep.py"
+    spec = importlib.util.spec_from_file_location("interrupt_sweep", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.timeout(120)
@@ -1284,17 +1258,19 @@ def test_a_ctrl_c_at_any_call_into_c_loses_no_batch_and_strands_no_slot(
     it); records an interrupt left unparsed or unfiled in the reader were reported by no poll
     (in_order=False waited for good); with num_workers=0 a slot taken as the interrupt came
     stayed ASSIGNED (every later batch in a one-off segment)."""
-    expected = list(range(0, 40, 2))
+    sweep, expected = _interrupt_sweep(), list(range(0, 40, 2))
     k, count = 0, 1
-    with ArenaLoader(_Indexed(), batch_size=2, num_workers=num_workers, in_order=in_order,
+    with ArenaLoader(sweep.Indexed(), batch_size=2, num_workers=num_workers, in_order=in_order,
                      persistent_workers=num_workers > 0, timeout=5 if num_workers else 0) \
             as loader:
         while k < count:
             k += step
             for _ in range(2 if every_next else 1):
-                got, count = _epoch_interrupted_at(loader, k, every_next)
+                got, count, _ = sweep.epoch(loader, k, every_next)
                 assert (got if in_order else sorted(got)) == expected, (k, got)
-                gc.collect()
                 snapshot = loader.snapshot()
+                if snapshot.free_slots != loader.slots:  # (a collection costs ~50 ms here)
+                    gc.collect()
+                    snapshot = loader.snapshot()
                 assert snapshot.free_slots == loader.slots, (k, snapshot.slot_states)
     assert k > (30 if every_next else 300), k  # (every C return of an epoch or next())
