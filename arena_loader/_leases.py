@@ -185,8 +185,8 @@ class WeakEntries:
     object dies. The weak reference's callback is the dict's pop bound to the entry's number
     (the dead reference it is called with is pop's default): a C-level call, as the leases'.
     A Python callback (``WeakSet``'s, ``weakref.finalize``'s) would run the handler of a
-    signal that had just arrived and swallow what it raised: a Ctrl-C ignored (one in 25 at
-    every batch's death, in a tight loop, when the fork registry's was). A plain dict and no
+    signal that had just arrived and swallow what it raised: a Ctrl-C ignored (13% of them
+    in a tight loop, when the fork registry's ran at every batch's death). A plain dict and no
     lock: dict operations are atomic under the GIL, and a lock held by another thread at a
     fork would stay locked forever in the child."""
 
