@@ -38,8 +38,9 @@ class _ThreadWorkerState(WorkerState):
         super().__init__(setup)
         self._slab = slab
 
-    def attach(self, slot_nbytes: int) -> None:
-        # ATTACH comes after the main process allocated the slab.
+    def attach(self, slot_nbytes: int, generation: int = 0) -> None:
+        # ATTACH comes after the main process allocated the slab (never a grown one: thread
+        # workers are replaced on a regrow, Session._regrow).
         self.slab = self._slab.array
         self.slot_nbytes = slot_nbytes
 

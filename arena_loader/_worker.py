@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ._fd_socket import receive_slab, send_segment
 from ._fetch import BatchFiller, Fetched, SameShapeRows, StreamPosition
 from ._forksafe import close_on_exec_inherited, started_by_fork
 from ._layout import PlanEncoder
@@ -32,7 +33,7 @@ from ._pipeline.completions import Status, encode, write_completion
 from ._pipeline.order import Entry, EntryKind, OrderReader
 from ._resume_stream import ReplicaStream, StreamResume
 from ._sample_threads import SampleThreads
-from ._slab import Segment, SlabHandle, send_segment
+from ._slab import Segment, SlabHandle, map_shared
 from .worker_info import WorkerInfo, set_process_worker_info, thread_info
 
 # How often an idle worker checks that its parent is still alive, in case the parent-death
@@ -187,6 +188,7 @@ class WorkerState:
         self.setup = setup
         self.slab: np.ndarray | None = None  # the slab's bytes, once its size is known
         self.slot_nbytes = 0
+        self._generation = 0  # the grown slab mapped last (attach), 0: the first one
         self.encoder = PlanEncoder()
         self._stream: ReplicaStream | None = None
         self._stream_epoch = -1
@@ -206,7 +208,22 @@ class WorkerState:
         if self.threads is not None:
             self.threads.close()
 
-    def attach(self, slot_nbytes: int) -> None:
+    def attach(self, slot_nbytes: int, generation: int = 0) -> None:
+        """Map the slab, sized for slots of ``slot_nbytes``: the one this worker started
+        with, or (``generation`` > 0) a grown one whose descriptor the main process sent on
+        the worker's socket (persistent workers go on across a regrow)."""
+        if generation:
+            if generation == self._generation:
+                return  # told twice: mapped
+            fd = receive_slab(self.setup.fd_socket, generation)
+            try:
+                mapping = map_shared(fd, self.setup.slots * slot_nbytes)
+            finally:
+                os.close(fd)
+            self.slab, self.slot_nbytes, self._generation = (
+                np.frombuffer(mapping, dtype=np.uint8), slot_nbytes, generation)
+            self._same_shape.forget()
+            return
         if self.slab is not None and self.slot_nbytes == slot_nbytes:
             return  # told twice (the main process was interrupted after telling): mapped
         setup = self.setup
@@ -316,7 +333,7 @@ def _serve(state: WorkerState, reader: OrderReader, result_fd: int,
             return
         if kind is EntryKind.ATTACH:
             try:
-                state.attach(entry.idx)
+                state.attach(entry.idx, entry.slot)
             except Exception as exc:  # the slab could not be mapped: this worker cannot work
                 report_worker_failure(result_fd, worker_id, exc)
                 return

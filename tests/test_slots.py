@@ -325,3 +325,66 @@ def test_one_slot_held_by_a_for_loop_sends_the_next_batch_to_a_segment_not_into_
                      output="numpy") as loader:
         for epoch in range(2):
             assert_epoch_equal(loader, expected, f"epoch {epoch}")
+
+
+class _RandomGrowingRows:
+    """Rows of 4 float64 for the first 8 indices, then 20,000 (they outgrow the first slots),
+    each with a draw from ``random`` and from numpy's global RNG in the worker."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        import random
+
+        return np.full(4 if i < 8 else 20_000, i, np.float64), random.random(), np.random.rand()
+
+
+def _padded(batch):
+    import torch
+
+    rows = np.zeros((len(batch), max(len(row) for row, _, _ in batch)))
+    for r, (row, _, _) in enumerate(batch):
+        rows[r, :len(row)] = row
+    return (torch.from_numpy(rows), torch.tensor([a for _, a, _ in batch]),
+            torch.tensor([b for _, _, b in batch]))
+
+
+@pytest.mark.timeout(60)
+def test_persistent_workers_go_on_across_a_slab_regrow_as_torchs_do():
+    """The slab grows at the epoch after a batch outgrew its slot; persistent process workers
+    are handed the grown slab and go on (they were replaced: worker_init_fn ran again and
+    the workers' random streams started again from their seeds, so epoch 2 repeated epoch
+    1's draws, unlike torch's): same pids, worker_init_fn once each, and every epoch's
+    batches, random draws included, equal torch's DataLoader's."""
+    import mmap
+
+    import torch
+
+    calls = np.frombuffer(mmap.mmap(-1, 16), np.int64, count=2)
+
+    def init(worker_id):
+        calls[worker_id] += 1
+
+    def epochs(loader_class):
+        torch.manual_seed(0)
+        calls[:] = 0
+        loader = loader_class(_RandomGrowingRows(), batch_size=4, num_workers=2,
+                              persistent_workers=True, collate_fn=_padded, worker_init_fn=init)
+        got, pids, slot_sizes = [], set(), set()
+        for _ in range(3):
+            iterator = iter(loader)
+            got.append([tuple(t.tolist() for t in (b[0][:, 0], b[1], b[2])) for b in iterator])
+            if loader_class is ArenaLoader:
+                pids.add(tuple(iterator.worker_pids))
+                slot_sizes.add(loader.snapshot().slot_nbytes)
+        if loader_class is ArenaLoader:
+            loader.close()
+        return got, calls.tolist(), pids, slot_sizes
+
+    theirs, their_calls, _, _ = epochs(torch.utils.data.DataLoader)
+    ours, our_calls, pids, slot_sizes = epochs(ArenaLoader)
+    assert len(slot_sizes) == 2, slot_sizes  # the slab grew
+    assert len(pids) == 1, pids
+    assert our_calls == their_calls == [1, 1]
+    assert ours == theirs

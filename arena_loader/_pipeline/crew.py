@@ -14,11 +14,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .._fd_socket import SegmentReceiver, send_slab
 from .._fetch import BatchFiller
 from .._options import LoaderOptions
 from .._process import WorkerGroup, is_main_thread
 from .._resume_stream import StreamResume
-from .._slab import SegmentReceiver, Slab
+from .._slab import Slab
 from .._threads import ThreadWorkerGroup
 from .._worker import WorkerSetup
 from ..errors import WorkerCrashedError
@@ -54,6 +55,11 @@ class Crew:
         self.workers = options.num_workers
         self.ring = OrderRing(self.workers, window + 2, filler.batch_size or 1)
         thread = options.worker_mode == "thread"
+        # The slab the workers write (``hand_slab`` gives process workers a grown one).
+        self.slab = slab
+        self.takes_new_slab = not thread
+        self._generation = 0
+        self._handed = [0] * self.workers  # the generation each worker was sent
         setups = [
             WorkerSetup(worker_id=i, num_workers=self.workers, filler=filler,
                         slot_nbytes=slot_nbytes, slab=slab.handle(), slots=slots,
@@ -129,6 +135,21 @@ class Crew:
     def publish(self, worker: int, kind: EntryKind, idx: int = 0, slot: int = 0,
                 epoch: int = 0, indices: Any = None) -> bool:
         return self._open and self.ring.publish(worker, kind, idx, slot, epoch, indices)
+
+    def hand_slab(self, slab: Slab, slot_nbytes: int) -> None:
+        """Process workers go on with ``slab`` (grown: a batch outgrew its slot), as torch's
+        persistent workers go on: its descriptor on each worker's socket, tagged with a new
+        generation, then an ATTACH entry naming it. Called again after an interrupt, it
+        sends only to the workers not yet told (one sent twice is closed by the worker)."""
+        generation = self._generation + 1
+        for worker, sock in enumerate(self.group.fd_sockets):
+            if self._handed[worker] == generation:
+                continue
+            send_slab(sock, generation, slab)
+            if not self.publish(worker, EntryKind.ATTACH, idx=slot_nbytes, slot=generation):
+                return  # dead: its exit is the news, found by the next wait
+            self._handed[worker] = generation
+        self._generation, self.slab = generation, slab
 
     def wake_sleepers(self) -> None:
         """Before the main process waits: no worker asleep with entries waiting (a wake-up

@@ -127,11 +127,15 @@ class Session:
         self.started = False
 
     def _regrow(self) -> None:
-        """A batch outgrew its slot last epoch: these workers hold the old slab, so they stop,
-        the arena is given back (the next claim grows it) and ``begin`` starts new workers
-        on the grown slab. Once: the grown slots fit the largest batch seen, with headroom."""
-        self.stop_workers(graceful=False)  # idle: the last epoch was drained
-        self.drop_crew()
+        """A batch outgrew its slot last epoch: the arena is given back (the next claim grows
+        it), and ``begin`` hands the grown slab to process workers, which go on (their seeds,
+        what worker_init_fn did and their dataset replicas stay, as torch's persistent
+        workers' do). Thread workers, which write through the old slab's mapping, stop and
+        ``begin`` starts new ones. Once: the grown slots fit the largest batch seen, with
+        headroom."""
+        if not self.crew.takes_new_slab:
+            self.stop_workers(graceful=False)  # idle: the last epoch was drained
+            self.drop_crew()
         self.release_arena()
         self.claim.let_go()
 
@@ -139,6 +143,7 @@ class Session:
         """Claim the arena if the layout is known (else reserve a slab) and start workers if
         there are none."""
         self.claim.begin()
+        arena = self.claim.arena
         if self.crew is None:
             slab, slot_nbytes = self.claim.for_workers()
             # Workers started with a sized slab map it at once; else an ATTACH entry says when.
@@ -146,6 +151,8 @@ class Session:
             self.crew = Crew(self.options, self._filler, slab, slot_nbytes,
                               self.source.slots, self._base_seed, self._window_size,
                               self.waker.fileno(), self._streams)
+        elif arena is not None and arena.slab is not self.crew.slab:
+            self.crew.hand_slab(arena.slab, arena.slot_nbytes)  # a grown slab (_regrow)
         self.enter(Phase.RUNNING)
         self.started = True
 
