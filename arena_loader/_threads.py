@@ -34,15 +34,17 @@ class _ThreadWorkerState(WorkerState):
     """A worker's state, writing through the main process's own mapping of the slab (no
     descriptor to map or close: the thread shares the process's)."""
 
-    def __init__(self, setup: WorkerSetup, slab: Slab):
+    def __init__(self, setup: WorkerSetup, group: ThreadWorkerGroup):
         super().__init__(setup)
-        self._slab = slab
+        self._group = group
 
     def attach(self, slot_nbytes: int, generation: int = 0) -> None:
-        # ATTACH comes after the main process allocated the slab (never a grown one: thread
-        # workers are replaced on a regrow, Session._regrow).
-        self.slab = self._slab.array
+        # ATTACH comes after the main process allocated the slab; one naming a generation,
+        # after it set the grown slab on the group (Crew.hand_slab).
+        self.slab = self._group.slab.array
         self.slot_nbytes = slot_nbytes
+        if generation:
+            self._same_shape.forget()
 
 
 class ThreadWorkerGroup:
@@ -52,6 +54,7 @@ class ThreadWorkerGroup:
     def __init__(self, setups: list[WorkerSetup], slab: Slab, ring: Any):
         """``slab``: the main process's slab (reserved, or allocated for a known layout);
         ``ring``: the main process's mapping of the order ring."""
+        self.slab = slab  # what the threads write (a grown one: Crew.hand_slab)
         self.threads: list[threading.Thread] = []
         self.task_conns: list[Connection] = []
         self.result_conns: list[Connection] = []
@@ -70,7 +73,7 @@ class ThreadWorkerGroup:
                 self.fd_sockets.append(fd_main)
                 setup = dataclasses.replace(setup, fd_socket=fd_worker)
                 thread = threading.Thread(
-                    target=self._main, args=(setup, slab, ring, task_reader, result_writer),
+                    target=self._main, args=(setup, ring, task_reader, result_writer),
                     name=f"arena_loader-worker-{setup.worker_id}", daemon=True)
                 self.task_conns.append(task_writer)
                 self.result_conns.append(result_reader)
@@ -89,14 +92,14 @@ class ThreadWorkerGroup:
         self.pids = [os.getpid()] * len(self.threads)
         self.sentinels: list[int] = []  # a thread that ends closes its result pipe instead
 
-    def _main(self, setup: WorkerSetup, slab: Slab, ring: Any, task_conn: Connection,
+    def _main(self, setup: WorkerSetup, ring: Any, task_conn: Connection,
               result_conn: Connection) -> None:
         try:
             try:
                 reader = OrderReader(setup.worker_id, setup.num_workers, setup.order_depth,
                                      setup.order_entry_nbytes, task_conn.fileno(), ring,
                                      setup.filler.reads_index_arrays)
-                state = _ThreadWorkerState(setup, slab)
+                state = _ThreadWorkerState(setup, self)
                 if setup.slot_nbytes:
                     state.attach(setup.slot_nbytes)
                 # No global RNG is reseeded: random, numpy and torch state belong to the whole

@@ -133,9 +133,8 @@ def test_rows_of_one_value_after_rows_of_four_fill_their_own_shape(num_workers, 
 @pytest.mark.parametrize("worker_mode", ["process", "thread"])
 def test_rows_learned_before_the_slab_grew_go_to_the_new_slab(worker_mode):
     """Persistent workers write the small rows straight on the first slab; the last batches
-    outgrow it, so the next epoch runs on a larger one (handed to the process workers, new
-    thread workers; rows learned anew): every batch of every epoch is its samples, and the
-    slab grew once."""
+    outgrow it, so the next epoch runs on a larger one (handed to the workers, which go on;
+    rows learned anew): every batch of every epoch is its samples, and the slab grew once."""
 
     class Outgrowing(Rows):
         def __getitem__(self, i):

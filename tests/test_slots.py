@@ -351,12 +351,14 @@ def _padded(batch):
 
 
 @pytest.mark.timeout(60)
-def test_persistent_workers_go_on_across_a_slab_regrow_as_torchs_do():
-    """The slab grows at the epoch after a batch outgrew its slot; persistent process workers
-    are handed the grown slab and go on (they were replaced: worker_init_fn ran again and
-    the workers' random streams started again from their seeds, so epoch 2 repeated epoch
-    1's draws, unlike torch's): same pids, worker_init_fn once each, and every epoch's
-    batches, random draws included, equal torch's DataLoader's."""
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+def test_persistent_workers_go_on_across_a_slab_regrow_as_torchs_do(worker_mode):
+    """The slab grows at the epoch after a batch outgrew its slot; persistent workers are
+    handed the grown slab and go on (they were replaced: worker_init_fn ran again and the
+    workers' random streams started again from their seeds, so epoch 2 repeated epoch 1's
+    draws, unlike torch's): same pids, worker_init_fn once each, and every epoch's batches
+    equal torch's DataLoader's (random draws included: process workers seed theirs as
+    torch's do; thread workers share the process's)."""
     import mmap
 
     import torch
@@ -369,8 +371,10 @@ def test_persistent_workers_go_on_across_a_slab_regrow_as_torchs_do():
     def epochs(loader_class):
         torch.manual_seed(0)
         calls[:] = 0
+        extra = {"worker_mode": worker_mode} if loader_class is ArenaLoader else {}
         loader = loader_class(_RandomGrowingRows(), batch_size=4, num_workers=2,
-                              persistent_workers=True, collate_fn=_padded, worker_init_fn=init)
+                              persistent_workers=True, collate_fn=_padded, worker_init_fn=init,
+                              **extra)
         got, pids, slot_sizes = [], set(), set()
         for _ in range(3):
             iterator = iter(loader)
@@ -387,4 +391,7 @@ def test_persistent_workers_go_on_across_a_slab_regrow_as_torchs_do():
     assert len(slot_sizes) == 2, slot_sizes  # the slab grew
     assert len(pids) == 1, pids
     assert our_calls == their_calls == [1, 1]
+    if worker_mode == "thread":
+        ours, theirs = ([[rows for rows, _, _ in epoch] for epoch in got]
+                        for got in (ours, theirs))
     assert ours == theirs

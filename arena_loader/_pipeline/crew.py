@@ -55,9 +55,9 @@ class Crew:
         self.workers = options.num_workers
         self.ring = OrderRing(self.workers, window + 2, filler.batch_size or 1)
         thread = options.worker_mode == "thread"
-        # The slab the workers write (``hand_slab`` gives process workers a grown one).
+        # The slab the workers write (``hand_slab`` gives them a grown one).
         self.slab = slab
-        self.takes_new_slab = not thread
+        self._thread = thread
         self._generation = 0
         self._handed = [0] * self.workers  # the generation each worker was sent
         setups = [
@@ -137,15 +137,19 @@ class Crew:
         return self._open and self.ring.publish(worker, kind, idx, slot, epoch, indices)
 
     def hand_slab(self, slab: Slab, slot_nbytes: int) -> None:
-        """Process workers go on with ``slab`` (grown: a batch outgrew its slot), as torch's
-        persistent workers go on: its descriptor on each worker's socket, tagged with a new
-        generation, then an ATTACH entry naming it. Called again after an interrupt, it
-        sends only to the workers not yet told (one sent twice is closed by the worker)."""
+        """The workers go on with ``slab`` (grown: a batch outgrew its slot), as torch's
+        persistent workers go on: its descriptor on each process worker's socket (thread
+        workers: set on their group), tagged with a new generation, then an ATTACH entry
+        naming it. Called again after an interrupt, it tells only the workers not yet told
+        (a descriptor sent twice is closed by the worker)."""
         generation = self._generation + 1
+        if self._thread:
+            self.group.slab = slab
         for worker, sock in enumerate(self.group.fd_sockets):
             if self._handed[worker] == generation:
                 continue
-            send_slab(sock, generation, slab)
+            if not self._thread:
+                send_slab(sock, generation, slab)
             if not self.publish(worker, EntryKind.ATTACH, idx=slot_nbytes, slot=generation):
                 return  # dead: its exit is the news, found by the next wait
             self._handed[worker] = generation

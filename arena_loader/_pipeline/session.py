@@ -128,14 +128,9 @@ class Session:
 
     def _regrow(self) -> None:
         """A batch outgrew its slot last epoch: the arena is given back (the next claim grows
-        it), and ``begin`` hands the grown slab to process workers, which go on (their seeds,
+        it), and ``begin`` hands the grown slab to the workers, which go on (their seeds,
         what worker_init_fn did and their dataset replicas stay, as torch's persistent
-        workers' do). Thread workers, which write through the old slab's mapping, stop and
-        ``begin`` starts new ones. Once: the grown slots fit the largest batch seen, with
-        headroom."""
-        if not self.crew.takes_new_slab:
-            self.stop_workers(graceful=False)  # idle: the last epoch was drained
-            self.drop_crew()
+        workers' do). Once: the grown slots fit the largest batch seen, with headroom."""
         self.release_arena()
         self.claim.let_go()
 
