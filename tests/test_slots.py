@@ -395,3 +395,37 @@ def test_persistent_workers_go_on_across_a_slab_regrow_as_torchs_do(worker_mode)
         ours, theirs = ([[rows for rows, _, _ in epoch] for epoch in got]
                         for got in (ours, theirs))
     assert ours == theirs
+
+
+@pytest.mark.timeout(60)
+def test_a_persistent_worker_dead_before_a_regrow_is_reported_and_the_next_epoch_runs():
+    """A worker killed between epochs when the slab is due to grow: the hand-off skips it
+    (sending it the grown slab raised BrokenPipeError out of iter(), at every epoch after),
+    the epoch raises WorkerCrashedError naming it, and the next epoch runs on new workers."""
+    import os
+    import signal
+
+    from arena_loader import WorkerCrashedError
+
+    with ArenaLoader(_RandomGrowingRows(), batch_size=4, num_workers=2, persistent_workers=True,
+                     collate_fn=_padded, timeout=10) as loader:
+        iterator = iter(loader)
+        assert sum(1 for _ in iterator) == 8
+        victim = iterator.worker_pids[1]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 10  # dead (a zombie: not reaped, its status kept)
+        while time.monotonic() < deadline and _state(victim) not in ("Z", None):
+            time.sleep(0.01)
+        del iterator
+        with pytest.raises(WorkerCrashedError, match=rf"worker 1 \(pid {victim}\) was killed"):
+            list(loader)
+        firsts = [float(batch[0][0, 0]) for batch in loader]
+        assert firsts == [float(i) for i in range(0, 32, 4)]
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None

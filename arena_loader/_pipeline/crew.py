@@ -148,11 +148,13 @@ class Crew:
         for worker, sock in enumerate(self.group.fd_sockets):
             if self._handed[worker] == generation:
                 continue
-            if not self._thread:
-                send_slab(sock, generation, slab)
-            if not self.publish(worker, EntryKind.ATTACH, idx=slot_nbytes, slot=generation):
-                return  # dead: its exit is the news, found by the next wait
-            self._handed[worker] = generation
+            try:
+                if not self._thread:
+                    send_slab(sock, generation, slab)
+            except OSError:  # (BrokenPipeError: it died since the last epoch)
+                continue  # dead: its exit is the news, found by the next wait
+            if self.publish(worker, EntryKind.ATTACH, idx=slot_nbytes, slot=generation):
+                self._handed[worker] = generation
         self._generation, self.slab = generation, slab
 
     def wake_sleepers(self) -> None:
