@@ -6,6 +6,7 @@ Run from the repository root::
     python benchmarks/interrupt_sweep.py --options "num_workers=2, persistent_workers=True"
     python benchmarks/interrupt_sweep.py --options "num_workers=0" --every-next --step 1
     python benchmarks/interrupt_sweep.py --iterable --options "num_workers=2, in_order=False"
+    python benchmarks/interrupt_sweep.py --grow --options "num_workers=2, persistent_workers=True"
 
 Per epoch, a profile function raises ``KeyboardInterrupt`` once, as the k-th C call made by an
 arena_loader frame of this process returns (``iter()`` included); with ``--every-next``, as the
@@ -62,6 +63,24 @@ class Stream(torch.utils.data.IterableDataset):
             yield np.full(2, index, dtype=np.int64)
 
 
+class Growing:
+    """Map-style, for ``--grow``: rows of 4 float64 for the first 8 indices, 3,000 after (they
+    outgrow the first epoch's slots: the next epoch hands the workers a grown slab)."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return np.full(4 if index < 8 else 3000, index, dtype=np.float64)
+
+
+def padded(batch: list) -> np.ndarray:
+    rows = np.zeros((len(batch), max(len(row) for row in batch)))
+    for r, row in enumerate(batch):
+        rows[r, :len(row)] = row
+    return rows
+
+
 class InterruptAt:
     """Raises KeyboardInterrupt as the k-th C call of an arena_loader frame returns (in this
     process only: forked workers inherit the profile function)."""
@@ -110,12 +129,18 @@ def main() -> None:
     parser.add_argument("--every-next", action="store_true",
                         help="interrupt every next() at its k-th C return")
     parser.add_argument("--step", type=int, default=3, help="k's step")
+    parser.add_argument("--grow", action="store_true",
+                        help="batches that outgrow the first epoch's slots (padded rows): each "
+                        "k on a fresh loader, whose clean first epoch is followed by the "
+                        "interrupted one, where the slab grows")
     args = parser.parse_args()
     options = eval(f"dict({args.options})")  # a command line of the user's own
-    dataset = Stream() if args.iterable else Indexed()
+    if args.grow:
+        options.setdefault("collate_fn", padded)
+    dataset = Stream() if args.iterable else Growing() if args.grow else Indexed()
     workers = options.get("num_workers", 0)
     reference = [int(b[0, 0]) for b in torch.utils.data.DataLoader(
-        dataset, batch_size=2, num_workers=workers)]
+        dataset, batch_size=2, num_workers=workers, collate_fn=options.get("collate_fn"))]
     in_order = options.get("in_order", True)
 
     def make() -> Any:
@@ -126,6 +151,10 @@ def main() -> None:
     loader = make()
     while k < most:
         k += args.step
+        if args.grow:  # a fresh loader: its first epoch outgrows the slots, the next grows
+            loader.close()
+            loader = make()
+            list(loader)
         try:
             got, most, where = epoch(loader, k, args.every_next)
         except Exception as exc:  # a hang (timeout) or any error: the sweep goes on
