@@ -935,11 +935,13 @@ def test_a_ctrl_c_as_the_sampler_returns_a_batch_loses_none(num_workers):
     _in_fresh_interpreter(f"_ctrl_c_as_the_sampler_returns({num_workers})", timeout_s=50)
 
 
-def _first_rows_under_profile(iterator, make_profiler, install=sys.setprofile) -> list[int]:
+def _first_rows_under_profile(iterator, make_profiler, install=sys.setprofile,
+                              errors: tuple = ()) -> list:
     """Each batch's first value over the rest of ``iterator``'s epoch, every ``next()`` run
     under the profile function ``make_profiler()`` gave (a new one after each batch; after
     an interrupt the user calls ``next()`` again, under the same one); ``install``:
-    ``sys.settrace`` for a trace function."""
+    ``sys.settrace`` for a trace function; a batch's error of a type in ``errors`` is
+    recorded by its type's name, in the batch's place."""
     got, profiler = [], make_profiler()
     while True:
         install(profiler)
@@ -949,9 +951,11 @@ def _first_rows_under_profile(iterator, make_profiler, install=sys.setprofile) -
             continue
         except StopIteration:
             return got
+        except errors as exc:
+            batch = type(exc).__name__
         finally:
             install(None)
-        got.append(int(batch[0, 0]))
+        got.append(batch if isinstance(batch, str) else int(batch[0, 0]))
         profiler = make_profiler()
         del batch
 
@@ -1007,22 +1011,9 @@ def test_a_ctrl_c_as_next_raises_a_batchs_error_loses_neither(num_workers):
     expected = [*range(0, 10, 2), "ValueError", *range(12, 40, 2)]
     with ArenaLoader(_IndexedWithABadOne(), batch_size=2, num_workers=num_workers) as loader:
         for k in range(1, 6):
-            got, iterator, profiler = [], iter(loader), _InterruptAtCReturn(k)
-            while True:
-                sys.setprofile(profiler)
-                try:
-                    batch = iterator.__next__()
-                except KeyboardInterrupt:
-                    continue
-                except StopIteration:
-                    break
-                except ValueError:
-                    batch = "ValueError"
-                finally:
-                    sys.setprofile(None)
-                got.append(batch if isinstance(batch, str) else int(batch[0, 0]))
-                profiler = _InterruptAtCReturn(k)
-                del batch
+            iterator = iter(loader)
+            got = _first_rows_under_profile(iterator, functools.partial(_InterruptAtCReturn, k),
+                                            errors=(ValueError,))
             assert got == expected, (k, got)
             del iterator
 

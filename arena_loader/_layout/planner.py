@@ -38,6 +38,7 @@ from .spec import (
     flatten,
     is_tensor,
     object_array_error,
+    registered_collate,
     reject_none,
     tensor_array,
 )
@@ -290,15 +291,17 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any],
     """Default collation: the samples stacked per leaf as torch's ``default_collate`` would
     (dtype promotion included); str and other objects become lists."""
     first = samples[0]
-    # the commonest sample: one array (no structure to walk), torch's collate for arrays
-    if type(first) is np.ndarray and not collate_extensions():
+    extensions = collate_extensions()
+    # the commonest sample: one array (no structure to walk), collated as torch's arrays
+    # are unless a collate function of a library's is registered for it
+    if type(first) is np.ndarray and not (extensions and registered_collate(first, extensions)):
         rows, placement = _column(samples, "sample", indices)
         if type(rows) is EqualRows:
             return Prepared(_equal_rows_plan(placement), [rows], None)
         return _finish(_SAMPLE_LEAF, [rows], [placement], None, collated=True)
     if first is None:
         reject_none(first, f"dataset[{indices[0]!r}]", collated=True)
-    builder = SpecBuilder()
+    builder = SpecBuilder(extensions=extensions)
     spec = builder.build(first, "sample")
     if type(spec) is FieldLeaf:  # samples that are one array or number: no walk
         raw_columns, objects = [list(samples)], []

@@ -144,15 +144,18 @@ def _is_namedtuple(value: Any) -> bool:
 class SpecBuilder:
     """Walks a sample (or a collated batch) and records its structure, fields and objects."""
 
-    def __init__(self, keep_state: bool = False, converted: bool = False) -> None:
+    def __init__(self, keep_state: bool = False, converted: bool = False,
+                 extensions: dict | None = None) -> None:
         # Mappings with attributes of their own keep them (``shell``: the first sample's, in
         # default collation, as torch's copy.copy(elem).update(...) does); in a collate_fn's
         # batch, numpy array and tensor subclasses are kept as they are (``_kept_subclass``).
         self.keep_state = keep_state
         self.converted = converted
         # Default collation: leaves of a type registered in default_collate_fn_map are
-        # collated by that function (``object_collates``), before any structure is walked.
-        self.extensions = {} if keep_state or converted else collate_extensions()
+        # collated by that function (``object_collates``), before any structure is walked
+        # (``extensions``: that map, read by the caller already).
+        self.extensions = {} if keep_state or converted else (
+            collate_extensions() if extensions is None else extensions)
         self.object_collates: list[Any] = []
         self.field_paths: list[str] = []
         self.field_values: list[Any] = []
