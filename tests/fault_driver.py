@@ -326,15 +326,21 @@ def run_main_killed(num_workers: int, persistent: bool) -> None:
                          num_workers=num_workers, persistent_workers=persistent)
     for _ in loader:
         pass
+    if not persistent:
+        # Armed before iter() starts the workers: armed after, a worker could load the
+        # sample first (a loaded machine) and the wait below would never end.
+        plan.arm("sleep", FAULT_INDEX, sleep_s=60.0)
     iterator = iter(loader)
     if persistent:
         for _ in iterator:
             pass
     else:
-        plan.arm("sleep", FAULT_INDEX, sleep_s=60.0)
         for _ in range(FAULT_IDX):
             next(iterator)
+        deadline = time.monotonic() + 20.0
         while plan.fired_pid == 0:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"sample {FAULT_INDEX} was never loaded by a worker")
             time.sleep(0.005)
     print(json.dumps({"driver_pid": os.getpid(), "pids": list(iterator.worker_pids),
                       "busy_pid": plan.fired_pid}), flush=True)
