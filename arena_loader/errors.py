@@ -100,9 +100,11 @@ class LayoutError(ArenaLoaderError, ValueError):
     """A sample or collated batch does not fit the batch layout inferred from the first one."""
 
 
-class SampleTypeError(LayoutError, TypeError):
+class SampleTypeError(LayoutError, TypeError, RuntimeError):
     """Default collation met a leaf it cannot batch (``None``, a ``Fraction``, a PIL image,
-    ...), where torch's ``default_collate`` raises ``TypeError`` too."""
+    ...), or leaves of different kinds in one field, where torch's ``default_collate`` raises
+    ``TypeError`` or, for a number beside a leaf ``torch.tensor()`` cannot type (``None``, a
+    ``dict``, a ``Fraction``), ``RuntimeError``: an ``except`` for either catches it."""
 
 
 class SampleShapeError(LayoutError, RuntimeError):
