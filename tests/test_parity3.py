@@ -7,6 +7,7 @@ DataPipe shuffling with torch's private ``_iterator``, and the order under PyTor
 from __future__ import annotations
 
 import collections
+import decimal
 import fractions
 import gc
 import pickle
@@ -672,7 +673,9 @@ def test_a_field_mixing_dtypes_or_python_and_numpy_numbers_collates_like_torch(m
     lambda i: (True if i % 2 == 0 else fractions.Fraction(1, 2),),
     lambda i: {"x": i if i % 2 == 0 else {"y": 1}},
     lambda i: float(i) if i % 2 == 0 else None,
-], ids=["array-str", "int-str", "int-none", "bool-fraction", "int-dict", "float-none"])
+    lambda i: {"t": torch.zeros(2) if i % 2 == 0 else np.int64(i)},
+], ids=["array-str", "int-str", "int-none", "bool-fraction", "int-dict", "float-none",
+        "tensor-numpy-scalar"])
 def test_a_field_mixing_kinds_is_the_error_torch_raises(make):
     """A field whose samples are of different kinds (an array, then a string; a number, then
     None): ours names the field and both samples, and is an instance of what torch's
@@ -707,6 +710,39 @@ def test_a_str_first_fields_list_comes_back_untouched_like_torch(num_workers):
                      num_workers=num_workers) as loader:
         batch = next(iter(loader))
     assert [type(v) for v in batch["f"]] == [str, np.ndarray, np.ndarray, np.ndarray]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", WORKERS)
+@pytest.mark.parametrize("first", ["text", b"bytes"], ids=["str", "bytes"])
+def test_a_str_first_sample_takes_a_none_after_it_like_torch(first, num_workers):
+    """Samples that are strings (or bytes) and then None: torch's default_collate hands the
+    list out as it is, None included (the first sample decides); ours did not (a None sample
+    raised SampleTypeError whatever came first)."""
+    dataset = ListDataset(4, lambda i: None if i == 2 else first)
+    expected = [first, first, None, first]
+    assert next(iter(tud.DataLoader(dataset, batch_size=4))) == expected
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers) as loader:
+        assert next(iter(loader)) == expected
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_a_float_field_takes_what_float_takes_like_torch(num_workers):
+    """A field whose first sample is a Python float and later ones a Fraction, a Decimal (a
+    database's NUMERIC) or a numpy int: torch's default_collate makes it
+    ``torch.tensor(batch, dtype=torch.float64)``, which converts each by ``__float__``; ours
+    raised SampleTypeError for the Fraction and the Decimal. A str there still fails in both."""
+    values = [0.25, fractions.Fraction(1, 3), decimal.Decimal("0.5"), np.int64(2)]
+    dataset = ListDataset(4, lambda i: {"x": values[i]})
+    theirs = next(iter(tud.DataLoader(dataset, batch_size=4)))
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers, output="torch") as loader:
+        assert_same(next(iter(loader)), theirs)
+    text = ListDataset(2, lambda i: 0.5 if i == 0 else "1.5")
+    with pytest.raises(TypeError):
+        next(iter(tud.DataLoader(text, batch_size=2)))
+    with pytest.raises(SampleTypeError, match=r"sample 1: field sample is str"):
+        next(iter(ArenaLoader(text, batch_size=2, num_workers=num_workers)))
 
 
 # A bounded differential property: random nested samples, the same batches as torch's.

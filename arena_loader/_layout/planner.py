@@ -4,6 +4,7 @@ assigned, object leaves pickled."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import pickle
@@ -31,6 +32,7 @@ from .plan import (
 from .spec import (
     PYTHON_NUMBER_DTYPES,
     FieldLeaf,
+    ObjectLeaf,
     SpecBuilder,
     collate_extensions,
     collate_objects,
@@ -118,6 +120,20 @@ def _numbers_of_tensors(values: list) -> list:
     return numbers
 
 
+def _floats_after_a_float(values: list, others: set) -> list:
+    """After a Python float, torch's ``tensor(batch, dtype=float64)`` takes any value by its
+    ``__float__`` (a ``Fraction``, a ``Decimal``); arrays, numpy scalars and tensors keep
+    their own path, and a value ``float()`` refuses is left to be named."""
+    floats = []
+    for value in values:
+        if type(value) in others and hasattr(type(value), "__float__") and not (
+                is_tensor(value) or isinstance(value, (np.ndarray, np.generic))):
+            with contextlib.suppress(TypeError, ValueError, OverflowError):
+                value = float(value)
+        floats.append(value)
+    return floats
+
+
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
@@ -142,6 +158,10 @@ def _column(values: list, path: str, indices: Sequence[Any],
     if type(first) in PYTHON_NUMBER_DTYPES:
         kind, types = KIND_NUMPY, set(map(type, values))
         others = types.difference(PYTHON_NUMBER_DTYPES)
+        if others and type(first) is float:
+            values = _floats_after_a_float(values, others)
+            types = set(map(type, values))
+            others = types.difference(PYTHON_NUMBER_DTYPES)
         if others and any(is_tensor(v) for v in values if type(v) in others):
             values, kind = _numbers_of_tensors(values), KIND_TORCH
             types = set(map(type, values))
@@ -176,6 +196,12 @@ def _column(values: list, path: str, indices: Sequence[Any],
     shape = rows[0].shape
     for entry, (array, index) in enumerate(zip(rows, indices)):
         if array.shape != shape:
+            if is_tensor(first) and not is_tensor(values[entry]):  # torch.stack's TypeError
+                raise SampleTypeError(
+                    f"expected Tensor as element {entry} in argument 0 (torch's words). sample "
+                    f"{index!r}: field {path} is {describe(values[entry])} where sample "
+                    f"{indices[0]!r} has {describe(first)}; return the same type for every "
+                    "sample, or pass a collate_fn")
             raise SampleShapeError(
                 f"stack expects each tensor to be equal size, but got {list(shape)} at entry 0 "
                 f"and {list(array.shape)} at entry {entry} (torch's words). "
@@ -308,8 +334,11 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any],
     else:
         raw_columns = [[v] for v in builder.field_values]
         objects = [[v] for v in builder.object_values]
+        # (A first sample that is a str or bytes takes anything after it, None too: torch
+        # hands the list out as it is.)
+        takes_none = type(spec) is ObjectLeaf
         for sample, index in zip(samples[1:], indices[1:]):
-            if sample is None:
+            if sample is None and not takes_none:
                 reject_none(sample, f"dataset[{index!r}]", collated=True)
             flatten(spec, sample, raw_columns, objects, index)
         objects = [collate(values, collate_fn_map=builder.extensions) if collate is not None
