@@ -55,19 +55,23 @@ def test_a_row_of_another_shape_late_in_the_epoch_names_the_sample(num_workers, 
 
 
 @pytest.mark.parametrize("num_workers, worker_mode", MODES)
-def test_a_row_that_is_no_array_late_in_the_epoch_names_the_sample(num_workers, worker_mode):
-    """A list where the others are arrays (of the same length, so numpy alone would stack
-    it): the planner's LayoutError naming the sample, as on a worker's first batch."""
-    dataset = Rows(40, {30: [0.0] * 6})
+def test_a_row_that_is_no_array_late_in_the_epoch_is_batched_or_named(num_workers, worker_mode):
+    """A list of 6 numbers where the others are arrays: the planner's batch, as torch's
+    default_collate gives it (its ``as_tensor`` takes the list: float32 here); a str there:
+    the planner's LayoutError naming the sample, as on a worker's first batch."""
+    dataset = Rows(40, {30: [0.5] * 6, 34: "abcdef"})
     with ArenaLoader(dataset, batch_size=4, num_workers=num_workers,
                      worker_mode=worker_mode) as loader:
         iterator = iter(loader)
         for _ in range(7):
             next(iterator)
-        with pytest.raises(LayoutError, match=r"sample 30: field sample is list where "
-                                              r"sample 28 has float32\[6\]"):
+        batch = next(iterator)
+        assert batch.dtype == np.float32
+        np.testing.assert_array_equal(batch, stacked(dataset, range(28, 32)))
+        with pytest.raises(LayoutError, match=r"sample 34: field sample is str where "
+                                              r"sample 32 has float32\[6\]"):
             next(iterator)
-        np.testing.assert_array_equal(next(iterator), stacked(dataset, range(32, 36)))
+        np.testing.assert_array_equal(next(iterator), stacked(dataset, range(36, 40)))
         del iterator
 
 

@@ -4,7 +4,6 @@ assigned, object leaves pickled."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import operator
 import pickle
@@ -15,6 +14,15 @@ from typing import Any
 import numpy as np
 
 from ..errors import LayoutError, SampleShapeError, SampleTypeError
+from .numbers import (
+    AS_TENSOR_DTYPES,
+    as_tensor_list,
+    floats_after_a_float,
+    number_dtype,
+    numbers_of_tensors,
+    numeric_list,
+    promote,
+)
 from .plan import (
     FIELD_ALIGNMENT,
     KIND_NUMBER,
@@ -45,95 +53,6 @@ from .spec import (
     tensor_array,
 )
 
-_CATEGORY = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
-
-
-def _promote(dtypes: list[np.dtype]) -> np.dtype:
-    """torch's type promotion for stacking: the highest category (bool < int < float <
-    complex) wins, and within it numpy's promotion (int8 + uint8 -> int16). A complex result
-    is wide enough for the floats' precision too, as torch's (complex64 + float64 ->
-    complex128; ints do not widen it: complex64 + int64 -> complex64)."""
-    top = max(_CATEGORY.get(d.kind, 4) for d in dtypes)
-    if top == 4:  # strings, bytes: the widest
-        return np.result_type(*dtypes)
-    lowest = 2 if top == 3 else top
-    return np.result_type(*(d for d in dtypes if lowest <= _CATEGORY.get(d.kind, 4) <= top))
-
-
-# The dtype torch's tensor inference gives a Python number (a float: the default float32).
-_AS_TENSOR_DTYPES = {bool: np.dtype(np.bool_), int: np.dtype(np.int64),
-                     float: np.dtype(np.float32), complex: np.dtype(np.complex64)}
-
-
-def _numpy_number(value: Any) -> bool:
-    """A numeric numpy scalar or 0-d array: torch's ``tensor()`` takes it as a number."""
-    if isinstance(value, (np.number, np.bool_)):
-        return True
-    return type(value) is np.ndarray and value.ndim == 0 and value.dtype.kind in "biufc"
-
-
-def _number_dtype(values: list, path: str, indices: Sequence[Any], types: set) -> np.dtype:
-    """torch's default_collate for a batch of Python numbers: the first one's type decides,
-    and a float among ints gives torch's default float dtype (float32). Numeric numpy scalars
-    (and 0-d arrays) among them are taken as torch's ``tensor()`` takes them: after a Python
-    float the batch is float64 (torch's dtype there), after an int or bool their dtypes
-    promote with the Python numbers' (``[0, np.int64(3)]`` -> int64, ``[0, np.float16(1)]``
-    -> float16)."""
-    first = type(values[0])  # (``types``: the values' types, the caller's set)
-    scalars = types - set(PYTHON_NUMBER_DTYPES)
-    if scalars and all(map(_numpy_number, (v for v in values if type(v) in scalars))):
-        dtypes = {v.dtype for v in values if type(v) in scalars}
-        dtypes.update(_AS_TENSOR_DTYPES[t] for t in types - scalars)
-        if complex in types or any(d.kind == "c" for d in dtypes):
-            if first is float:
-                return np.dtype(np.complex128)
-        elif first is float:
-            return np.dtype(np.float64)
-        return _promote(list(dtypes))
-    if scalars:
-        other = next(v for v in values if type(v) not in PYTHON_NUMBER_DTYPES)
-        row = next(i for i, v in enumerate(values) if v is other)
-        raise SampleTypeError(f"sample {indices[row]!r}: field {path} is {describe(other)} "
-                              f"where sample {indices[0]!r} has a Python {first.__name__}; "
-                              "return the same type for every sample, or pass a collate_fn")
-    if complex in types:
-        return np.dtype(np.complex128) if first is complex else np.dtype(np.complex64)
-    if float in types:
-        return np.dtype(np.float64) if first is float else np.dtype(np.float32)
-    if int in types:
-        return np.dtype(np.int64)
-    return np.dtype(np.bool_)
-
-
-def _numbers_of_tensors(values: list) -> list:
-    """A Python number's field with 0-d tensors after it: torch's default_collate makes it
-    ``torch.tensor(batch)``, which takes each 0-d tensor as a number of its dtype; as 0-d
-    arrays here, they promote as numpy scalars do (``_number_dtype``). Any other tensor (one
-    of more dimensions, or of a dtype numpy lacks) is left for ``_number_dtype`` to name."""
-    numbers = []
-    for value in values:
-        if is_tensor(value) and value.ndim == 0:
-            array, kind, _raw = tensor_array(value)
-            if kind == KIND_TORCH:
-                value = array
-        numbers.append(value)
-    return numbers
-
-
-def _floats_after_a_float(values: list, others: set) -> list:
-    """After a Python float, torch's ``tensor(batch, dtype=float64)`` takes any value by its
-    ``__float__`` (a ``Fraction``, a ``Decimal``); arrays, numpy scalars and tensors keep
-    their own path, and a value ``float()`` refuses is left to be named."""
-    floats = []
-    for value in values:
-        if type(value) in others and hasattr(type(value), "__float__") and not (
-                is_tensor(value) or isinstance(value, (np.ndarray, np.generic))):
-            with contextlib.suppress(TypeError, ValueError, OverflowError):
-                value = float(value)
-        floats.append(value)
-    return floats
-
-
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
@@ -159,13 +78,13 @@ def _column(values: list, path: str, indices: Sequence[Any],
         kind, types = KIND_NUMPY, set(map(type, values))
         others = types.difference(PYTHON_NUMBER_DTYPES)
         if others and type(first) is float:
-            values = _floats_after_a_float(values, others)
+            values = floats_after_a_float(values, others)
             types = set(map(type, values))
             others = types.difference(PYTHON_NUMBER_DTYPES)
         if others and any(is_tensor(v) for v in values if type(v) in others):
-            values, kind = _numbers_of_tensors(values), KIND_TORCH
+            values, kind = numbers_of_tensors(values), KIND_TORCH
             types = set(map(type, values))
-        dtype = _number_dtype(values, path, indices, types)
+        dtype = number_dtype(values, path, indices, types)
         if dtype.kind == "i":
             for value, index in zip(values, indices):
                 if type(value) is int and not -(2**63) <= value < 2**63:
@@ -184,7 +103,9 @@ def _column(values: list, path: str, indices: Sequence[Any],
         elif type(value) in PYTHON_NUMBER_DTYPES:
             # after an array or a numpy scalar: the dtype torch's as_tensor gives the number
             # (a float is float32, torch's default), promoted with the others below
-            array = np.asarray(value, dtype=_AS_TENSOR_DTYPES[type(value)])
+            array = np.asarray(value, dtype=AS_TENSOR_DTYPES[type(value)])
+        elif type(first) is np.ndarray and type(value) in (list, tuple) and numeric_list(value):
+            array = as_tensor_list(value)  # torch's as_tensor, for each row after an array
         elif value is None and type(first) is not type(None) and path == "sample":
             reject_none(value, f"dataset[{index!r}]", collated=True)
         else:
@@ -210,7 +131,7 @@ def _column(values: list, path: str, indices: Sequence[Any],
                 "must have equal shapes (torch.stack raises here too): pad or crop them, or "
                 "pass a collate_fn (e.g. one that pads to the longest with pad_sequence)")
     dtypes = {a.dtype for a in rows}
-    dtype = rows[0].dtype if len(dtypes) == 1 else _promote(list(dtypes))
+    dtype = rows[0].dtype if len(dtypes) == 1 else promote(list(dtypes))
     if dtype.hasobject:  # name the sample that brought the object dtype in
         index = next(i for a, i in zip(rows, indices) if a.dtype.hasobject)
         _check_dtype(dtype, path, index)

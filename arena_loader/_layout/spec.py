@@ -249,10 +249,19 @@ def flatten(node: Any, value: Any, fields: list, objects: list, index: Any) -> N
         except KeyError:
             _structure_error(node, value, index)
     else:
+        if not isinstance(value, (tuple, list)) and _sized_iterable(value):
+            value = list(value)  # torch's zip(*batch) takes any (an array's rows, bytes' ints)
         if not isinstance(value, (tuple, list)) or len(value) != len(node.children):
             _structure_error(node, value, index)
         for child, item in zip(node.children, value):
             flatten(child, item, fields, objects, index)
+
+
+def _sized_iterable(value: Any) -> bool:
+    try:
+        return hasattr(value, "__iter__") and len(value) >= 0
+    except TypeError:  # a 0-d array or tensor
+        return False
 
 
 def _structure_error(node: Any, value: Any, index: Any) -> None:
