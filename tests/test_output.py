@@ -278,6 +278,38 @@ def test_collate_fn_tensor_subclasses_are_handed_out_as_they_are(num_workers):
     assert all(type(b["p"]) is torch.nn.Parameter and b["p"].requires_grad for b in batches)
 
 
+def _grad_collate(batch: list) -> dict:
+    weights = torch.full((2,), float(batch[0]), requires_grad=True)
+    return {"w": weights, "scaled": weights * 2, "x": torch.tensor(batch)}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_tensors_that_require_grad_keep_it_as_with_torch(num_workers):
+    """A collate_fn's tensors that require grad: handed out requiring it, as by torch's
+    DataLoader (the slab's copy dropped the flag); without workers the very tensors, graph
+    included (torch returns the collate_fn's output); with workers a leaf requiring grad
+    (torch's own workers hang on the non-leaf ``scaled``). A dataset's samples that require
+    grad, stacked by default collation, keep the stack's graph as torch's do."""
+    with ArenaLoader(_IndexSamples(), batch_size=2, num_workers=num_workers,
+                     collate_fn=_grad_collate) as loader:
+        batches = list(loader)
+    assert [b["w"].tolist() for b in batches] == [[0.0, 0.0], [2.0, 2.0]]
+    assert all(b["w"].requires_grad and b["w"].is_leaf for b in batches)
+    assert all(b["scaled"].requires_grad for b in batches)
+    assert [b["scaled"].grad_fn is not None for b in batches] == [num_workers == 0] * 2
+    assert not any(b["x"].requires_grad for b in batches)
+    theirs = next(iter(torch.utils.data.DataLoader(_GradSamples(), batch_size=2)))
+    with ArenaLoader(_GradSamples(), batch_size=2) as loader:
+        ours = next(iter(loader))
+    assert ours.requires_grad and type(ours.grad_fn) is type(theirs.grad_fn)
+    assert torch.equal(ours.detach(), theirs.detach())
+
+
+class _GradSamples(_IndexSamples):
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((2,), float(index), requires_grad=True)
+
+
 class _MetaTensor(torch.Tensor):
     """A tensor subclass from outside torch's modules whose ``__torch_function__`` merges
     its metadata through ``torch.stack``, as MONAI's ``MetaTensor`` does."""

@@ -56,10 +56,11 @@ def _stacks_as_subclass(tensor: Any) -> bool:
 
 def _slab_holds(tensor: Any) -> bool:
     """A tensor whose values are one dense block numpy can view: strided, neither nested nor
-    quantized. Any other kind (nested, sparse, quantized, mkldnn) travels pickled, as torch's
-    workers send it."""
+    quantized, and not part of an autograd graph. Any other kind (nested, sparse, quantized,
+    mkldnn, ``requires_grad``) travels pickled, as torch's workers send it (which keeps a leaf's
+    ``requires_grad`` and refuses a non-leaf with its own error)."""
     return (tensor.layout is sys.modules["torch"].strided and not tensor.is_nested
-            and not tensor.is_quantized)
+            and not tensor.is_quantized and not tensor.requires_grad)
 
 
 def _is_field(value: Any) -> bool:
