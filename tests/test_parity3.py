@@ -726,6 +726,33 @@ def test_a_str_first_sample_takes_a_none_after_it_like_torch(first, num_workers)
         assert next(iter(loader)) == expected
 
 
+def _skip_batches_with_a_none(samples: list):
+    """The common collate_fn that drops a batch with a missing sample (the loop skips None)."""
+    if any(sample is None for sample in samples):
+        return None
+    return torch.as_tensor(np.stack(samples))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_a_batch_that_is_none_is_handed_out_like_torch(num_workers):
+    """A collate_fn that returns None for a batch, and a dataset that returns None with
+    batch_size=None: torch's DataLoader hands the None out (training loops skip it); ours
+    raised LayoutError. Every slot is free after the epoch."""
+    dataset = ListDataset(8, lambda i: None if i == 5 else np.full(2, i))
+    for options in ({"batch_size": 2, "collate_fn": _skip_batches_with_a_none},
+                    {"batch_size": None}):
+        theirs = list(tud.DataLoader(dataset, num_workers=num_workers, **options))
+        assert theirs.count(None) == 1
+        with ArenaLoader(dataset, num_workers=num_workers, output="torch", **options) as loader:
+            ours = list(loader)
+            assert [b is None for b in ours] == [b is None for b in theirs]
+            assert all(torch.equal(mine, torchs) for mine, torchs in zip(ours, theirs)
+                       if torchs is not None)
+            del ours
+            assert loader.snapshot().free_slots == loader.slots
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("num_workers", WORKERS)
 def test_a_float_field_takes_what_float_takes_like_torch(num_workers):

@@ -280,9 +280,8 @@ def prepare_batch(batch: Any, label: str, converted: bool = False,
                   live: bool = False) -> Prepared:
     """A batch a ``collate_fn`` made (or one sample, with ``batch_size=None``): every leaf
     keeps its own shape and dtype. ``converted``: one sample with no ``collate_fn``, which
-    torch passes through ``default_convert``."""
-    if batch is None:
-        reject_none(batch, label)
+    torch passes through ``default_convert``. A batch that is None (a collate_fn that drops a
+    batch, a sample with ``batch_size=None``) is handed out as None, as torch does."""
     builder = SpecBuilder(keep_state=True, converted=converted)
     spec = builder.build(batch, "batch")
     columns, placements = [], []
