@@ -160,11 +160,7 @@ def _leaf_placement(value: Any, path: str, label: str,
     the collate_fn made (``converted``: one sample, which torch's ``default_convert`` makes a
     tensor, so it is stored as a 0-d array)."""
     if type(value) in PYTHON_NUMBER_DTYPES:
-        dtype = PYTHON_NUMBER_DTYPES[type(value)]
-        if type(value) is int and not -(2**63) <= value < 2**63:
-            raise LayoutError(f"{label}: field {path} is {value}, outside the int64 range it is "
-                              "stored in; store it as a float or a string instead")
-        return value, FieldPlacement(dtype, (), 0, KIND_NUMBER)
+        return value, FieldPlacement(PYTHON_NUMBER_DTYPES[type(value)], (), 0, KIND_NUMBER)
     if is_tensor(value):
         array, kind, raw_name = tensor_array(value)
         return array, FieldPlacement(array.dtype, array.shape, 0, kind, raw_name)

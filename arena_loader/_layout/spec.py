@@ -171,8 +171,10 @@ class SpecBuilder:
             collate = registered_collate(value, self.extensions)
             if collate is not None:
                 return self._object(value, path, in_sequence, collate)
-        if _is_field(value) and not (self.keep_state
-                                     and _kept_subclass(value, self.converted)):
+        # (In a collate_fn's batch an int past int64 is handed out as it is, as by torch.)
+        if _is_field(value) and not (self.keep_state and (
+                _kept_subclass(value, self.converted)
+                or (type(value) is int and not -(2**63) <= value < 2**63))):
             self.field_paths.append(path)
             self.field_values.append(value)
             return FieldLeaf(len(self.field_paths) - 1)
