@@ -40,6 +40,7 @@ TORCH_OUT = {"output": "torch"}
 # multiprocessing's SharedMemory and semaphore names (psm_*, sem.mp-*) while these scripts
 # run, so those are not counted
 NOISE = ("psm_", "sem.mp-")
+MY_PIDS = {os.getpid()}
 
 
 def plain(x):
@@ -76,24 +77,23 @@ def fresh_dir(*parts):
 
 
 def collect(cls, make_kwargs, make_dataset, epochs, extra, on_epoch, steps):
-    dataset = make_dataset()
-    kw = make_kwargs()
-    if cls is ArenaLoader and extra:
-        kw.update(extra)
-    loader = cls(dataset, **kw)
+    ours = extra if cls is ArenaLoader and extra else {}  # ArenaLoader-only keywords
+    loader = cls(make_dataset(), **make_kwargs(), **ours)
     out = []
     for epoch in range(epochs):
         if on_epoch:
-            on_epoch(loader, dataset, epoch)
+            on_epoch(loader, loader.dataset, epoch)
         batches = []
         for i, b in enumerate(loader):
+            if i == 0:
+                MY_PIDS.update(children())  # the workers: /dev/shm names carry their pid
             batches.append(plain(b))
             if steps is not None and i + 1 == steps:
                 break
         out.append(batches)
     if cls is ArenaLoader:
         loader.close()
-    del loader, dataset
+    del loader
     return out
 
 
@@ -112,7 +112,11 @@ def leftovers(before_shm):
         kids = children()
     tracker = [p for p in kids if "resource_tracker" in cmdline(p)]
     new = {n for n in shm() - before_shm if not n.startswith(NOISE)}
-    return {"ours": sorted(n for n in new if n.startswith(OURS)),
+    # arena_loader names carry their creator's pid: one of another session's processes (the
+    # other engineer's arena_loader runs) is not this script's leak
+    others = {n for n in new if n.startswith(OURS) and int(n[len(OURS):].split("_")[0]) not in MY_PIDS}
+    new -= others
+    return {"ours": sorted(n for n in new if n.startswith(OURS)), "others": sorted(others),
             "their_shm": sorted(n for n in new if not n.startswith(OURS)),
             "children": [(p, cmdline(p)) for p in kids if p not in tracker], "tracker": tracker}
 
@@ -145,6 +149,8 @@ def compare(name, make_dataset, make_kwargs, epochs=2, extra=None, on_epoch=None
         leaks.append(f"their shm torch {lt['their_shm']} arena {la['their_shm']}")
     elif la["their_shm"]:
         notes.append(f"their shm {len(la['their_shm'])} per loader, as torch")
+    if others := lt["others"] + la["others"]:
+        notes.append(f"another session's arena_loader names {others}")
     if t[0] == "ok" and a[0] == "ok":
         d = first_diff(t[1], a[1])
         status = "SAME" if d is None else f"DIFF {d}"
