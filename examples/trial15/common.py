@@ -19,11 +19,11 @@ import time
 
 os.environ.setdefault("TRIAL_TIMEOUT", "280")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
 
-from arena_loader import ArenaLoader  # noqa: E402
+from arena_loader import ArenaLoader
 
 _path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "trial14", "common.py")
 _spec = importlib.util.spec_from_file_location("trial14_common", _path)
@@ -48,7 +48,7 @@ def plain(x):
     try:
         from PIL import Image
     except ImportError:  # pragma: no cover
-        Image = None
+        Image = None  # noqa: N806
     if Image is not None and isinstance(x, Image.Image):
         return ("PIL", x.mode, x.size, x.tobytes())
     if isinstance(x, torch.Tensor) and type(x) is torch.Tensor:
@@ -62,7 +62,12 @@ def plain(x):
 
 t14.plain = t14.base.plain = plain
 first_diff, seeded, variants, children, cmdline = (
-    t14.first_diff, t14.seeded, t14.variants, t14.children, t14.base.cmdline)
+    t14.first_diff,
+    t14.seeded,
+    t14.variants,
+    t14.children,
+    t14.base.cmdline,
+)
 
 
 def shm():
@@ -114,11 +119,17 @@ def leftovers(before_shm):
     new = {n for n in shm() - before_shm if not n.startswith(NOISE)}
     # arena_loader names carry their creator's pid: one of another session's processes (the
     # other engineer's arena_loader runs) is not this script's leak
-    others = {n for n in new if n.startswith(OURS) and int(n[len(OURS):].split("_")[0]) not in MY_PIDS}
+    others = {
+        n for n in new if n.startswith(OURS) and int(n[len(OURS) :].split("_")[0]) not in MY_PIDS
+    }
     new -= others
-    return {"ours": sorted(n for n in new if n.startswith(OURS)), "others": sorted(others),
-            "their_shm": sorted(n for n in new if not n.startswith(OURS)),
-            "children": [(p, cmdline(p)) for p in kids if p not in tracker], "tracker": tracker}
+    return {
+        "ours": sorted(n for n in new if n.startswith(OURS)),
+        "others": sorted(others),
+        "their_shm": sorted(n for n in new if not n.startswith(OURS)),
+        "children": [(p, cmdline(p)) for p in kids if p not in tracker],
+        "tracker": tracker,
+    }
 
 
 def compare(name, make_dataset, make_kwargs, epochs=2, extra=None, on_epoch=None, steps=None):
@@ -132,9 +143,11 @@ def compare(name, make_dataset, make_kwargs, epochs=2, extra=None, on_epoch=None
     for cls in (DataLoader, ArenaLoader):
         before = shm()
         try:
-            res[cls.__name__] = ("ok", collect(cls, make_kwargs, make_dataset, epochs, extra,
-                                               on_epoch, steps))
-        except Exception as e:  # noqa: BLE001
+            res[cls.__name__] = (
+                "ok",
+                collect(cls, make_kwargs, make_dataset, epochs, extra, on_epoch, steps),
+            )
+        except Exception as e:
             res[cls.__name__] = ("err", f"{type(e).__name__}: {e}")
         left[cls.__name__] = leftovers(before)
     t, a = res["DataLoader"], res["ArenaLoader"]
@@ -159,22 +172,106 @@ def compare(name, make_dataset, make_kwargs, epochs=2, extra=None, on_epoch=None
         status = f"BOTH-ERR\n    torch: {t[1][:400]}\n    arena: {a[1][:600]}"
         nb = 0
     else:
-        status = (f"ONE-ERR torch={t[0]} arena={a[0]}\n    torch: {str(t[1])[:400]}"
-                  f"\n    arena: {str(a[1])[:900]}")
+        status = (
+            f"ONE-ERR torch={t[0]} arena={a[0]}\n    torch: {str(t[1])[:400]}"
+            f"\n    arena: {str(a[1])[:900]}"
+        )
         nb = 0
     RESULTS[status.split()[0]] += 1
     RESULTS["LEAK"] += bool(leaks)
-    print(f"[{name}] {status} {'LEAK ' + str(leaks) if leaks else ''}"
-          f"{' (' + '; '.join(notes) + ')' if notes else ''}"
-          f" ({nb} batches, {time.time() - t0:.1f}s)", flush=True)
+    print(
+        f"[{name}] {status} {'LEAK ' + str(leaks) if leaks else ''}"
+        f"{' (' + '; '.join(notes) + ')' if notes else ''}"
+        f" ({nb} batches, {time.time() - t0:.1f}s)",
+        flush=True,
+    )
     return res
+
+
+def resumed_batches(cls, make_kwargs, make_dataset, k, epochs, on_epoch):
+    """A ``cls`` loader stopped after k batches of its first epoch, its ``state_dict()``
+    loaded into a fresh loader over a fresh dataset: the rest of that epoch, then the others."""
+    first = cls(make_dataset(), **make_kwargs())
+    if on_epoch:
+        on_epoch(first, first.dataset, 0)
+    it = iter(first)
+    for _ in range(k):
+        next(it)
+    state = first.state_dict()
+    del it
+    getattr(first, "close", lambda: None)()
+    loader = cls(make_dataset(), **make_kwargs())
+    loader.load_state_dict(state)
+    out = []
+    for epoch in range(epochs):
+        if on_epoch:
+            on_epoch(loader, loader.dataset, epoch)
+        out.append([plain(b) for b in loader])
+    getattr(loader, "close", lambda: None)()
+    return out
+
+
+def compare_resume(name, make_dataset, make_kwargs, k, epochs=2, on_epoch=None):
+    """ArenaLoader resumed from its ``state_dict()`` after k batches (README, "Resuming")
+    against torchdata's ``StatefulDataLoader`` resumed the same way (the protocol ours
+    follows), and against torch's DataLoader uninterrupted (its first epoch from batch k)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    t0, before = time.time(), shm()
+    runs = {}
+    for who, fn in (
+        (
+            "torch",
+            lambda: collect(DataLoader, make_kwargs, make_dataset, epochs, None, on_epoch, None),
+        ),
+        (
+            "torchdata",
+            lambda: resumed_batches(
+                StatefulDataLoader, make_kwargs, make_dataset, k, epochs, on_epoch
+            ),
+        ),
+        (
+            "arena",
+            lambda: resumed_batches(ArenaLoader, make_kwargs, make_dataset, k, epochs, on_epoch),
+        ),
+    ):
+        try:
+            runs[who] = ("ok", fn())
+        except Exception as e:
+            runs[who] = ("err", f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+    if runs["torch"][0] == "ok":
+        runs["torch"][1][0] = runs["torch"][1][0][k:]
+    status = []
+    for ref in ("torchdata", "torch"):
+        (rs, rv), (as_, av) = runs[ref], runs["arena"]
+        if rs == as_ == "ok":
+            d = first_diff(rv, av)
+            status.append(f"vs {ref} " + ("SAME" if d is None else f"DIFF {d[:300]}"))
+        elif rs == as_:
+            status.append(f"vs {ref} BOTH-ERR (same: {rv == av}) {av}")
+        else:
+            ref_got, arena_got = rv if rs == "err" else "ok", av if as_ == "err" else "ok"
+            status.append(f"vs {ref} ONE-ERR {ref}: {ref_got} arena: {arena_got}")
+    lo = leftovers(before)
+    leaks = [f"{k_} {v}" for k_, v in lo.items() if v and k_ in ("ours", "children")]
+    RESULTS["LEAK"] += bool(leaks)
+    print(
+        f"[{name}] {'; '.join(status)} {'LEAK ' + str(leaks) if leaks else ''}"
+        f" ({time.time() - t0:.1f}s)",
+        flush=True,
+    )
 
 
 def report_end(before):
     time.sleep(0.5)
     print("RESULTS", RESULTS, flush=True)
-    print("END children:", [(p, cmdline(p)) for p in children()], "new shm:",
-          sorted(shm() - before), file=sys.stderr)
+    print(
+        "END children:",
+        [(p, cmdline(p)) for p in children()],
+        "new shm:",
+        sorted(shm() - before),
+        file=sys.stderr,
+    )
 
 
 def stub_torchvision_for(module):
@@ -186,9 +283,15 @@ def stub_torchvision_for(module):
 
     import transformers.feature_extraction_utils  # noqa: F401  (imported before the stub)
 
-    tv, tvd, tvt, tvf = (types.ModuleType(n) for n in (
-        "torchvision", "torchvision.datasets", "torchvision.transforms",
-        "torchvision.transforms.functional"))
+    tv, tvd, tvt, tvf = (
+        types.ModuleType(n)
+        for n in (
+            "torchvision",
+            "torchvision.datasets",
+            "torchvision.transforms",
+            "torchvision.transforms.functional",
+        )
+    )
     tvd.VisionDataset = type("VisionDataset", (), {})
     tvf.to_tensor = lambda x: torch.as_tensor(np.asarray(x))
     tv.datasets, tv.transforms, tvt.functional = tvd, tvt, tvf

@@ -15,10 +15,9 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import TORCH_OUT, compare, fresh_dir, report_end, shm, variants  # noqa: E402
-
-import litdata  # noqa: E402
-from litdata import StreamingDataset  # noqa: E402
+import litdata
+from common import TORCH_OUT, compare, compare_resume, fresh_dir, report_end, shm, variants
+from litdata import StreamingDataset
 
 warnings.simplefilter("ignore")
 N = 50
@@ -26,10 +25,13 @@ N = 50
 
 def make_item(i):
     rng = np.random.default_rng(i)
-    return {"image": rng.integers(0, 256, (3, 8, 8), dtype=np.uint8),
-            "pil": Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)),
-            "label": i % 4, "tokens": rng.integers(1, 100, 2 + i % 5).astype(np.int64),
-            "id": f"item{i}"}
+    return {
+        "image": rng.integers(0, 256, (3, 8, 8), dtype=np.uint8),
+        "pil": Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)),
+        "label": i % 4,
+        "tokens": rng.integers(1, 100, 2 + i % 5).astype(np.int64),
+        "id": f"item{i}",
+    }
 
 
 def write():
@@ -38,8 +40,12 @@ def write():
     workers spawn them (30 s a case here); spawned workers are tried below through
     ``multiprocessing_context="spawn"``, given to both loaders."""
     root = fresh_dir("litdata")
-    subprocess.run([sys.executable, __file__, "--write", root], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, __file__, "--write", root],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return root
 
 
@@ -47,8 +53,13 @@ def normalize(item):
     """torchvision-style ConvertImageDtype + Normalize, and PIL -> tensor, with torch ops."""
     x = torch.from_numpy(item["image"]).float() / 255
     p = torch.from_numpy(np.asarray(item["pil"], np.uint8).copy()).permute(2, 0, 1)
-    return {"image": (x - 0.5) / 0.2, "pil": p, "label": item["label"],
-            "tokens": torch.from_numpy(item["tokens"]), "id": item["id"]}
+    return {
+        "image": (x - 0.5) / 0.2,
+        "pil": p,
+        "label": item["label"],
+        "tokens": torch.from_numpy(item["tokens"]),
+        "id": item["id"],
+    }
 
 
 class Normalized(StreamingDataset):
@@ -64,8 +75,12 @@ def pad_collate(batch):
     for j, b in enumerate(batch):
         ids[j, : len(b["tokens"])] = torch.as_tensor(b["tokens"])
         mask[j, : len(b["tokens"])] = True
-    return {"input_ids": ids, "attention_mask": mask,
-            "labels": torch.tensor([b["label"] for b in batch]), "ids": [b["id"] for b in batch]}
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": torch.tensor([b["label"] for b in batch]),
+        "ids": [b["id"] for b in batch],
+    }
 
 
 def no_tokens(item):
@@ -77,12 +92,14 @@ def no_tokens(item):
 def dataset(cls=Normalized, **kw):
     def make():
         return cls(input_dir=ROOT, **kw)
+
     return make
 
 
 def kwargs(kw):
     def make():
         return dict(kw, generator=torch.Generator().manual_seed(3))
+
     return make
 
 
@@ -95,30 +112,84 @@ def ask_len(loader, ds, epoch):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--write"]:
-    litdata.optimize(fn=make_item, inputs=list(range(N)), output_dir=sys.argv[2], chunk_size=8,
-                     num_workers=1, mode="overwrite")
+    litdata.optimize(
+        fn=make_item,
+        inputs=list(range(N)),
+        output_dir=sys.argv[2],
+        chunk_size=8,
+        num_workers=1,
+        mode="overwrite",
+    )
 elif __name__ == "__main__":
     ROOT = write()
     before = shm()
     for tag, kw in variants({}):
         e = dict(epochs=3)
         bs = dict(kw, batch_size=4)
-        compare(f"3 in order pad collate bs=4 {tag}", dataset(), kwargs(dict(bs, collate_fn=pad_collate)), **e)
-        compare(f"3 shuffle seed=7 pad collate {tag}", dataset(shuffle=True, seed=7),
-                kwargs(dict(bs, collate_fn=pad_collate)), **e)
-        compare(f"3 shuffle set_epoch pad collate {tag}", dataset(shuffle=True, seed=7),
-                kwargs(dict(bs, collate_fn=pad_collate)), on_epoch=set_epoch, **e)
-        compare(f"3 shuffle drop_last len(loader) first {tag}", dataset(shuffle=True, drop_last=True, seed=2),
-                kwargs(dict(bs, collate_fn=pad_collate)), on_epoch=ask_len, **e)
-        compare(f"3 transform= default collate {tag}",
-                dataset(StreamingDataset, shuffle=True, seed=1, transform=no_tokens),
-                kwargs(bs), extra=TORCH_OUT, **e)
-        compare(f"3 bs=None raw items {tag}", dataset(StreamingDataset),
-                kwargs(dict(kw, batch_size=None)), extra=TORCH_OUT, **e)
-        compare(f"3 break after 2 batches {tag}", dataset(shuffle=True, seed=5),
-                kwargs(dict(bs, collate_fn=pad_collate)), steps=2, **e)
-    spawn = dict(num_workers=2, batch_size=4, collate_fn=pad_collate, multiprocessing_context="spawn")
+        compare(
+            f"3 in order pad collate bs=4 {tag}",
+            dataset(),
+            kwargs(dict(bs, collate_fn=pad_collate)),
+            **e,
+        )
+        compare(
+            f"3 shuffle seed=7 pad collate {tag}",
+            dataset(shuffle=True, seed=7),
+            kwargs(dict(bs, collate_fn=pad_collate)),
+            **e,
+        )
+        compare(
+            f"3 shuffle set_epoch pad collate {tag}",
+            dataset(shuffle=True, seed=7),
+            kwargs(dict(bs, collate_fn=pad_collate)),
+            on_epoch=set_epoch,
+            **e,
+        )
+        compare(
+            f"3 shuffle drop_last len(loader) first {tag}",
+            dataset(shuffle=True, drop_last=True, seed=2),
+            kwargs(dict(bs, collate_fn=pad_collate)),
+            on_epoch=ask_len,
+            **e,
+        )
+        compare(
+            f"3 transform= default collate {tag}",
+            dataset(StreamingDataset, shuffle=True, seed=1, transform=no_tokens),
+            kwargs(bs),
+            extra=TORCH_OUT,
+            **e,
+        )
+        compare(
+            f"3 bs=None raw items {tag}",
+            dataset(StreamingDataset),
+            kwargs(dict(kw, batch_size=None)),
+            extra=TORCH_OUT,
+            **e,
+        )
+        compare(
+            f"3 break after 2 batches {tag}",
+            dataset(shuffle=True, seed=5),
+            kwargs(dict(bs, collate_fn=pad_collate)),
+            steps=2,
+            **e,
+        )
+        # litdata's state_dict(num_samples_yielded, num_workers, batch_size) takes arguments:
+        # never called by ours (a resumed worker skips what it had handed out)
+        compare_resume(
+            f"3 ArenaLoader.state_dict resume after 3 {tag}",
+            dataset(shuffle=True, seed=5),
+            kwargs(dict(bs, collate_fn=pad_collate)),
+            3,
+        )
+    spawn = dict(
+        num_workers=2, batch_size=4, collate_fn=pad_collate, multiprocessing_context="spawn"
+    )
     for pw in (False, True):
-        compare(f"3 spawn shuffle set_epoch pad collate nw=2 pw={pw}", dataset(shuffle=True, seed=7),
-                kwargs(dict(spawn, persistent_workers=pw)), on_epoch=set_epoch, epochs=3)
+        compare(
+            f"3 spawn shuffle set_epoch pad collate nw=2 pw={pw}",
+            dataset(shuffle=True, seed=7),
+            kwargs(dict(spawn, persistent_workers=pw)),
+            on_epoch=set_epoch,
+            epochs=3,
+        )
     report_end(before)
