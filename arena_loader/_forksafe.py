@@ -26,7 +26,6 @@ import ctypes
 import logging
 import mmap
 import os
-import select
 import signal
 import threading
 import time
@@ -35,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ._leases import WeakEntries
+from ._readable import readable
 
 logger = logging.getLogger("arena_loader")
 
@@ -273,7 +273,7 @@ def _after_fork_in_parent() -> None:
         deadline = time.monotonic() + COPY_TIMEOUT_S
         while (remaining := deadline - time.monotonic()) > 0:
             try:
-                if select.select([read_fd], [], [], remaining)[0]:
+                if readable(read_fd, remaining):
                     os.read(read_fd, 1)
                     return
             except InterruptedError:

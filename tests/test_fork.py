@@ -428,6 +428,58 @@ def test_too_many_workers_for_the_descriptor_limit_is_a_clear_error(descriptor_l
     small.close()
 
 
+@pytest.fixture
+def descriptors_above_fd_setsize():
+    """This process holds 1100 more open descriptors, so every pipe made next is numbered
+    above select(2)'s FD_SETSIZE (1024), as in a program whose libraries keep many files
+    open (a mosaicml-streaming run did: examples/trial15/README.md)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = _open_fd_count() + 1100 + 256
+    if hard != resource.RLIM_INFINITY and hard < need:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {need}")
+    if soft != resource.RLIM_INFINITY and soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    yield
+    for fd in held:
+        os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_pipes_numbered_above_fd_setsize_work(descriptors_above_fd_setsize, persistent):
+    """A worker that outruns the loop sleeps on its doorbell pipe, numbered above 1024 here:
+    it waits with poll(2) (select.select raised "filedescriptor out of range in select()" in
+    the worker, a WorkerCrashedError at next()); two epochs come whole."""
+    loader = ArenaLoader(FullDataset(16), batch_size=4, num_workers=1,
+                         persistent_workers=persistent, timeout=10)
+    for _ in range(2):
+        batches = []
+        for batch in loader:
+            time.sleep(0.005)  # longer than the worker's spin: it goes to sleep on the pipe
+            batches.append(np.array(batch).tolist())
+        assert batches == [expected_batch(range(k, k + 4)).tolist() for k in range(0, 16, 4)]
+    loader.close()
+    assert wait_until(lambda: not live_children())
+
+
+@pytest.mark.timeout(20)
+def test_fork_with_held_batches_above_fd_setsize(descriptors_above_fd_setsize):
+    """A fork while batches are held makes the parent wait on a pipe (numbered above 1024
+    here) until the child has copied them: poll(2), not select, and the child reads them."""
+    loader = ArenaLoader(FullDataset(8), batch_size=4, num_workers=0)
+    iterator = iter(loader)
+    _HELD[:] = [next(iterator)]
+    try:
+        child = ForkedChild("os.fork")
+    finally:
+        _HELD.clear()
+    assert child.report() == [expected_batch(range(4)).tolist()]
+    assert [np.array(b).tolist() for b in iterator] == [expected_batch(range(4, 8)).tolist()]
+    loader.close()
+
+
 def test_emfile_while_starting_workers_is_a_descriptor_limit_error(monkeypatch):
     """An EMFILE met while starting workers (the pre-check passed) is the same clear error,
     and the workers already started are stopped."""

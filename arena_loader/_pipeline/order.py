@@ -27,7 +27,6 @@ from __future__ import annotations
 import enum
 import os
 import pickle
-import select
 import struct
 import threading
 import time
@@ -38,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from .._messages import listed
+from .._readable import readable, writable
 from .._slab import SlabHandle, map_shared, open_shared, size_shared
 from .spin import spin_while_equal
 
@@ -233,7 +233,7 @@ def _write_all(fd: int, data: bytes) -> None:
             except BlockingIOError:
                 if len(view) == len(data):
                     raise  # nothing written: the caller may give up cleanly
-                select.select([], [fd], [], 1.0)  # a piped payload midway: finish it
+                writable(fd, 1.0)  # a piped payload midway: finish it
                 continue
             view = view[written:]
     except KeyboardInterrupt:
@@ -320,7 +320,7 @@ class OrderReader:
             deadline = time.monotonic() + timeout_s
             while seq >= published[worker]:
                 wait_s = deadline - time.monotonic()
-                if wait_s <= 0 or not select.select([self._doorbell], [], [], wait_s)[0]:
+                if wait_s <= 0 or not readable(self._doorbell, wait_s):
                     return seq < published[worker]
                 self._read_pipe()
             return True
@@ -368,7 +368,7 @@ class OrderReader:
                     if got_seq == seq:
                         return payload
                     continue  # written for an entry that was never published
-            select.select([self._doorbell], [], [], 1.0)
+            readable(self._doorbell, 1.0)
             self._read_pipe()
 
     def note_sent(self, nbytes: int) -> None:
