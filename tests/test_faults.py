@@ -746,15 +746,18 @@ def test_ctrl_c_at_any_line_of_next_loses_no_batch_error(num_workers, persistent
     (an interrupt while the error is on its way out must not swallow it; nor one while a
     batch stashed by an earlier interrupt is handed out). Fresh interpreter, as above."""
     # Without persistent workers each k starts workers: every third line (the lines of
-    # next() itself are every one's target with persistent workers).
-    step = 3 if num_workers and not persistent else 1
+    # next() itself are every one's target with persistent workers). The two persistent
+    # cases run the same next() in the main process (threads differ in the workers only):
+    # one takes the odd lines, the other the even ones.
+    step, first = (3, 1) if num_workers and not persistent else (2, threads) if persistent \
+        else (1, 1)
     _in_fresh_interpreter(
-        f"_ctrl_c_error_matrix({num_workers}, {persistent}, {threads}, {step})", 160)
+        f"_ctrl_c_error_matrix({num_workers}, {persistent}, {threads}, {step}, {first})", 160)
 
 
-def _ctrl_c_error_matrix(num_workers, persistent=False, threads=1, step=1):
+def _ctrl_c_error_matrix(num_workers, persistent=False, threads=1, step=1, first=1):
     expected = [i if i != 12 else "ValueError" for i in range(0, 20, 2)]
-    longest, k = 0, 0
+    longest, k = 0, first - step
     with ArenaLoader(_FailsAt13(), batch_size=2, num_workers=num_workers,
                      timeout=10 if num_workers else 0,
                      persistent_workers=persistent, worker_threads=threads) as loader:
