@@ -25,18 +25,27 @@ class RemoteError:
     type_name: str
     traceback: str
     pickled: bytes | None  # the exception itself, when it pickles
+    # Its class alone (by reference), for one whose instance does not pickle (an attribute
+    # that is a lock, a socket): torch re-raises that class, built from the message.
+    pickled_type: bytes | None = None
 
     @classmethod
     def capture(cls, exc: BaseException) -> RemoteError:
+        pickled = pickled_type = None
         try:
             pickled = pickle.dumps(exc)
             pickle.loads(pickled)  # only keep it if it also rebuilds
         except Exception:
             pickled = None
+            try:
+                pickled_type = pickle.dumps(type(exc))
+            except Exception:
+                pickled_type = None  # a class defined in a function: RuntimeError
         return cls(
             type_name=f"{type(exc).__module__}.{type(exc).__qualname__}",
             traceback=formatted(exc),
             pickled=pickled,
+            pickled_type=pickled_type,
         )
 
     def original(self) -> BaseException | None:
@@ -46,6 +55,19 @@ class RemoteError:
             return pickle.loads(self.pickled)
         except Exception:
             return None
+
+    def original_type(self) -> type[BaseException]:
+        """The exception's class: the original's, else the one carried alone, else
+        RuntimeError."""
+        original = self.original()
+        if original is not None:
+            return type(original)
+        try:
+            loaded = pickle.loads(self.pickled_type) if self.pickled_type else None
+        except Exception:
+            loaded = None
+        return loaded if isinstance(loaded, type) and issubclass(loaded, BaseException) \
+            else RuntimeError
 
 
 def add_note(error: BaseException, note: str) -> None:
@@ -123,7 +145,7 @@ def rebuild_worker_error(failure: BatchFailed | WorkerFailed, indices: Any = Non
     message = (f"Caught {name} in DataLoader worker process {failure.worker_id}.\n"
                f"{error.type_name} {where}.\nOriginal {error.traceback}")
     original = error.original()
-    exc_type = type(original) if original is not None else RuntimeError
+    exc_type = error.original_type()
     if issubclass(exc_type, StopIteration):
         exc_type = RuntimeError
     if issubclass(exc_type, KeyError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -216,6 +217,33 @@ def test_key_error_from_worker_stays_a_readable_key_error():
     text = str(info.value)
     assert text.startswith("Caught KeyError in DataLoader worker process 0.\nbuiltins.KeyError "
                            "while loading") and "\\n" not in text
+
+
+class HoldsALockError(Exception):
+    """An error whose instance does not pickle (a lock attribute), as a client library's may."""
+
+    def __init__(self, message):
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+class UnpicklableErrorDataset(ImageDataset):
+    def __getitem__(self, i):
+        if i == 3:
+            raise HoldsALockError("sample 3 unreadable")
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+def test_an_error_that_does_not_pickle_keeps_its_type_as_with_torch(worker_mode):
+    """torch re-raises a worker's error as its class built from the message
+    (``ExceptionWrapper.reraise``: seen raising HoldsALockError with 1 worker), so an error
+    whose instance cannot cross processes keeps its type there; ours became RuntimeError."""
+    with ArenaLoader(UnpicklableErrorDataset(6), batch_size=2, num_workers=1,
+                     worker_mode=worker_mode) as loader:
+        with pytest.raises(HoldsALockError) as info:
+            list(loader)
+    assert "sample 3 unreadable" in str(info.value) and info.value.batch_idx == 1
 
 
 def test_timeout_message_names_the_worker_and_pid():
