@@ -200,7 +200,7 @@ class WeakEntries:
         self._entries[number] = (weakref.ref(owner, forget), value)
 
     def discard(self, owner: Any) -> None:
-        for number, (ref, _) in tuple(self._entries.copy().items()):
+        for number, (ref, _) in self._entries.copy().items():
             if ref() is owner:
                 self._entries.pop(number, None)
 

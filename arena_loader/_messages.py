@@ -36,7 +36,7 @@ class RemoteError:
             pickled = pickle.dumps(exc)
             pickle.loads(pickled)  # only keep it if it also rebuilds
         except Exception:
-            pickled = None
+            pickled = None  # (dumped, it may not load)
             try:
                 pickled_type = pickle.dumps(type(exc))
             except Exception:
@@ -56,12 +56,8 @@ class RemoteError:
         except Exception:
             return None
 
-    def original_type(self) -> type[BaseException]:
-        """The exception's class: the original's, else the one carried alone, else
-        RuntimeError."""
-        original = self.original()
-        if original is not None:
-            return type(original)
+    def carried_type(self) -> type[BaseException]:
+        """The class carried alone (the instance did not pickle), else RuntimeError."""
         try:
             loaded = pickle.loads(self.pickled_type) if self.pickled_type else None
         except Exception:
@@ -145,7 +141,7 @@ def rebuild_worker_error(failure: BatchFailed | WorkerFailed, indices: Any = Non
     message = (f"Caught {name} in DataLoader worker process {failure.worker_id}.\n"
                f"{error.type_name} {where}.\nOriginal {error.traceback}")
     original = error.original()
-    exc_type = error.original_type()
+    exc_type = type(original) if original is not None else error.carried_type()
     if issubclass(exc_type, StopIteration):
         exc_type = RuntimeError
     if issubclass(exc_type, KeyError):

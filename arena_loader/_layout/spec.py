@@ -262,9 +262,10 @@ def flatten(node: Any, value: Any, fields: list, objects: list, index: Any) -> N
 
 def _sized_iterable(value: Any) -> bool:
     try:
-        return hasattr(value, "__iter__") and len(value) >= 0
-    except TypeError:  # a 0-d array or tensor
+        len(value)
+    except TypeError:  # no length (a number, a 0-d array or tensor)
         return False
+    return hasattr(value, "__iter__")
 
 
 def _structure_error(node: Any, value: Any, index: Any) -> None:
