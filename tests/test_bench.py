@@ -31,6 +31,8 @@ from arena_loader.bench.harness import (
 from arena_loader.bench.loaders import (
     ARENA,
     BENCH_EXTRA,
+    COPY,
+    COPY_SHARED,
     FLOOR,
     GRAIN,
     LOADERS,
@@ -38,6 +40,7 @@ from arena_loader.bench.loaders import (
     SPDL,
     STATEFUL,
     TORCH,
+    CopyLimit,
     Setup,
     numpy_collate,
 )
@@ -319,6 +322,39 @@ def test_memory_and_time_targets_read_arena_over_torch_with_upper_limits():
     assert all(" >= " in t["target"] or " <= " in t["target"] for t in by_text.values())
 
 
+def test_one_worker_targets_read_the_scaling_runs_one_worker_row_over_each_copy_limit():
+    """Issue 21's one-worker target: the scaling run's 1-worker ArenaLoader row over the copy
+    limit (private memory) and over the copy into shared memory, round by round; the
+    2-worker row of the comparison is not it."""
+    results = [_case(ARENA, [900, 900, 900], [1, 1, 1], [1, 1, 1]),
+               _case(COPY, [100, 200, 100], [1, 1, 1], [1, 1, 1]),
+               _case(COPY_SHARED, [80, 80, 40], [1, 1, 1], [1, 1, 1])]
+    one = _case(ARENA, [90, 90, 90], [1, 1, 1], [1, 1, 1])
+    scaling = [dict(_case(ARENA, [500] * 3, [1] * 3, [1] * 3), workers=3), dict(one, workers=1)]
+    by_text = {t["target"]: t for t in report.targets(results, scaling)}
+    private = by_text["image batches/s: ArenaLoader 1 worker / copy limit >= 0.9x"]
+    assert private["ratio"]["rounds"] == [0.9, 0.45, 0.9] and private["met"] is True
+    shared = by_text["image batches/s: ArenaLoader 1 worker / copy limit (shared memory) >= 0.9x"]
+    assert shared["ratio"]["median"] == pytest.approx(1.125) and shared["met"] is True
+    assert report.targets(results)[-1]["ratio"] is None  # no scaling run: not measured
+
+
+def test_the_shared_copy_limit_writes_memory_another_process_sees():
+    """The copy limit into shared memory writes pages a forked process shares (MAP_SHARED):
+    what a child writes into the ring, the parent reads; the private ring stays private."""
+    dataset = PooledArrays(16, (4,), np.float32)
+    for shared in (True, False):
+        loader = CopyLimit(dataset, batch_size=4, shared=shared)
+        batch = next(iter(loader))
+        pid = os.fork()
+        if pid == 0:
+            batch[...] = 7.0
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert (batch == 7.0).all() == shared
+        loader.close()
+
+
 @pytest.mark.timeout(30)
 def test_floor_closed_mid_epoch_leaves_no_worker():
     """The floor loader stops its workers when closed in the middle of an epoch (its
@@ -457,7 +493,8 @@ def test_bench_cli_quick_writes_every_loader_and_metric(tmp_path):
     assert {"cpu_model", "cores", "dev_shm_gib", "versions"} <= set(out["environment"])
     assert {"spdl", "grain", "torchdata", "pillow"} <= set(out["environment"]["versions"])
     assert out["settings"]["command"].startswith("arena-loader bench --quick")
-    assert len(out["targets"]) == len(report.TARGETS) + len(report.HYBRID_TARGETS)
+    assert len(out["targets"]) == (len(report.TARGETS) + len(report.HYBRID_TARGETS)
+                                   + len(report.ONE_WORKER_TARGETS))
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Targets" in result.stdout and ARENA in result.stdout
     assert "round 1/1" in result.stderr  # progress lines while it runs

@@ -36,6 +36,7 @@ from .loaders import (
     ARENA_HYBRID,
     ARENA_THREADS,
     COPY,
+    COPY_SHARED,
     FLOOR,
     GRAIN,
     LOADERS,
@@ -62,7 +63,7 @@ QUICK = {"rounds": 3, "scale": 0.25, "scaling": "", "min_seconds": 0.8, "min_bat
 # workloads; the floor where it says most (image, tiny, jpeg); thread workers on remote.
 # The full run has every loader on every workload.
 QUICK_LOADERS: dict[str, tuple[str, ...]] = {
-    "image": (ARENA, TORCH, SPDL, GRAIN, STATEFUL, NODES, COPY, FLOOR),
+    "image": (ARENA, TORCH, SPDL, GRAIN, STATEFUL, NODES, COPY, COPY_SHARED, FLOOR),
     "tiny": (ARENA, TORCH, FLOOR),
     "jpeg": (ARENA, TORCH, SPDL, GRAIN, STATEFUL, NODES, FLOOR, ARENA_HYBRID),
     "remote": (ARENA, TORCH, ARENA_THREADS, NODES_THREADS, ARENA_HYBRID, TORCH_WIDE),
@@ -380,7 +381,7 @@ def _report(args: argparse.Namespace, env: dict, workloads: list[Workload],
         "results": results,
         "scaling": scaling,
         "ratios": report.ratios(results),
-        "targets": report.targets(results),
+        "targets": report.targets(results, scaling),
     }
 
 
