@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ._layout import (
+    CastRows,
     Prepared,
     prepare_batch,
     prepare_rows,
@@ -313,7 +314,8 @@ class SameShapeRows:
         self._dtype: np.dtype | None = None
         self._shape: tuple[int, ...] = ()
         self._rows = 0
-        self._outs: dict[int, np.ndarray] = {}  # per slot: the batch's array over it
+        # Per slot: the batch's array over it, and how large rows go in (or None).
+        self._outs: dict[int, tuple[np.ndarray, CastRows | None]] = {}
         self._slab: np.ndarray | None = None
         self._slot_nbytes = 0
         self.plan_record = b""
@@ -337,10 +339,14 @@ class SameShapeRows:
             return False
         if not promote_to(samples, dtype):
             return False  # promoted: the general path types the batch as torch would
-        out = self._outs.get(slot)
-        if out is None:
-            out = self._outs[slot] = np.ndarray((self._rows, *self._shape), dtype, self._slab,
-                                                slot * self._slot_nbytes)
+        outs = self._outs.get(slot)
+        if outs is None:
+            out = np.ndarray((self._rows, *self._shape), dtype, self._slab,
+                             slot * self._slot_nbytes)
+            outs = self._outs[slot] = (out, CastRows.of(out))
+        out, cast = outs
+        if cast is not None and cast.write(samples):
+            return True  # large rows, by the cast loop (_layout/rowcopy.py)
         try:
             out[...] = samples  # a row of another shape, or not an array, fails here
         except (ValueError, TypeError):

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ._layout import Prepared, prepare_rows
+from ._layout import CastRows, Prepared, prepare_rows
 from ._layout.spec import PYTHON_NUMBER_DTYPES, SpecBuilder, flatten
 from .errors import LayoutError
 
@@ -41,6 +41,7 @@ class RowWriter:
         self._storage_for = storage_for
         self._lock = threading.Lock()
         self._rows: list[np.ndarray] | None = None  # per field: its (rows, *shape) view
+        self._casts: list[CastRows | None] = []  # per field: how large rows go in
         self._spec: Any = None
         self._template: list[Any] = []  # the first sample's field leaves
 
@@ -73,6 +74,7 @@ class RowWriter:
         storage = self._storage_for(plan.nbytes)
         self._spec, self._template, self.prepared = plan.spec, leaves, prepared
         self._rows = [np.ndarray(f.shape, f.dtype, storage, f.offset) for f in plan.fields]
+        self._casts = [CastRows.of(rows) for rows in self._rows]
 
     def _leaves_or_none(self, spec: Any, sample: Any, index: Any) -> list[Any] | None:
         """``sample``'s field leaves in plan order (None: it does not have the structure)."""
@@ -102,8 +104,9 @@ class RowWriter:
             elif type(leaf) is not type(first):
                 return False
         try:
-            for field_rows, leaf in zip(self._rows, leaves):
-                field_rows[row] = leaf
+            for field_rows, cast, leaf in zip(self._rows, self._casts, leaves):
+                if cast is None or not cast.write_row(row, leaf):  # large rows: rowcopy.py
+                    field_rows[row] = leaf
         except (OverflowError, ValueError, TypeError):  # an int beyond int64, say
             return False
         return True

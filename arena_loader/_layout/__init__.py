@@ -11,7 +11,8 @@ the same storage, after the fields.
 - ``plan``: ``Plan`` (what the consumer needs) and ``Prepared`` (a plan and its values);
 - ``spec``: walking samples, and torch's ``default_collate`` rules for object leaves;
 - ``planner``: ``prepare_samples`` / ``prepare_batch`` / ``prepare_rows``;
-- ``records``: the plan on the wire (``PlanEncoder`` / ``PlanDecoder``).
+- ``records``: the plan on the wire (``PlanEncoder`` / ``PlanDecoder``);
+- ``rowcopy``: large rows copied by numpy's cast loop (``CastRows``), not ``memmove``.
 """
 
 from .plan import (
@@ -25,7 +26,8 @@ from .plan import (
 )
 from .planner import prepare_batch, prepare_rows, prepare_samples, rows_view
 from .records import PlanDecoder, PlanEncoder
+from .rowcopy import CastRows
 
-__all__ = ["FIELD_ALIGNMENT", "KIND_TORCH", "KIND_TORCH_RAW", "FieldPlacement", "Plan",
+__all__ = ["FIELD_ALIGNMENT", "KIND_TORCH", "KIND_TORCH_RAW", "CastRows", "FieldPlacement", "Plan",
            "PlanDecoder", "PlanEncoder", "Prepared", "prepare_batch", "prepare_rows",
            "prepare_samples", "promote_to", "rows_view"]

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from .rowcopy import CastRows
+
 FIELD_ALIGNMENT = 64
 
 # Field kinds: how the consumer hands the leaf out.
@@ -216,6 +218,9 @@ def promote_to(rows: list, dtype: np.dtype) -> bool:
 
 def write_equal_rows(storage: np.ndarray, column: EqualRows, field: FieldPlacement) -> None:
     out = np.ndarray(field.shape, field.dtype, storage, field.offset)
+    cast = CastRows.of(out)
+    if cast is not None and cast.write(column.rows):
+        return  # large rows, by the cast loop (rowcopy.py)
     try:  # numpy reads the rows as one array of the batch's shape: a row of any other
         out[...] = column.rows  # shape (or a non-array) fails; dtypes only promote (checked)
     except (ValueError, TypeError):
