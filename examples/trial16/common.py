@@ -16,9 +16,7 @@ import faulthandler
 import gc
 import multiprocessing as mp
 import os
-import sys
 import time
-import traceback
 
 import numpy as np
 import torch
@@ -116,9 +114,9 @@ def leaf_bytes(x):
 def canon(x, strict_types: bool):
     if isinstance(x, (torch.Tensor, np.ndarray)):
         kind = type(x).__name__ if strict_types else "array"
-        return (kind,) + leaf_bytes(x)
+        return (kind, *leaf_bytes(x))
     if isinstance(x, np.generic):
-        return ("array",) + leaf_bytes(x)
+        return ("array", *leaf_bytes(x))
     if isinstance(x, dict):
         return ("dict", tuple((k, canon(v, strict_types)) for k, v in x.items()))
     if isinstance(x, (list, tuple)):
@@ -177,7 +175,7 @@ def run(loader_cls, dataset, strict_types, **kw):
                 else:
                     out.append(canon(batch, strict_types))
                 del batch
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         err = (type(exc).__name__, [c.__name__ for c in type(exc).__mro__],
                str(exc).splitlines()[0][:300] if str(exc) else "")
     finally:
@@ -196,8 +194,8 @@ CONFIGS = [  # (num_workers, worker_threads, persistent_workers)
 
 LEARN_CONFIGS = [(0, 1, False), (2, 3, True)]
 
-RESULTS: dict[str, int] = {"SAME": 0, "TORCH-INCONSISTENT": 0, "DIFF": 0, "BOTH-ERR": 0, "ERR-TYPE": 0,
-                           "ONE-ERR": 0, "LEAK": 0, "NO-CAST": 0}
+RESULTS: dict[str, int] = dict.fromkeys(
+    ("SAME", "TORCH-INCONSISTENT", "DIFF", "BOTH-ERR", "ERR-TYPE", "ONE-ERR", "LEAK", "NO-CAST"), 0)
 LOG: list[str] = []
 
 
@@ -270,7 +268,8 @@ def judge(ref, ours):
     if len(rb) != len(ob):
         return ("DIFF" if re_ is None and oe is None else "ONE-ERR" if (re_ is None) != (oe is None)
                 else "BOTH-ERR"), (f"{len(rb)} vs {len(ob)} batches; torch err {re_ and re_[0]} "
-                                   f"{re_ and re_[2][:120]!r}; ours err {oe and oe[0]} {oe and oe[2][:160]!r}")
+                                   f"{re_ and re_[2][:120]!r}; ours err {oe and oe[0]} "
+                                   f"{oe and oe[2][:160]!r}")
     if re_ is None and oe is None:
         return "SAME", ""
     if (re_ is None) != (oe is None):

@@ -5,6 +5,7 @@ are of two dtypes: the plain path writes them)."""
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
+
 from arena_loader import ArenaLoader
 
 h = np.full((64, 1024), 0x7C01, np.uint16).view(np.float16)  # signalling NaN, payload 1

@@ -4,6 +4,7 @@ Rows >= 32 KB so the cast loop is in play, though none of this depends on it."""
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
+
 from arena_loader import ArenaLoader
 
 

@@ -2,8 +2,8 @@
 DataLoader raises RuntimeError ("Promotion for uint16, uint32, uint64 types is not supported");
 ArenaLoader stacks them as numpy promotes (int32 here). Same with the pre-cast-loop code."""
 import numpy as np
-import torch
 from torch.utils.data import DataLoader
+
 from arena_loader import ArenaLoader
 
 ds = [np.full((64, 1024), 7, np.int32), np.full((64, 1024), 65535, np.uint16)]

@@ -15,8 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-from common import compare_case, say, summary  # noqa: E402
+from common import compare_case, summary
 
 SCRATCH = "/tmp/trial16"
 os.makedirs(SCRATCH, exist_ok=True)
@@ -47,7 +46,8 @@ def bits(dtype, shape, seed):
         ints = {2: np.uint16, 4: np.uint32, 8: np.uint64}[part]
         comp = flat.view(ints)  # the float components
         specials = {np.uint16: [0x7E01, 0x7C01, 0x8000, 0x7C00, 0xFC00, 0x0001, 0xFE55],
-                    np.uint32: [0x7FC00001, 0x7F800001, 0x80000000, 0x7F800000, 0xFF800000, 1, 0xFFC12345],
+                    np.uint32: [0x7FC00001, 0x7F800001, 0x80000000, 0x7F800000, 0xFF800000, 1,
+                                0xFFC12345],
                     np.uint64: [0x7FF8000000000001, 0x7FF0000000000001, 1 << 63, 0x7FF0000000000000,
                                 0xFFF0000000000000, 1, 0xFFF8DEADBEEF0001]}[ints]
         comp[:len(specials)] = specials
@@ -199,45 +199,45 @@ def list_collate(batch):
 
 def main(filt: str = "") -> None:
     cases = []
-    P = functools.partial
+    p = functools.partial
     for dt in DTYPES:
         for nbytes, tag in ((LARGE, "36K"), (SMALL, "30K")):
-            cases.append((f"offsets {dt} {tag}", P(Fn, P(at_offset, dt, nbytes)),
+            cases.append((f"offsets {dt} {tag}", p(Fn, p(at_offset, dt, nbytes)),
                           {"expect_cast": nbytes >= EXACT and dt != "complex128"}))
-        cases.append((f"fresh {dt} 32K", P(Fn, P(fresh, dt, EXACT)),
+        cases.append((f"fresh {dt} 32K", p(Fn, p(fresh, dt, EXACT)),
                       {"expect_cast": dt != "complex128"}))
     for dt in ("uint8", "float32", "complex64", "float16", "int64", "bool"):
-        cases.append((f"preloaded {dt} 36K", P(Preloaded, dt, LARGE), {}))
-        cases.append((f"memmap {dt} 36K", P(Memmapped, dt, LARGE), {}))
+        cases.append((f"preloaded {dt} 36K", p(Preloaded, dt, LARGE), {}))
+        cases.append((f"memmap {dt} 36K", p(Memmapped, dt, LARGE), {}))
     for dt in ("float32", "int16", "complex128"):
-        cases.append((f"fortran {dt} 36K", P(Fn, P(fortran, dt, LARGE)),
+        cases.append((f"fortran {dt} 36K", p(Fn, p(fortran, dt, LARGE)),
                       {"expect_cast": dt != "complex128"}))
-        cases.append((f"transposed {dt} 36K", P(Fn, P(transposed, dt, LARGE)),
+        cases.append((f"transposed {dt} 36K", p(Fn, p(transposed, dt, LARGE)),
                       {"expect_cast": dt != "complex128"}))
-        cases.append((f"strided {dt} 36K", P(Fn, P(strided, dt, LARGE)),
+        cases.append((f"strided {dt} 36K", p(Fn, p(strided, dt, LARGE)),
                       {"expect_cast": dt != "complex128"}))
-        cases.append((f"broadcast {dt} 36K", P(Fn, P(broadcast, dt, LARGE)),
+        cases.append((f"broadcast {dt} 36K", p(Fn, p(broadcast, dt, LARGE)),
                       {"expect_cast": dt != "complex128"}))
     for dt in ("uint8", "float32", "float16", "bfloat16", "complex64", "bool", "int64"):
-        cases.append((f"tensor {dt} 36K", P(Fn, P(tensor, dt, LARGE)), {"expect_cast": False}))
+        cases.append((f"tensor {dt} 36K", p(Fn, p(tensor, dt, LARGE)), {"expect_cast": False}))
     for dt in ("float32", "bfloat16"):
-        cases.append((f"tensor.t() {dt} 36K", P(Fn, P(tensor, dt, LARGE, layout="t")),
+        cases.append((f"tensor.t() {dt} 36K", p(Fn, p(tensor, dt, LARGE, layout="t")),
                       {"expect_cast": False}))
         cases.append((f"tensor channels_last {dt} 36K",
-                       P(Fn, P(tensor, dt, LARGE, layout="channels_last")), {"expect_cast": False}))
+                       p(Fn, p(tensor, dt, LARGE, layout="channels_last")), {"expect_cast": False}))
     cases += [
-        ("dict image/label/mask", P(Fn, dict_sample), {}),
-        ("dict offsets f32/np.int64/bool", P(Fn, dict_sample_offsets), {}),
-        ("tuple (f32 600K, int)", P(Fn, tuple_sample), {}),
-        ("bool bytes not 0/1", P(Fn, bool_raw), {"modes": ("cast", "learn", "memmove")}),
-        ("late sample of another shape", P(Fn, P(late_shape, "float32")), {"expect_cast": False}),
-        ("late sample of another shape u8", P(Fn, P(late_shape, "uint8")), {"expect_cast": False}),
-        ("late float32 among int32", P(Fn, late_dtype), {"expect_cast": False}),
-        ("collate np.stack", P(Fn, P(fresh, "float32", LARGE)),
+        ("dict image/label/mask", p(Fn, dict_sample), {}),
+        ("dict offsets f32/np.int64/bool", p(Fn, dict_sample_offsets), {}),
+        ("tuple (f32 600K, int)", p(Fn, tuple_sample), {}),
+        ("bool bytes not 0/1", p(Fn, bool_raw), {"modes": ("cast", "learn", "memmove")}),
+        ("late sample of another shape", p(Fn, p(late_shape, "float32")), {"expect_cast": False}),
+        ("late sample of another shape u8", p(Fn, p(late_shape, "uint8")), {"expect_cast": False}),
+        ("late float32 among int32", p(Fn, late_dtype), {"expect_cast": False}),
+        ("collate np.stack", p(Fn, p(fresh, "float32", LARGE)),
          {"collate_fn": stack_collate, "expect_cast": False}),
-        ("collate dict", P(Fn, P(at_offset, "uint16", LARGE)),
+        ("collate dict", p(Fn, p(at_offset, "uint16", LARGE)),
          {"collate_fn": dict_collate, "expect_cast": False}),
-        ("collate list", P(Fn, P(at_offset, "int8", LARGE)),
+        ("collate list", p(Fn, p(at_offset, "int8", LARGE)),
          {"collate_fn": list_collate, "expect_cast": False}),
     ]
     for combo in (("int16", "int8"), ("int8", "int16"), ("float16", "float32"),
@@ -246,19 +246,19 @@ def main(filt: str = "") -> None:
                   ("uint8", "bool"), ("bool", "uint8"), ("float64", "int32"),
                   ("int32", "float32"), ("float32", "int32"), ("complex64", "float32"),
                   ("int16", "uint8", "int16", "int16")):
-        cases.append((f"mixed {'/'.join(combo)}", P(Fn, P(mixed_same_shape, combo)),
+        cases.append((f"mixed {'/'.join(combo)}", p(Fn, p(mixed_same_shape, combo)),
                       {"expect_cast": combo[0] in ("int16", "int32", "uint16", "int64")}))
     # pre-existing, known leniencies (torch raises): big-endian dtype, negative strides
     cases += [
-        ("known: big-endian >f4 36K", P(Fn, lambda i: fresh(">f4", LARGE, i)),
+        ("known: big-endian >f4 36K", p(Fn, lambda i: fresh(">f4", LARGE, i)),
          {"expect_cast": False}),
-        ("known: big-endian >i2 36K", P(Fn, lambda i: fresh(">i2", LARGE, i)),
+        ("known: big-endian >i2 36K", p(Fn, lambda i: fresh(">i2", LARGE, i)),
          {"expect_cast": False}),
-        ("known: negative stride f32 36K", P(Fn, lambda i: fresh("float32", LARGE, i)[::-1]),
+        ("known: negative stride f32 36K", p(Fn, lambda i: fresh("float32", LARGE, i)[::-1]),
          {"expect_cast": False}),
-        ("note: datetime64[ns] 36K", P(Fn, lambda i: fresh("int64", LARGE, i).view("M8[ns]")),
+        ("note: datetime64[ns] 36K", p(Fn, lambda i: fresh("int64", LARGE, i).view("M8[ns]")),
          {"expect_cast": False}),
-        ("note: timedelta64[us] 36K", P(Fn, lambda i: fresh("int64", LARGE, i).view("m8[us]")),
+        ("note: timedelta64[us] 36K", p(Fn, lambda i: fresh("int64", LARGE, i).view("m8[us]")),
          {"expect_cast": False}),
     ]
     for name, make, kw in cases:

@@ -17,10 +17,9 @@ import torch
 from torch.utils.data import Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import compare_case, summary  # noqa: E402
-
-import datasets  # noqa: E402
-from PIL import Image  # noqa: E402
+import datasets
+from common import compare_case, summary
+from PIL import Image
 
 SCRATCH = "/tmp/trial16/jpeg"
 N = 10
@@ -111,17 +110,17 @@ class Jpegs(Dataset):
 
 
 def main(filt: str = "") -> None:
-    P = functools.partial
+    p = functools.partial
     cases = [
-        ("hf numpy dict (image, label, emb)", P(hf, "numpy"), {}),
-        ("hf numpy image column", P(hf, "numpy", "image"), {}),
-        ("hf numpy emb column (36 KB f32)", P(hf, "numpy", "emb"), {}),
-        ("hf torch format dict", P(hf, "torch"), {"expect_cast": False}),
-        ("jpeg np.asarray HWC u8", P(Jpegs, "raw"), {}),
-        ("jpeg (HWC u8, label)", P(Jpegs, "tuple"), {}),
-        ("jpeg fliplr+ascontiguous / as-is", P(Jpegs, "flipnp"), {}),
-        ("jpeg torch transforms (CHW f32, label)", P(Jpegs, "tensor"), {"expect_cast": False}),
-        ("jpeg dict (f32 CHW numpy, HWC u8, label)", P(Jpegs, "mixed"), {}),
+        ("hf numpy dict (image, label, emb)", p(hf, "numpy"), {}),
+        ("hf numpy image column", p(hf, "numpy", "image"), {}),
+        ("hf numpy emb column (36 KB f32)", p(hf, "numpy", "emb"), {}),
+        ("hf torch format dict", p(hf, "torch"), {"expect_cast": False}),
+        ("jpeg np.asarray HWC u8", p(Jpegs, "raw"), {}),
+        ("jpeg (HWC u8, label)", p(Jpegs, "tuple"), {}),
+        ("jpeg fliplr+ascontiguous / as-is", p(Jpegs, "flipnp"), {}),
+        ("jpeg torch transforms (CHW f32, label)", p(Jpegs, "tensor"), {"expect_cast": False}),
+        ("jpeg dict (f32 CHW numpy, HWC u8, label)", p(Jpegs, "mixed"), {}),
     ]
     for name, make, kw in cases:
         if filt and filt not in name:

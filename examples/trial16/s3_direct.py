@@ -11,8 +11,6 @@ Rows: every out dtype the cast loop takes, rows of every dtype that numpy promot
 
 from __future__ import annotations
 
-import itertools
-import os
 import warnings
 
 import numpy as np
@@ -81,7 +79,7 @@ LAYOUTS = ["c", "off0", "off1", "off8", "off16", "off48", "F", "T", "strided", "
 def torch_stack(rows):
     try:
         return torch.stack([torch.as_tensor(r) for r in rows]), None
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return None, type(exc).__name__
 
 
@@ -100,13 +98,13 @@ def main():
                 continue
             for layout in LAYOUTS:
                 seed += 1
-                rows = [placed(rand(d, shape, seed * 10 + k), layout if k % 2 else "c", seed * 10 + k)
-                        for k, d in enumerate(rows_dt)]
+                rows = [placed(rand(d, shape, seed * 10 + k), layout if k % 2 else "c",
+                               seed * 10 + k) for k, d in enumerate(rows_dt)]
                 expect = np.empty((4, *shape), out_dt)
                 try:
                     expect[...] = rows
                     err = None
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     err = type(exc).__name__
                 for api in ("write", "write_row"):
                     cases += 1
@@ -126,7 +124,8 @@ def main():
                             if not cast.write_row(r, row):
                                 out[r] = row
                     if err is None and out.tobytes() != expect.tobytes():
-                        bad = np.flatnonzero(out.view(np.uint8).reshape(-1) != expect.view(np.uint8).reshape(-1))
+                        bad = np.flatnonzero(out.view(np.uint8).reshape(-1)
+                                             != expect.view(np.uint8).reshape(-1))
                         diffs.append(f"DIFF {api} out {out_dt} rows {extra} layout {layout}: "
                                      f"{len(bad)} bytes differ")
                     else:
@@ -137,13 +136,16 @@ def main():
                     tdt = torch.empty(0, dtype=t.dtype).numpy().dtype
                     tb = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                     if tdt != out_dt:
-                        torch_notes.add(f"torch.stack types rows {[str(d) for d in rows_dt]} as {t.dtype}")
+                        torch_notes.add(f"torch.stack types rows {[str(d) for d in rows_dt]} "
+                                        f"as {t.dtype}")
                     elif tb != expect.tobytes():
                         torch_notes.add(f"torch.stack bytes differ from numpy for out {out_dt} "
                                         f"rows {extra} layout {layout}")
                 elif terr:
-                    torch_notes.add(f"torch raises {terr} for rows {extra} (out {out_dt}, layout {layout})")
-    print(f"s3 direct: {cases} cases, {same} equal to numpy's plain assignment, {len(diffs)} differ")
+                    torch_notes.add(f"torch raises {terr} for rows {extra} (out {out_dt}, "
+                                    f"layout {layout})")
+    print(f"s3 direct: {cases} cases, {same} equal to numpy's plain assignment, "
+          f"{len(diffs)} differ")
     for d in diffs:
         print("  " + d)
     for n in sorted(torch_notes):
