@@ -11,6 +11,7 @@ import pickle
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -582,5 +583,38 @@ def test_shared_memory_counts_the_pages_an_object_has_not_the_size_it_maps():
         except PermissionError:
             pytest.skip("/proc/<pid>/map_files cannot be read here: mapped sizes are counted")
         assert harness.shm_objects(os.getpid())[inode] == 3 * 4096
+    finally:
+        mapping.close()
+
+
+def test_anonymous_shared_memory_counts_its_pages_once_across_a_fork():
+    """An ``mmap(-1, n)`` ring (the floor's slab, the shared copy limit's ring) is shared
+    memory outside /dev/shm that smaps_rollup's Pss_Anon leaves out: it counts its written
+    pages, under one key in the parent and in a forked child that maps it too."""
+    import mmap
+
+    mapping = mmap.mmap(-1, 8 << 20)
+    try:
+        mapping[: 3 * 4096] = b"x" * (3 * 4096)
+        mine = {k: v for k, v in harness.shm_objects(os.getpid()).items() if type(k) is tuple}
+        if list(mine.values()) == [8 << 20]:
+            pytest.skip("/proc/<pid>/map_files cannot be read here: mapped sizes are counted")
+        assert list(mine.values()) == [3 * 4096]
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # holds the mapping until killed
+            os.close(read)
+            os.close(write)
+            time.sleep(5)
+            os._exit(0)
+        os.close(write)
+        try:
+            os.read(read, 1)  # EOF once the child closed its end: it runs, mapping inherited
+            child = {k: v for k, v in harness.shm_objects(pid).items() if type(k) is tuple}
+            assert child == mine
+        finally:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            os.close(read)
     finally:
         mapping.close()

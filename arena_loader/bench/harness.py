@@ -76,10 +76,16 @@ def environment() -> dict[str, Any]:
     }
 
 
-def shm_objects(pid: int) -> dict[int, int]:
+ANON_SHARED = "/dev/zero (deleted)"  # how /proc/<pid>/maps names a MAP_SHARED|MAP_ANONYMOUS map
+
+
+def shm_objects(pid: int) -> dict[int | tuple[str, int], int]:
     """Bytes of each /dev/shm object ``pid`` maps or holds open (unlinked ones too, as
-    torch's are), keyed by inode: shared memory that this run's processes hold, whatever
-    other programs on the machine do with /dev/shm. An object's bytes are the pages it has
+    torch's are), keyed by inode, and of each anonymous shared mapping (``mmap(-1, n)``: the
+    floor's slab, the copy limit's shared ring; memory that is neither private nor under
+    /dev/shm, which smaps_rollup's ``Pss_Anon`` leaves out), keyed by ``("anon", inode)``:
+    shared memory that this run's processes hold, whatever other programs on the machine do
+    with /dev/shm. An object's bytes are the pages it has
     (``st_blocks``, what ``df /dev/shm`` counts), not the size mapped: a slab whose slots are
     reserved as they are first used holds only those (read through ``/proc/<pid>/map_files``;
     where that cannot be read, the size mapped). Objects held by a file descriptor only
@@ -88,16 +94,22 @@ def shm_objects(pid: int) -> dict[int, int]:
     process meanwhile; counting mappings alone left out 38.5 of torch's 48 MB of image
     batches with a consumer slower than its workers (docs/benchmarks.md, "Shared memory
     held by a file descriptor")."""
-    sizes: dict[int, int] = {}
+    sizes: dict[int | tuple[str, int], int] = {}
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
-            if SHM_DIR + "/" not in line:
+            if SHM_DIR + "/" not in line and ANON_SHARED not in line:
                 continue
             parts = line.split(maxsplit=5)
-            if len(parts) < 6 or not parts[5].startswith(SHM_DIR + "/"):
+            if len(parts) < 6:
+                continue
+            name = parts[5].rstrip("\n")
+            if name == ANON_SHARED:
+                inode: int | tuple[str, int] = ("anon", int(parts[4]))
+            elif name.startswith(SHM_DIR + "/"):
+                inode = int(parts[4])
+            else:
                 continue
             start, end = (int(x, 16) for x in parts[0].split("-"))
-            inode = int(parts[4])
             try:
                 nbytes = os.stat(f"/proc/{pid}/map_files/{parts[0]}").st_blocks * 512
             except OSError:
