@@ -73,8 +73,10 @@ class RowWriter:
             return
         storage = self._storage_for(plan.nbytes)
         self._spec, self._template, self.prepared = plan.spec, leaves, prepared
-        self._rows = [np.ndarray(f.shape, f.dtype, storage, f.offset) for f in plan.fields]
-        self._casts = [CastRows.of(rows) for rows in self._rows]
+        rows = [np.ndarray(f.shape, f.dtype, storage, f.offset) for f in plan.fields]
+        # _rows last: offer() reads it without the lock, as the sign that the rest is set.
+        self._casts = [CastRows.of(field_rows) for field_rows in rows]
+        self._rows = rows
 
     def _leaves_or_none(self, spec: Any, sample: Any, index: Any) -> list[Any] | None:
         """``sample``'s field leaves in plan order (None: it does not have the structure)."""

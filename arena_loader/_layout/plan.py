@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .rowcopy import CastRows
+from .rowcopy import ROW_MIN, CastRows
 
 FIELD_ALIGNMENT = 64
 
@@ -218,9 +218,10 @@ def promote_to(rows: list, dtype: np.dtype) -> bool:
 
 def write_equal_rows(storage: np.ndarray, column: EqualRows, field: FieldPlacement) -> None:
     out = np.ndarray(field.shape, field.dtype, storage, field.offset)
-    cast = CastRows.of(out)
-    if cast is not None and cast.write(column.rows):
-        return  # large rows, by the cast loop (rowcopy.py)
+    if field.nbytes >= ROW_MIN * field.shape[0]:  # large rows: by the faster loop (rowcopy.py)
+        cast = CastRows.of(out)
+        if cast is not None and cast.write(column.rows):
+            return
     try:  # numpy reads the rows as one array of the batch's shape: a row of any other
         out[...] = column.rows  # shape (or a non-array) fails; dtypes only promote (checked)
     except (ValueError, TypeError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import statistics
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +92,13 @@ def ratios(results: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
-def targets(results: list[dict], scaling: list[dict] = ()) -> list[dict[str, Any]]:
+def targets(results: list[dict], scaling: Sequence[dict] = ()) -> list[dict[str, Any]]:
     """The targets, each with this run's ratio (None if a loader did not run) and whether it
-    was met. Reported, never asserted. ``scaling``: the scaling run's rows (its 1-worker
-    ArenaLoader row is ``ONE_WORKER``)."""
+    was met. Reported, never asserted. ``scaling``: the scaling run's rows; its 1-worker
+    ArenaLoader row (or the comparison's, in a run with one worker) is ``ONE_WORKER``."""
     rows = []
-    one = [dict(row, loader=ONE_WORKER) for row in scaling
-           if (row["loader"], row["workers"]) == (ARENA, 1)]
+    one = [dict(row, loader=ONE_WORKER) for row in [*scaling, *results]
+           if (row["loader"], row["workers"]) == (ARENA, 1)][:1]
     every = [(w, ARENA, *rest) for w, *rest in TARGETS] + HYBRID_TARGETS + ONE_WORKER_TARGETS
     for workload, ours, other, metric, op, limit in every:
         arena = _find(one if ours == ONE_WORKER else results, workload, ours)
