@@ -4,7 +4,7 @@ after each ArenaLoader run: no surviving child process, nothing new in /dev/shm.
 
 Loop choice (arena_loader/_layout/rowcopy.py CHOICE) is set in this process before each
 ArenaLoader run, so forked workers inherit it:
-  "cast"  : CHOICE.cast = True  (every large row by the cast loop)
+  "cast"  : every class of row sizes decided for the cast loop (``decided(True)``)
   "learn" : a fresh LoopChoice  (alternating, timed, as a new process does)
 A counter shared with the workers (fork) records how many large-row writes the cast loop
 actually did, so a case that claims to cover the cast path shows it did.
@@ -29,27 +29,44 @@ faulthandler.dump_traceback_later(float(os.environ.get("TRIAL_TIMEOUT", 600)), e
 
 # --- count cast-loop writes (shared with forked workers) -------------------------------
 CAST_WRITES = mp.Value("q", 0, lock=True)
-_orig_write_by = rowcopy.CastRows._write_by
+_orig_assign = rowcopy.CastRows._assign
 
 
-def _counting_write_by(self, cast, samples, where, value):
-    done = _orig_write_by(self, cast, samples, where, value)
+def _counting_assign(self, cast, values, where):
+    done = _orig_assign(self, cast, values, where)
     if cast and done:
         with CAST_WRITES.get_lock():
             CAST_WRITES.value += 1
     return done
 
 
-rowcopy.CastRows._write_by = _counting_write_by
+rowcopy.CastRows._assign = _counting_assign
+
+
+class Decided(rowcopy.LoopChoice):
+    """Every class of row sizes has chosen ``cast`` (True: the cast loop; False: memmove)."""
+
+    def __init__(self, cast: bool):
+        super().__init__()
+        self.cast = cast
+
+    def of(self, row_nbytes):
+        row_class = rowcopy.RowClass()
+        row_class.cast = self.cast
+        return row_class
+
+
+def decided(cast: bool) -> rowcopy.LoopChoice:
+    return Decided(cast)
 
 
 def set_choice(mode: str) -> None:
-    fresh = rowcopy.LoopChoice()
     if mode == "cast":
-        fresh.cast = True
+        rowcopy.CHOICE = decided(True)
     elif mode == "memmove":
-        fresh.cast = False
-    rowcopy.CHOICE = fresh
+        rowcopy.CHOICE = decided(False)
+    else:
+        rowcopy.CHOICE = rowcopy.LoopChoice()
 
 
 # --- leak checks -------------------------------------------------------------------------
