@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .rowcopy import ROW_MIN, CastRows
+from .rowcopy import CastRows, large_rows
 
 FIELD_ALIGNMENT = 64
 
@@ -218,7 +218,7 @@ def promote_to(rows: list, dtype: np.dtype) -> bool:
 
 def write_equal_rows(storage: np.ndarray, column: EqualRows, field: FieldPlacement) -> None:
     out = np.ndarray(field.shape, field.dtype, storage, field.offset)
-    if field.nbytes >= ROW_MIN * field.shape[0]:  # large rows: by the faster loop (rowcopy.py)
+    if large_rows(field.nbytes, field.shape[0]):  # by the faster loop (rowcopy.py)
         cast = CastRows.of(out)
         if cast is not None and cast.write(column.rows):
             return

@@ -48,6 +48,7 @@ from .spec import (
     flatten,
     is_tensor,
     object_array_error,
+    outside_int64,
     registered_collate,
     reject_none,
     tensor_array,
@@ -87,7 +88,7 @@ def _column(values: list, path: str, indices: Sequence[Any],
         dtype = number_dtype(values, path, indices, types)
         if dtype.kind == "i":
             for value, index in zip(values, indices):
-                if type(value) is int and not -(2**63) <= value < 2**63:
+                if outside_int64(value):
                     raise LayoutError(f"sample {index!r}: field {path} is {value}, outside the "
                                       "int64 range it is stored in; store it as a float or a "
                                       "string instead")

@@ -42,6 +42,11 @@ from typing import Any
 import numpy as np
 
 ROW_MIN = 32 * 1024  # bytes per row from which the cast loop can be the faster copy
+
+
+def large_rows(nbytes: int, rows: int) -> bool:
+    """Whether ``rows`` rows of ``nbytes`` in all are rows the cast loop may copy."""
+    return rows > 0 and nbytes >= ROW_MIN * rows
 _VIEWED = frozenset("fcbmM")  # kinds copied through an unsigned view of each sample
 
 
@@ -123,8 +128,8 @@ class CastRows:
         process chose ``memmove`` for rows of that size."""
         dtype = out.dtype
         size = dtype.itemsize
-        if (out.ndim < 2 or not out.shape[0] or out.nbytes < ROW_MIN * out.shape[0]
-                or not dtype.isnative or size not in (1, 2, 4, 8) or dtype.fields is not None):
+        if (out.ndim < 2 or not large_rows(out.nbytes, out.shape[0]) or not dtype.isnative
+                or size not in (1, 2, 4, 8) or dtype.fields is not None):
             return None
         row_class = CHOICE.of(out.nbytes // out.shape[0])
         if row_class.cast is False:

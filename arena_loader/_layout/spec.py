@@ -63,6 +63,11 @@ def _slab_holds(tensor: Any) -> bool:
             and not tensor.is_quantized and not tensor.requires_grad)
 
 
+def outside_int64(value: Any) -> bool:
+    """A Python int that int64 cannot hold."""
+    return type(value) is int and not -(2**63) <= value < 2**63
+
+
 def _is_field(value: Any) -> bool:
     """A leaf stored as an array in the slab: numpy arrays but object ones, numeric numpy
     scalars (a ``np.str_`` is a str to torch's ``default_collate``, so an object leaf), Python
@@ -174,7 +179,7 @@ class SpecBuilder:
         # (In a collate_fn's batch an int past int64 is handed out as it is, as by torch.)
         if _is_field(value) and not (self.keep_state and (
                 _kept_subclass(value, self.converted)
-                or (type(value) is int and not -(2**63) <= value < 2**63))):
+                or outside_int64(value))):
             self.field_paths.append(path)
             self.field_values.append(value)
             return FieldLeaf(len(self.field_paths) - 1)

@@ -19,6 +19,7 @@ import os
 import time
 
 import numpy as np
+import psutil
 import torch
 from torch.utils.data import DataLoader
 
@@ -75,26 +76,17 @@ def shm() -> set:
 
 
 def children() -> list[int]:
-    me = str(os.getpid())
+    """Child processes still alive, but the multiprocessing resource tracker (the Value's
+    lock keeps one: not ours to judge)."""
     out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[1] == me:
-                        out.append(int(p))
-            except OSError:
-                pass
-    # the multiprocessing resource tracker / Value's manager are not ours to judge
-    return [p for p in out if not _is_tracker(p)]
-
-
-def _is_tracker(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"resource_tracker" in f.read()
-    except OSError:
-        return True
+    for child in psutil.Process().children():
+        try:
+            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE and \
+                    "resource_tracker" not in " ".join(child.cmdline()):
+                out.append(child.pid)
+        except psutil.Error:
+            continue  # gone meanwhile
+    return out
 
 
 def wait_clean(before: set, seconds: float = 5.0) -> list[str]:
@@ -295,6 +287,15 @@ def judge(ref, ours):
     if re_[0] in oe[1]:
         return "BOTH-ERR", ""
     return "ERR-TYPE", f"torch {re_[0]}: {re_[2][:120]} | ours {oe[0]} {oe[1][:4]}: {oe[2][:160]}"
+
+
+def run_cases(cases: list, filt: str = "") -> None:
+    """Each ``(name, make, options)`` whose name holds ``filt``, then the summary."""
+    for name, make, kw in cases:
+        if filt and filt not in name:
+            continue
+        compare_case(name, make, **kw)
+    summary()
 
 
 def summary() -> None:

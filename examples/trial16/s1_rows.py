@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import compare_case, summary
+from common import run_cases
 
 SCRATCH = "/tmp/trial16"
 os.makedirs(SCRATCH, exist_ok=True)
@@ -261,11 +261,7 @@ def main(filt: str = "") -> None:
         ("note: timedelta64[us] 36K", p(Fn, lambda i: fresh("int64", LARGE, i).view("m8[us]")),
          {"expect_cast": False}),
     ]
-    for name, make, kw in cases:
-        if filt and filt not in name:
-            continue
-        compare_case(name, make, **kw)
-    summary()
+    run_cases(cases, filt)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import datasets
-from common import compare_case, summary
+from common import run_cases
 from PIL import Image
 
 SCRATCH = "/tmp/trial16/jpeg"
@@ -122,11 +122,7 @@ def main(filt: str = "") -> None:
         ("jpeg torch transforms (CHW f32, label)", p(Jpegs, "tensor"), {"expect_cast": False}),
         ("jpeg dict (f32 CHW numpy, HWC u8, label)", p(Jpegs, "mixed"), {}),
     ]
-    for name, make, kw in cases:
-        if filt and filt not in name:
-            continue
-        compare_case(name, make, **kw)
-    summary()
+    run_cases(cases, filt)
 
 
 if __name__ == "__main__":
