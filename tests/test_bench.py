@@ -493,7 +493,8 @@ def test_bench_cli_quick_writes_every_loader_and_metric(tmp_path):
                 assert row["reason"], (workload, name)
     image = {r["loader"]: r for r in out["results"] if r["workload"] == "image"}
     assert image[FLOOR]["available"] and image[ARENA]["available"]
-    assert {"cpu_model", "cores", "dev_shm_gib", "versions"} <= set(out["environment"])
+    assert {"cpu_model", "cores", "dev_shm_gib", "dev_shm_huge", "versions"} <= set(
+        out["environment"])
     assert {"spdl", "grain", "torchdata", "pillow"} <= set(out["environment"]["versions"])
     assert out["settings"]["command"].startswith("arena-loader bench --quick")
     assert len(out["targets"]) == (len(report.TARGETS) + len(report.HYBRID_TARGETS)
@@ -624,3 +625,22 @@ def test_anonymous_shared_memory_counts_its_pages_once_across_a_fork():
             os.close(read)
     finally:
         mapping.close()
+
+
+def test_the_environment_names_the_huge_page_option_dev_shm_is_mounted_with(tmp_path):
+    """The bench's head says whether the slab could get 2 MB pages: /dev/shm's ``huge=``
+    option, the last mount on the path winning, "never" when the option is absent."""
+    mounts = tmp_path / "mounts"
+    plain = "tmpfs /dev/shm tmpfs rw,nosuid,nodev,size=24684084k 0 0"
+    other = "tmpfs /mnt/hs tmpfs rw,relatime,size=2097152k,huge=always 0 0"
+    cases = {
+        (plain,): "never",
+        (plain, other): "never",
+        (plain, "tmpfs /dev/shm tmpfs rw,relatime,huge=within_size,size=1k 0 0"): "within_size",
+        ("tmpfs /dev/shm tmpfs rw,huge=advise 0 0", plain): "never",
+        (other,): "unknown",
+    }
+    for lines, expected in cases.items():
+        mounts.write_text("\n".join(lines) + "\n")
+        assert harness.shm_huge_pages(str(mounts)) == expected, lines
+    assert harness.shm_huge_pages(str(tmp_path / "absent")) == "unknown"

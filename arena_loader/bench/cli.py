@@ -390,7 +390,8 @@ def _write(folder: Path, out: dict[str, Any]) -> None:
     text, markdown = [], []
     env, settings = out["environment"], out["settings"]
     head = (f"{env['cpu_model']}, {env['cores']} cores, {env['memory_gib']} GiB, /dev/shm "
-            f"{env['dev_shm_gib']} GiB, Python {env['python']}, load at start "
+            f"{env['dev_shm_gib']} GiB (huge pages: {env.get('dev_shm_huge', 'unknown')}), "
+            f"Python {env['python']}, load at start "
             f"{env['load_average_at_start']}; {settings['workers']} workers, "
             f"prefetch_factor {settings['prefetch_factor']}, {settings['rounds']} rounds of a "
             f"warm-up epoch + >= {settings['min_seconds']:g} s and >= "
