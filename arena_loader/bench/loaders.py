@@ -333,7 +333,12 @@ class GrainLoader:
 
     def __init__(self, dataset: Any, setup: Setup):
         import grain.python as grain
+        from absl import flags  # a dependency of grain's
 
+        # Grain reads absl flags, which only an absl app parses: with jax installed, grain
+        # 0.2.18's profiler reads one in its loader thread (UnparsedFlagAccessError).
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
         self._grain, self.dataset, self.setup = grain, dataset, setup
         self.batches = len(batch_ranges(len(dataset), setup.batch_size))
         self.persistent = len(dataset) % setup.batch_size == 0
