@@ -291,11 +291,13 @@ class WorkerState:
             if samples is not None and slot >= 0 and same_shape.write(samples, slot):
                 return state + encode(Status.LOADED, entry.idx, slot, same_shape.plan_record)
             prepared = filler.prepare(fetched, indices)
-            # The plan record carries no idx or slot, so batches of one structure send equal
-            # bodies, which the main process decodes once (_pipeline.completions).
-            plan = self.encoder.encode(prepared.plan, 0, 0, 0, segment=False)
             storage = self._storage(entry, prepared.nbytes)
             filler.write(prepared, fetched, storage, indices)
+            # The plan record carries no idx or slot, so batches of one structure send equal
+            # bodies, which the main process decodes once (_pipeline.completions). Encoded
+            # once written: the first record of a structure carries it, and a write that
+            # fails (rows unequal after all) must not leave it recorded as sent.
+            plan = self.encoder.encode(prepared.plan, 0, 0, 0, segment=False)
             if self._segment is None:
                 if samples is not None and prepared.equal_rows:
                     same_shape.learn(prepared, plan, self.slab, self.slot_nbytes)

@@ -75,6 +75,39 @@ def test_mismatched_sample_shape_names_index_field_shapes_and_fix(num_workers, w
         del iterator
 
 
+class _LengthPerIndex:
+    """Sample i: ``lengths.get(i, 3)`` float32 values equal to i."""
+
+    def __init__(self, n: int, lengths: dict):
+        self.n, self.lengths = n, lengths
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return np.full(self.lengths.get(index, 3), index, np.float32)
+
+
+@pytest.mark.parametrize("worker_mode, worker_threads", [("process", 1), ("thread", 2)])
+def test_a_batch_that_fails_as_it_is_written_leaves_the_next_of_its_structure_whole(
+        worker_mode, worker_threads):
+    """A batch whose rows turn out unequal as they are written (after it was planned) fails
+    alone: the worker's next batch of the same structure and another shape still loads (its
+    structure was recorded as sent with the failed batch's plan, which never went out, and
+    every later next() raised KeyError: 0)."""
+    dataset = _LengthPerIndex(6, {1: 5, 2: 4, 3: 4})
+    with ArenaLoader(dataset, batch_size=2, num_workers=1, worker_mode=worker_mode,
+                     worker_threads=worker_threads) as loader:
+        iterator = iter(loader)
+        with pytest.raises(LayoutError, match=r"sample 1: field sample has shape \[5\]"):
+            next(iterator)
+        np.testing.assert_array_equal(next(iterator), [[2.0] * 4, [3.0] * 4])
+        np.testing.assert_array_equal(next(iterator), [[4.0] * 3, [5.0] * 3])
+        with pytest.raises(StopIteration):
+            next(iterator)
+        del iterator
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_sample_of_another_dtype_is_promoted_as_torch_does(num_workers):
     """A float32 sample among uint8 ones: the batch is float32, as torch's default_collate
