@@ -163,6 +163,7 @@ class LoaderResume:
         self.drew_seed = False  # whether this epoch's iter() drew a base seed
         self.position: EpochPosition | None = None
         self._pending: dict[str, Any] | None = None
+        self._begun = False  # an iter() began the loaded state's epoch (self.position)
         self._follower: object | None = None  # the epoch whose stage moves the position
 
     # -- iter() ------------------------------------------------------------------------------
@@ -170,7 +171,7 @@ class LoaderResume:
     def begin_epoch(self, loader: Any) -> EpochPlan:
         """At the start of ``iter(loader)``, before any draw: a loaded state's generators and
         samplers restored (its epoch is replayed), else their state now recorded."""
-        pending = self._pending
+        pending = self._loaded()
         if pending is None:
             self.epoch += 1
             self._start = epoch_start(loader, self._seeds)
@@ -178,6 +179,7 @@ class LoaderResume:
         restore_generators(loader, self._seeds, pending["epoch_start"])
         self.epoch, self._start = pending["epoch"], pending["epoch_start"]
         position = self._new_position(loader, pending)
+        self._begun = True
         plan = EpochPlan(position=position, first_idx=pending["next_idx"], resumed=True)
         workers = position.workers
         if workers is not None:
@@ -192,7 +194,7 @@ class LoaderResume:
         """The epoch's workers' base seed, drawn as torch draws it (None: persistent workers
         keep theirs). Resuming, the draw is replayed and must give the saved seed; an epoch
         that drew none (persistent workers) starts its new workers with the saved one."""
-        pending, self._pending = self._pending, None
+        pending = self._pending  # (begin_epoch has just checked it)
         if pending is not None and not pending["drew_base_seed"] \
                 and pending["base_seed"] is not None:
             self.drew_seed, self._base_seed = False, pending["base_seed"]
@@ -209,6 +211,17 @@ class LoaderResume:
                 "load_state_dict() and iter(); call iter() right after load_state_dict()")
         self.drew_seed, self._base_seed = True, seed
         return seed
+
+    def _loaded(self) -> dict[str, Any] | None:
+        """The loaded state, until its epoch hands out a batch (or ends): an ``iter()`` cut
+        short by Ctrl-C, or an iterator dropped unused (Lightning probes a loader so), leaves
+        it to the next ``iter()``, which replays it (the generators restored again)."""
+        pending = self._pending
+        if pending is not None and self._begun:
+            position = self.position
+            if position is None or position.finished or position.next_idx != pending["next_idx"]:
+                self._pending = pending = None
+        return pending
 
     def follower(self, plan: EpochPlan) -> tuple[Callable[[], EpochPosition],
                                                   Callable[[EpochPosition], None]]:
@@ -247,8 +260,9 @@ class LoaderResume:
     # -- state_dict() / load_state_dict() -------------------------------------------------
 
     def state_dict(self, loader: Any) -> dict[str, Any]:
-        if self._pending is not None:
-            return self._pending  # loaded and not yet iterated: still where it was
+        pending = self._loaded()
+        if pending is not None:
+            return pending  # loaded, and nothing of its epoch handed out: still where it was
         position = self.position
         if position is None or position.finished:
             # Between epochs: the next iter() begins the next epoch from the generators'
@@ -294,6 +308,7 @@ class LoaderResume:
                              "of the one that saved the state")
         self._pending = {**state, "workers": [dict(w) for w in state["workers"]]
                          if state["workers"] is not None else None}
+        self._begun = False
         restore_samplers(loader, state["epoch_start"])
 
 

@@ -190,6 +190,8 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
             self._warned_unsharded = warn_if_every_rank_loads_all(options)
         UnusedIteratorDraws.settle()  # (an unused iterator's draws given back first)
         plan = self._resume.begin_epoch(self)  # a loaded state: its epoch's draws replayed
+        if plan.resumed:  # its workers start anew, seeded by the replayed draw: an iter() cut
+            self._iterators.close_persistent()  # short may have made some (load_state_dict)
         # A stage's thread takes batches ahead of you: the host moves a copy of the position.
         positions = self._resume.follower(plan) if self._stager is not None else None
         # Given back if the iterator is never used (not a resumed epoch's: its draws replay

@@ -572,6 +572,41 @@ def test_ctrl_c_at_any_line_of_next_iter_and_close_loses_nothing(num_workers, pe
         simulator=device is not None)
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("name, step", [("in_process", 1), ("workers", 4), ("persistent", 4)])
+def test_ctrl_c_in_iter_after_load_state_dict_keeps_the_resumed_epoch(name, step):
+    """After ``load_state_dict()``, KeyboardInterrupt injected in ``iter()`` at line 1, then
+    (the user calls it again) at line 1 + step, 1 + 2 * step, ... past its last line: the
+    iterator finally made yields the rest of the saved epoch, then the next epoch, loaded by
+    the same workers with the same seeds as the uninterrupted run (the loaded state was
+    dropped once iter() had drawn the workers' seed: a second iter() began a new epoch)."""
+    _in_fresh_interpreter(f"_ctrl_c_in_resumed_iter({name!r}, {step})", 80)
+
+
+def _ctrl_c_in_resumed_iter(name, step):
+    import torch
+
+    from tests import resume_driver as driver
+
+    torch.manual_seed(5)
+    whole = driver.run_whole(name)
+    torch.manual_seed(5)
+    first, state = driver.run_and_stop(name, 2)
+    assert first == whole[:2]
+    with driver.make_loader(name) as loader:
+        loader.load_state_dict(state)
+        iterator, k = None, 1
+        while iterator is None:  # iter() interrupted: the user calls it again
+            iterator, _ = _interrupted(lambda: iter(loader), k)
+            k += step
+        got = [driver.rows(batch) for batch in iterator]
+        del iterator
+        got += [driver.rows(batch) for batch in loader]
+    assert k > 100, k  # every line of iter() was a target (it runs over 100)
+    assert got == whole[2:], (k, len(got), len(whole) - 2)
+    assert wait_until(lambda: not live_children(), timeout_s=5), live_children()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("persistent", [False, True])
 def test_ctrl_c_while_a_worker_is_forked_is_raised_not_lost(persistent):

@@ -17,7 +17,16 @@ import torch
 
 from arena_loader import ArenaLoader, get_worker_info
 from tests import resume_driver
-from tests.resume_driver import BATCH_SIZE, CONFIGS, SAMPLES, make_loader, resume, rows
+from tests.resume_driver import (
+    BATCH_SIZE,
+    CONFIGS,
+    SAMPLES,
+    make_loader,
+    resume,
+    rows,
+    run_and_stop,
+    run_whole,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 20240611
@@ -392,3 +401,29 @@ def test_stateful_distributed_sampler_resumes_after_the_first_epoch(workers, tak
         loader.load_state_dict(state)
         assert [epoch(loader, sampler, 1), epoch(loader, sampler, 2)] == \
             [whole[1][taken_after:], whole[2]]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["in_process", "persistent"])
+def test_an_iterator_dropped_unused_leaves_the_loaded_state_to_the_next_iter(name):
+    """Lightning calls iter() once on a loader that is not a torch DataLoader and drops the
+    iterator: after load_state_dict() that probe leaves the state to the next iter(). Once
+    the resumed epoch has handed out a batch, or ended with none left, the next iter() begins
+    the following epoch (the state is not replayed again)."""
+    torch.manual_seed(SEED)
+    whole = run_whole(name)
+    per_epoch = len(whole) // 2
+    for stop_after in (2, per_epoch):  # mid-epoch; after the last batch, before its end
+        torch.manual_seed(SEED)
+        _, state = run_and_stop(name, stop_after)
+        with make_loader(name) as loader:
+            loader.load_state_dict(state)
+            iter(loader)  # the probe, dropped
+            assert loader.state_dict()["next_idx"] == stop_after
+            resumed = iter(loader)
+            if stop_after < per_epoch:
+                assert rows(next(resumed)) == whole[stop_after]
+            else:
+                assert list(resumed) == []
+            del resumed  # left after one batch, or ended: the next iter() begins epoch 1
+            assert [rows(batch) for batch in loader] == whole[per_epoch:], stop_after
