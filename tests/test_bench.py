@@ -552,6 +552,11 @@ def test_bench_rejects_an_unknown_loader_name(capsys):
         main(["--loaders", "ArenaLoader,fastest", "--out", "/nonexistent"])
 
 
+# Bytes written at a time where a test counts an object's pages: 2 MB, the largest page
+# /dev/shm gives (mounted huge=within_size or always), so the counts hold with any page size.
+PAGES = 2 << 20
+
+
 def test_shared_memory_held_by_a_file_descriptor_alone_counts():
     """An unlinked /dev/shm object that a process holds open but maps nowhere (a batch in
     torch's queue: the worker's resource sharer keeps its fd until the main process takes
@@ -565,20 +570,20 @@ def test_shared_memory_held_by_a_file_descriptor_alone_counts():
     held.unlink()
     try:
         os.ftruncate(held.fd, 8 << 20)
-        os.pwrite(held.fd, b"x" * (5 * 4096), 0)
+        os.pwrite(held.fd, b"x" * PAGES, 0)
         inode = os.fstat(held.fd).st_ino
-        assert harness.shm_objects(os.getpid())[inode] == 5 * 4096
+        assert harness.shm_objects(os.getpid())[inode] == PAGES
         with mmap.mmap(held.fd, 8 << 20) as mapping:  # mapped and open: its pages, once
-            mapping[5 * 4096: 6 * 4096] = b"y" * 4096
-            assert harness.shm_objects(os.getpid())[inode] == 6 * 4096
+            mapping[PAGES: 2 * PAGES] = b"y" * PAGES
+            assert harness.shm_objects(os.getpid())[inode] == 2 * PAGES
     finally:
         os.close(held.fd)
     assert inode not in harness.shm_objects(os.getpid())
 
 
 def test_shared_memory_counts_the_pages_an_object_has_not_the_size_it_maps():
-    """A /dev/shm object mapped at 8 MB with three pages written counts three pages: the
-    bench's memory is what the objects hold (a slab reserves its slots as they are used)."""
+    """A /dev/shm object mapped at 8 MB with its first 2 MB written counts 2 MB: the bench's
+    memory is what the objects hold (a slab reserves its slots as they are used)."""
     import mmap
     import os
 
@@ -593,14 +598,14 @@ def test_shared_memory_counts_the_pages_an_object_has_not_the_size_it_maps():
     finally:
         os.close(shm.fd)
     try:
-        mapping[: 3 * 4096] = b"x" * (3 * 4096)
+        mapping[:PAGES] = b"x" * PAGES
         with open("/proc/self/maps") as maps:
             (span,) = [line.split()[0] for line in maps if line.split()[4:5] == [str(inode)]]
         try:
             os.stat(f"/proc/self/map_files/{span}")
         except PermissionError:
             pytest.skip("/proc/<pid>/map_files cannot be read here: mapped sizes are counted")
-        assert harness.shm_objects(os.getpid())[inode] == 3 * 4096
+        assert harness.shm_objects(os.getpid())[inode] == PAGES
     finally:
         mapping.close()
 
@@ -614,7 +619,7 @@ def test_anonymous_shared_memory_counts_its_pages_once_across_a_fork():
 
     mapping = mmap.mmap(-1, 8 << 20)
     try:
-        mapping[: 3 * 4096] = b"x" * (3 * 4096)
+        mapping[:PAGES] = b"x" * PAGES
         address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
         with open("/proc/self/maps") as maps:  # this mapping's key (other tests' may live on)
             (key,) = [("anon", int(line.split()[4])) for line in maps
