@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import itertools
 from collections import namedtuple
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -121,6 +122,65 @@ def test_dataclass_batches_travel_field_by_field():
     out, _ = round_trip(prepare_batch(Pair(np.arange(4.0), "t"), "collate_fn output"))
     assert isinstance(out, Pair) and out.tag == "t"
     np.testing.assert_array_equal(out.x, np.arange(4.0))
+
+
+@dataclass
+class Doubled:
+    x: np.ndarray
+
+    def __post_init__(self):
+        self.x = self.x * 2  # run once: the batch must not be doubled again on arrival
+
+
+@dataclass
+class Counted:
+    x: np.ndarray
+    n: int = field(init=False)
+    unit: ClassVar[str] = "px"
+
+    def __post_init__(self):
+        self.n = len(self.x)
+
+
+@dataclass(frozen=True)
+class Frozen:
+    x: np.ndarray
+    tag: str
+
+
+@dataclass
+class Extra:  # state beyond its fields (as a tensorclass's batch_size)
+    x: np.ndarray
+
+    def __post_init__(self):
+        self.batch_size = [len(self.x)]
+
+
+@dataclass
+class OwnPickling:
+    x: np.ndarray
+
+    def __reduce__(self):
+        return OwnPickling, (self.x + 1,)
+
+
+def test_a_dataclass_batch_arrives_with_exactly_its_state():
+    """A collate_fn's dataclass arrives as unpickling would make it: fields through the slot
+    (__post_init__ not run again, init=False fields and frozen ones kept, ClassVars not taken
+    for fields); one with state beyond its fields, or pickling of its own, whole."""
+    doubled, _ = round_trip(prepare_batch(Doubled(np.arange(3.0)), "collate_fn output"))
+    assert type(doubled) is Doubled
+    np.testing.assert_array_equal(doubled.x, [0.0, 2.0, 4.0])
+    counted, _ = round_trip(prepare_batch(Counted(np.arange(5.0)), "collate_fn output"))
+    assert type(counted) is Counted and counted.n == 5 and counted.unit == "px"
+    np.testing.assert_array_equal(counted.x, np.arange(5.0))
+    frozen, _ = round_trip(prepare_batch(Frozen(np.ones(2), "f"), "collate_fn output"))
+    assert type(frozen) is Frozen and frozen.tag == "f"
+    extra, _ = round_trip(prepare_batch(Extra(np.arange(4)), "collate_fn output"))
+    assert type(extra) is Extra and extra.batch_size == [4]
+    np.testing.assert_array_equal(extra.x, np.arange(4))
+    own, _ = round_trip(prepare_batch(OwnPickling(np.zeros(2)), "collate_fn output"))
+    np.testing.assert_array_equal(own.x, [1.0, 1.0])  # its __reduce__ ran, as in pickle
 
 
 def test_the_structure_is_sent_once_per_encoder():

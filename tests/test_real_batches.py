@@ -208,6 +208,31 @@ def test_collate_fn_returning_a_dataclass(num_workers):
     assert torch.equal(batches[3].x[0], Tokens()[6][0])
 
 
+@dataclass
+class Sized:
+    x: torch.Tensor
+
+
+def sized_collate(samples):
+    batch = Sized(pad_sequence([s for s, _ in samples], batch_first=True))
+    batch.batch_size = [len(samples)]  # state beyond the fields, as a tensorclass's
+    return batch
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_collate_fn_returning_a_dataclass_with_more_state_than_its_fields(num_workers):
+    """Handed out whole, as torch hands it out (rebuilt from its fields, it lost batch_size:
+    a tensordict tensorclass came back with batch_size [], trial17)."""
+    options = dict(batch_size=4, num_workers=num_workers, collate_fn=sized_collate)
+    expected = list(DataLoader(Tokens(), **options))
+    with ArenaLoader(Tokens(), **options) as loader:
+        got = list(loader)
+    assert len(got) == len(expected) == 12
+    for ours, theirs in zip(got, expected):
+        assert type(ours) is Sized and vars(ours).keys() == vars(theirs).keys()
+        assert ours.batch_size == theirs.batch_size == [4] and torch.equal(ours.x, theirs.x)
+
+
 @pytest.mark.parametrize("num_workers", WORKERS)
 def test_torch_dataset_batches_are_tensors_by_default(num_workers):
     with ArenaLoader(Tokens(), batch_size=3, num_workers=num_workers,

@@ -260,11 +260,11 @@ def rebuild(node: Any, views: list, objects: list) -> Any:
             shell = objects[node.shell]
             shell.update(items)
             return shell
-        if hasattr(node.type, "__dataclass_fields__"):
-            try:
-                return node.type(**items)
-            except TypeError:  # a dataclass with init=False fields
-                return items
+        if hasattr(node.type, "__dataclass_fields__"):  # one whose fields are its state
+            built = node.type.__new__(node.type)  # as unpickling makes it: no __init__ or
+            for key, item in items.items():  # __post_init__ run again, frozen or not
+                object.__setattr__(built, key, item)  # (spec.rebuildable_fields)
+            return built
         try:
             return node.type(items)
         except TypeError:  # a Mapping type that cannot be built from a dict

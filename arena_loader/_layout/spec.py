@@ -4,6 +4,7 @@ and which are object leaves, and torch's ``default_collate`` rules for object le
 from __future__ import annotations
 
 import copy
+import dataclasses
 import numbers
 import sys
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -200,8 +201,8 @@ class SpecBuilder:
                 children = tuple(self.build(v, f"{path}[{i}]", True)
                                  for i, v in enumerate(value))
             return SequenceNode(type(value), children, path)
-        if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
-            names = tuple(value.__dataclass_fields__)
+        names = rebuildable_fields(value)
+        if names is not None:
             children = tuple(self.build(getattr(value, n), f"{path}.{n}") for n in names)
             return MappingNode(type(value), names, children, path)
         return self._object(value, path, in_sequence)
@@ -212,6 +213,30 @@ class SpecBuilder:
         self.object_in_sequence.append(in_sequence)
         self.object_collates.append(collate)
         return ObjectLeaf(len(self.object_paths) - 1)
+
+
+def rebuildable_fields(value: Any) -> tuple[str, ...] | None:
+    """The field names of a dataclass instance whose whole state is its fields and which
+    pickles by the default protocol, else None. ``plan.rebuild`` makes such an instance
+    again as unpickling makes it (``__new__``, the fields set, no ``__init__`` or
+    ``__post_init__`` run again). Any other state (an attribute that is not a field, a
+    tensorclass's ``batch_size``) or pickling of its own makes the object one leaf, handed
+    out whole, as torch's DataLoader hands it out."""
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return None
+    kind = type(value)
+    if kind.__reduce_ex__ is not object.__reduce_ex__ or kind.__reduce__ is not object.__reduce__ \
+            or hasattr(kind, "__setstate__") \
+            or getattr(kind, "__getstate__", _DEFAULT_GETSTATE) is not _DEFAULT_GETSTATE:
+        return None
+    names = tuple(field.name for field in dataclasses.fields(value))  # (no ClassVar, InitVar)
+    state = getattr(value, "__dict__", None)
+    if state is None or set(state) != set(names):
+        return None
+    return names
+
+
+_DEFAULT_GETSTATE = getattr(object, "__getstate__", None)  # (Python 3.11+)
 
 
 def _first_shell(shells: list, *, collate_fn_map: dict) -> Any:
