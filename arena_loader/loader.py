@@ -190,8 +190,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
             self._warned_unsharded = warn_if_every_rank_loads_all(options)
         UnusedIteratorDraws.settle()  # (an unused iterator's draws given back first)
         if self._stager is not None and options.persistent_workers:
-            # No stage's thread may read the persistent iterator now; stopped before it is
-            # looked at, since one stuck in a slow batch gets it closed (a new one is made).
+            # (Before it is looked at: a thread stuck in a slow batch gets it closed.)
             self._stager.detach()
         plan = self._resume.begin_epoch(self)  # a loaded state: its epoch's draws replayed
         if plan.resumed:  # its workers start anew, seeded by the replayed draw: an iter() cut

@@ -117,8 +117,8 @@ class Intake:
         later record of that worker, so no later batch of the epoch could come."""
         try:
             return self.session.crew.fill(worker, speculative)
-        except LayoutError as error:
-            self.session.fail(error)
+        except LayoutError as error:  # (kept without its frames, which hold the session)
+            self.session.fail(error.with_traceback(None))
             return False
 
     def file_arrived(self) -> None:
