@@ -189,6 +189,9 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         if not self._warned_unsharded:
             self._warned_unsharded = warn_if_every_rank_loads_all(options)
         UnusedIteratorDraws.settle()  # (an unused iterator's draws given back first)
+        if self._stager is not None and options.persistent_workers:
+            # (Before it is looked at: a thread stuck in a slow batch gets it closed.)
+            self._stager.detach()
         plan = self._resume.begin_epoch(self)  # a loaded state: its epoch's draws replayed
         if plan.resumed:  # its workers start anew, seeded by the replayed draw: an iter() cut
             self._iterators.close_persistent()  # short may have made some (load_state_dict)
@@ -213,9 +216,6 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
             self._seeds.datapipe_seed()
         plan.batches = epoch_batches(options, self.sampler, self.batch_sampler, self._filler,
                                      plan.first_idx)
-        stager = self._stager
-        if stager is not None and options.persistent_workers:
-            stager.detach()  # no stage's thread may read the persistent iterator now
         if options.num_workers == 0:
             iterator: Any = InProcessIterator(self, self._filler, self._source, plan)
         elif reuse:  # `persistent` as read above: close() in another thread may drop it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import threading
@@ -503,3 +504,35 @@ def test_collate_fn_output_may_change_dtype_structure_and_rows_every_batch(num_w
             assert batch[key].dtype == expected[key].dtype
             np.testing.assert_array_equal(batch[key], expected[key])
     assert [b.get("x", b.get("y")).shape[0] for b in batches] == [2, 2, 2, 2, 2, 2, 4, 2]
+
+
+def _make_row_type(worker_id):
+    """worker_init_fn: makes this module's ``WorkerRow`` type in the worker only (a schema
+    read as the worker opens its file), so the main process has no such attribute."""
+    globals()["WorkerRow"] = collections.namedtuple("WorkerRow", "x y")
+
+
+class WorkerRows:
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int):
+        return globals()["WorkerRow"](np.full(3, index), index)
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_a_structure_type_the_main_process_cannot_import_is_one_clear_fatal_error(
+        persistent_workers):
+    """A namedtuple type that exists only in the workers: next() raises a LayoutError naming
+    the batch and the fix (not pickle's bare AttributeError at every next()), and with
+    persistent workers the next iter() starts afresh instead of raising it again."""
+    with ArenaLoader(WorkerRows(), batch_size=2, num_workers=2, worker_init_fn=_make_row_type,
+                     persistent_workers=persistent_workers) as loader:
+        for _ in range(2):
+            iterator = iter(loader)
+            for _ in range(2):
+                with pytest.raises(LayoutError, match=r"batch idx=0 from worker 0 has a "
+                                   r"structure the main process cannot rebuild \(.*WorkerRow.*"
+                                   r"\).*define that type at module level"):
+                    next(iterator)
+            del iterator

@@ -175,3 +175,26 @@ def test_an_iterator_used_in_a_forked_child_is_a_loader_forked_error(fake_pinnin
         assert message.startswith("True ") and "forked from it" in message, message
         assert [labels.tolist()[0] for _, labels in iterator] == [4, 8, 12]
 
+
+
+def test_a_pin_thread_stuck_in_a_slow_batch_leaves_the_next_persistent_epoch_whole(
+        fake_pinning, monkeypatch):
+    """With persistent workers, iter() stops the pin thread still reading the last epoch; one
+    that outlasts its join (a batch slower than SHARED_JOIN_S, shortened here) gets the
+    persistent iterator closed, and iter() then starts new workers instead of raising
+    LoaderClosedError."""
+    from arena_loader import _stage
+
+    class SlowSecondBatch(TensorPairs):
+        def __getitem__(self, index):
+            if index == 4:
+                time.sleep(1.0)
+            return super().__getitem__(index)
+
+    monkeypatch.setattr(_stage, "SHARED_JOIN_S", 0.2)
+    with ArenaLoader(SlowSecondBatch(16), batch_size=4, num_workers=2, pin_memory=True,
+                     persistent_workers=True) as loader:
+        abandoned = iter(loader)
+        next(abandoned)  # the pin thread now waits for batch 1 (slow)
+        labels = [batch[1].tolist() for batch in loader]
+    assert labels == [list(range(i, i + 4)) for i in range(0, 16, 4)]

@@ -427,3 +427,35 @@ def test_an_iterator_dropped_unused_leaves_the_loaded_state_to_the_next_iter(nam
                 assert list(resumed) == []
             del resumed  # left after one batch, or ended: the next iter() begins epoch 1
             assert [rows(batch) for batch in loader] == whole[per_epoch:], stop_after
+
+
+class UnevenShards:
+    """An iterable-style dataset whose worker k yields ``sizes[k]`` items (k * 1000 + i)."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+
+    def __iter__(self):
+        worker = get_worker_info().id
+        return iter(range(worker * 1000, worker * 1000 + self.sizes[worker]))
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_stream_ended_before_the_state_starts_the_next_epoch_whole():
+    """Persistent workers, a stateless iterable: worker 0's stream had ended when the state
+    was taken, so it is not asked in the resumed epoch; its iterator of the next epoch starts
+    afresh instead of skipping the batch it had handed out in the interrupted one."""
+    def rows(batches):
+        return [batch.tolist() for batch in batches]
+
+    options = dict(batch_size=2, num_workers=3, persistent_workers=True)
+    with ArenaLoader(UnevenShards([2, 6, 0]), **options) as loader:
+        whole = rows(loader) + rows(loader)
+        iterator = iter(loader)
+        head = rows(next(iterator) for _ in range(3))
+        state = loader.state_dict()
+        del iterator
+    with ArenaLoader(UnevenShards([2, 6, 0]), **options) as loader:
+        loader.load_state_dict(state)
+        tail = rows(loader) + rows(loader)
+    assert head + tail == whole

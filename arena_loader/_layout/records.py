@@ -78,6 +78,18 @@ def _pickle_structure(spec: Any) -> bytes:
             "level (not inside a function)") from exc
 
 
+def _load_structure(pickled: bytes, idx: int, worker_id: int) -> Any:
+    try:
+        return pickle.loads(pickled)
+    except (AttributeError, ImportError) as exc:  # a type the worker has and we have not
+        raise LayoutError(
+            f"batch idx={idx} from worker {worker_id} has a structure the main process cannot "
+            f"rebuild ({exc}): a namedtuple, dataclass or Mapping type in it exists in the "
+            "worker but cannot be imported here; define that type at module level of a module "
+            "the main process imports (not in worker_init_fn or in code only workers run)"
+        ) from exc.with_traceback(None)  # (its frames lead back to the session that keeps it)
+
+
 @dataclass(frozen=True)
 class Record:
     """A decoded worker record: batch ``idx`` is in ``slot`` (or a segment) with ``plan``;
@@ -108,7 +120,7 @@ class PlanDecoder:
             return Record(idx, slot, worker_id, True, False, None)
         pos = 1 + HEADER.size
         if structure_len:
-            spec = pickle.loads(payload[pos: pos + structure_len])
+            spec = _load_structure(payload[pos: pos + structure_len], idx, worker_id)
             pos += structure_len
             if sid != 0xFFFFFFFF:
                 self._structures[sid] = spec

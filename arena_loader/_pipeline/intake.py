@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .._arena import Arena
 from .._messages import NO_SLOT, fresh_copy, listed, rebuild_worker_error
 from .._process import JOIN_TIMEOUT_S
+from ..errors import LayoutError
 from .completions import ENDED, LOADED, SEGMENT, STATE, WORKER_FAILED, Completion
 from .crew import WAKER, Crew
 from .feed import Feed
@@ -103,12 +104,22 @@ class Intake:
         """File what ``worker`` has sent; True if anything came (``speculative``: no poll
         said so, see ``CompletionReader.fill``)."""
         session = self.session
-        got = session.crew.fill(worker, speculative) if session.crew is not None else False
+        got = self._fill(worker, speculative) if session.crew is not None else False
         self.file_arrived()
         if got is None:
             self.crash(worker)
             return True
         return got
+
+    def _fill(self, worker: int, speculative: bool = False) -> bool | None:
+        """``crew.fill``; a record this process cannot decode (a structure type it cannot
+        import) fails the session: it stays first in the worker's buffer, ahead of every
+        later record of that worker, so no later batch of the epoch could come."""
+        try:
+            return self.session.crew.fill(worker, speculative)
+        except LayoutError as error:  # (kept without its frames, which hold the session)
+            self.session.fail(error.with_traceback(None))
+            return False
 
     def file_arrived(self) -> None:
         """File the parsed records in order; each leaves the queue only once filed."""
@@ -180,7 +191,7 @@ class Intake:
         error that explains it (its own report, if it sent one, wins)."""
         session = self.session
         while session.phase is Phase.RUNNING and session.crew is not None \
-                and session.crew.fill(worker):
+                and self._fill(worker):
             self.file_arrived()
         self.file_arrived()
         if session.phase is Phase.DRAINING:  # the old epoch's batches are not wanted anyway

@@ -123,7 +123,10 @@ class Session:
         self.window = Window(self._window_size)
         self.position = plan.position  # the consumer's place (state_dict)
         self.handout = Handout(plan.position)
-        self._streams = plan.streams  # how a resumed epoch's new workers start
+        # How a resumed epoch's new workers start. A worker whose iterator had ended is not
+        # asked in that epoch: its first iterator is the next epoch's, which starts afresh.
+        self._streams = plan.streams if plan.streams is None else [
+            stream if active else None for stream, active in zip(plan.streams, plan.active)]
         self.started = False
 
     def _regrow(self) -> None:
