@@ -627,7 +627,7 @@ def test_anonymous_shared_memory_counts_its_pages_once_across_a_fork():
         mine = harness.shm_objects(os.getpid())[key]
         if mine == 8 << 20:
             pytest.skip("/proc/<pid>/map_files cannot be read here: mapped sizes are counted")
-        assert mine == 3 * 4096
+        assert mine == PAGES
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # holds the mapping until killed
