@@ -20,6 +20,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ._forksafe import register_descriptor
 from ._pipeline.order import OrderReader
 from ._process import JOIN_TIMEOUT_S, fd_socket_pair, worker_pipes
 from ._slab import Slab
@@ -69,6 +70,10 @@ class ThreadWorkerGroup:
             for setup in setups:
                 task_reader, task_writer, result_reader, result_writer = worker_pipes(
                     multiprocessing)
+                # Both ends are ours: a child forked meanwhile must not hold them open, or a
+                # thread that ends (or whose pipes shutdown closes) is never read as gone.
+                for conn in (task_reader, task_writer, result_reader, result_writer):
+                    register_descriptor(conn, conn.fileno())
                 fd_main, fd_worker = fd_socket_pair()
                 self.fd_sockets.append(fd_main)
                 setup = dataclasses.replace(setup, fd_socket=fd_worker)
