@@ -119,8 +119,9 @@ class ThreadWorkerGroup:
                 return
             serve(state, reader, result_conn.fileno(), parent_pid=None)
         except BaseException as exc:  # SystemExit from user code, or its result pipe closed
-            # Without its traceback: the frames hold slot arrays, which keep the slab mapped.
-            self._exits[setup.worker_id] = exc.with_traceback(None)
+            # Without tracebacks, its own nor those of the errors it was raised from or while
+            # handling: their frames hold slot arrays, which keep the slab mapped.
+            self._exits[setup.worker_id] = _without_tracebacks(exc)
         finally:
             set_thread_worker_info(None)
             # EOF on the result pipe is how the dispatch thread learns this worker is gone.
@@ -176,3 +177,17 @@ class ThreadWorkerGroup:
         for thread in self.threads:
             if thread.ident is not None and thread is not threading.current_thread():
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _without_tracebacks(exc: BaseException) -> BaseException:
+    """``exc`` and every exception chained to it (cause, context) without its traceback."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        chained = pending.pop()
+        if chained is not None and id(chained) not in seen:
+            seen.add(id(chained))
+            chained.with_traceback(None)
+            pending += [chained.__cause__, chained.__context__]
+    return exc
+
