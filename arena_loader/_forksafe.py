@@ -94,7 +94,8 @@ _forking = threading.local()
 
 def register_descriptor(owner: Any, fd: int) -> None:
     """``fd`` (held open by ``owner``, e.g. a ``Slab`` or the ``mmap.mmap`` that dup'ed it)
-    refers to shared memory: a forked child does not keep that object alive through it."""
+    refers to shared memory, or to a pipe whose both ends this process holds (a thread
+    worker's): a forked child does not keep that object alive (or the pipe open) through it."""
     stats = os.fstat(fd)
     _objects.add(owner, (stats.st_dev, stats.st_ino))
 

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 from . import _forksafe
 from ._inprocess import InProcessIterator
+from ._messages import add_note, formatted, fresh_copy
 from .errors import LoaderClosedError, forked_iterator_error
 
 # The longest sleep of either side between checks that the other is alive or closed.
@@ -98,6 +99,8 @@ class HostStage:
         try:
             self._work()
         except BaseException as exc:  # the stage itself failed: the consumer raises it
+            # (each next() raises a copy, without this thread's frames: its text goes along)
+            add_note(exc, f"Raised in the {self.thread_name} thread:\n{formatted(exc)}")
             self._publish(Raised(exc, fatal=True))  # raised by every next() from now on
 
     def _work(self) -> None:
@@ -163,7 +166,9 @@ class HostStage:
         kept, raised by every later ``next()``), or the epoch's end."""
         if isinstance(item, Raised):
             if item.fatal:
-                raise item.error
+                # A copy: raised, the kept object would get a traceback through this frame,
+                # and so hold the iterator, which the finalizer (holding this stage) keeps.
+                raise fresh_copy(item.error)
             raise self._remove(item).error
         self._finished = True
         self.close()

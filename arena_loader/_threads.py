@@ -20,6 +20,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ._forksafe import register_descriptor
 from ._pipeline.order import OrderReader
 from ._process import JOIN_TIMEOUT_S, fd_socket_pair, worker_pipes
 from ._slab import Slab
@@ -69,6 +70,10 @@ class ThreadWorkerGroup:
             for setup in setups:
                 task_reader, task_writer, result_reader, result_writer = worker_pipes(
                     multiprocessing)
+                # Both ends are ours: a child forked meanwhile must not hold them open, or a
+                # thread that ends (or whose pipes shutdown closes) is never read as gone.
+                for conn in (task_reader, task_writer, result_reader, result_writer):
+                    register_descriptor(conn, conn.fileno())
                 fd_main, fd_worker = fd_socket_pair()
                 self.fd_sockets.append(fd_main)
                 setup = dataclasses.replace(setup, fd_socket=fd_worker)
@@ -114,8 +119,9 @@ class ThreadWorkerGroup:
                 return
             serve(state, reader, result_conn.fileno(), parent_pid=None)
         except BaseException as exc:  # SystemExit from user code, or its result pipe closed
-            # Without its traceback: the frames hold slot arrays, which keep the slab mapped.
-            self._exits[setup.worker_id] = exc.with_traceback(None)
+            # Without tracebacks, its own nor those of the errors it was raised from or while
+            # handling: their frames hold slot arrays, which keep the slab mapped.
+            self._exits[setup.worker_id] = _without_tracebacks(exc)
         finally:
             set_thread_worker_info(None)
             # EOF on the result pipe is how the dispatch thread learns this worker is gone.
@@ -171,3 +177,17 @@ class ThreadWorkerGroup:
         for thread in self.threads:
             if thread.ident is not None and thread is not threading.current_thread():
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _without_tracebacks(exc: BaseException) -> BaseException:
+    """``exc`` and every exception chained to it (cause, context) without its traceback."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        chained = pending.pop()
+        if chained is not None and id(chained) not in seen:
+            seen.add(id(chained))
+            chained.with_traceback(None)
+            pending += [chained.__cause__, chained.__context__]
+    return exc
+

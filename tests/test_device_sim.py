@@ -25,7 +25,7 @@ from arena_loader import ArenaLoader, LoaderClosedError, SlotsExhaustedError
 from arena_loader._device import cuda as device_cuda
 from arena_loader._device.ring import DeviceRing
 
-from .conftest import our_threads, wait_until
+from .conftest import live_children, our_threads, wait_until
 from .datasets import (
     ImageDataset,
     NestedDataset,
@@ -434,6 +434,26 @@ def test_copy_error_is_raised_by_every_next_and_close_is_clean(monkeypatch):
         for _ in range(2):
             with pytest.raises(RuntimeError, match="simulated"):
                 next(iterator)
+
+
+def test_an_iterator_dropped_after_a_copy_error_stops_its_workers(monkeypatch):
+    """A fatal error is raised by every next(): the stage kept the one object and raised it
+    each time, so its traceback came to hold the iterator, which the stage's finalizer keeps:
+    a dropped iterator was never collected and its workers and slab lived on."""
+    def broken(buffer, source, stream):
+        raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS (simulated)")
+
+    monkeypatch.setattr(device_cuda, "copy_to_buffer", broken)
+    with ArenaLoader(ImageDataset(8), batch_size=2, num_workers=2, device="cuda") as loader:
+        iterator = iter(loader)
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="simulated") as raised:
+                next(iterator)
+        notes = "".join(getattr(raised.value, "__notes__", ()))
+        del iterator, raised
+        gc.collect()
+        assert wait_until(lambda: not live_children(), timeout_s=3)
+    assert "in _copy_all" in notes  # where in the device thread it failed
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -3,6 +3,7 @@ with the same errors as processes and no effect on the process-wide RNGs."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -15,7 +16,7 @@ import pytest
 
 from arena_loader import ArenaLoader, ArrayDataset, WorkerCrashedError, get_worker_info
 
-from .conftest import live_children, our_threads
+from .conftest import live_children, our_slab_mappings, our_threads
 from .datasets import ImageDataset, ShardedStream, SlowDataset, reference_epoch
 
 pytestmark = pytest.mark.timeout(60)
@@ -184,3 +185,67 @@ def test_iterable_datasets_need_process_workers():
     with pytest.raises(ValueError, match=r"worker_mode must be 'process' for an iterable-style "
                                          r"dataset, got 'thread'"):
         ArenaLoader(ShardedStream(8), batch_size=2, num_workers=2, worker_mode="thread")
+
+
+@pytest.mark.timeout(30)
+def test_crash_with_a_forked_child_alive_still_ends_every_other_thread(caplog):
+    """A child forked while thread workers run (a fork Pool of the user's, another loader's
+    workers) inherits their pipes: it must not keep an idle thread from reading EOF when a
+    crash closes them (it was left running, "stuck in user code", with the slab, for as long
+    as the child lived, and next() waited out a whole join timeout first)."""
+    loader = ArenaLoader(ExitingDataset(20, fatal_index=9), batch_size=2, num_workers=2,
+                         worker_mode="thread")
+    iterator = iter(loader)
+    next(iterator)
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: waits until told, then leaves without running pytest's exit
+        try:
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="arena_loader"), \
+                pytest.raises(WorkerCrashedError, match="worker thread 0"):
+            for _ in iterator:
+                pass
+        assert time.monotonic() - start < 1.5
+        assert not [t for t in our_threads() if t.name.startswith("arena_loader-worker")]
+        assert "still in user code" not in caplog.text
+    finally:
+        os.write(go_w, b"\0")
+        os.waitpid(pid, 0)
+        for fd in (go_r, go_w):
+            os.close(fd)
+    del iterator, loader
+
+
+class ExitingWhileHandlingDataset(ImageDataset):
+    """Ends a thread with SystemExit raised while handling another error (``except ...:
+    sys.exit(1)``): the SystemExit's context has a traceback through the worker's frames."""
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index == 5:
+            try:
+                raise KeyError(index)
+            except KeyError:
+                sys.exit(3)
+        return super().__getitem__(index)
+
+
+def test_a_kept_crash_error_keeps_no_slab_of_a_closed_loader():
+    """A WorkerCrashedError the user keeps (a log, pytest.raises, sys.last_value) holds
+    nothing of the closed loader: the ending exception's context kept the thread's frames,
+    with their slot views, so the slab stayed mapped for as long as the error lived."""
+    loader = ArenaLoader(ExitingWhileHandlingDataset(12, shape=(4,)), batch_size=2,
+                         num_workers=1, worker_mode="thread")
+    iterator = iter(loader)
+    with pytest.raises(WorkerCrashedError) as kept:
+        for batch in iterator:
+            del batch
+    assert isinstance(kept.value.__cause__.__context__, KeyError)  # still told
+    loader.close()
+    del iterator, loader
+    gc.collect()
+    assert not our_slab_mappings()
