@@ -27,6 +27,7 @@ import logging
 import mmap
 import os
 import signal
+import socket
 import threading
 import time
 from typing import Any
@@ -64,11 +65,13 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 class _Registry(WeakEntries):
     """Entries ``(owner, key)`` that last as long as their owner (``WeakEntries``: no lock,
     none to leave locked in a forked child). Owners that are closed (an mmap or a Slab) count
-    as gone: the range or inode they named may already belong to something else."""
+    as gone: the range or inode they named may already belong to something else. (A socket
+    has no ``closed``: its ``fileno()`` is -1 once closed.)"""
 
     def live(self) -> list[tuple[Any, Any]]:
         return [(owner, key) for owner, key in self.items()
-                if not getattr(owner, "closed", False)]
+                if not getattr(owner, "closed", False)
+                and not (isinstance(owner, socket.socket) and owner.fileno() == -1)]
 
 
 # Shared mappings and visible regions: key (address, nbytes). Shared-memory objects held open

@@ -14,7 +14,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ._forksafe import handing_over, interrupts_deferred
+from ._forksafe import handing_over, interrupts_deferred, register_descriptor
 from ._slab import remove_names_of
 from ._worker import WorkerSetup, pid_exists, worker_main
 from .errors import DescriptorLimitError, WorkerCrashedError
@@ -94,6 +94,9 @@ class WorkerGroup:
                 self.task_conns.append(task_writer)
                 self.result_conns.append(result_reader)
                 self.fd_sockets.append(fd_main)
+                # A child forked meanwhile (a user's, the next workers) must not hold it open:
+                # one-off segments sent and not yet received would outlive close().
+                register_descriptor(fd_main, fd_main.fileno())
                 with handing_over([setup.slab.fd, setup.order.fd]), interrupts_deferred():
                     process.start()  # (the descriptors are all it keeps of ours)
                 # Close the child's ends here, before the next fork copies them: a dead

@@ -71,10 +71,13 @@ class ThreadWorkerGroup:
                 task_reader, task_writer, result_reader, result_writer = worker_pipes(
                     multiprocessing)
                 # Both ends are ours: a child forked meanwhile must not hold them open, or a
-                # thread that ends (or whose pipes shutdown closes) is never read as gone.
+                # thread that ends (or whose pipes shutdown closes) is never read as gone,
+                # nor the sockets, or one-off segments queued there outlive close().
                 for conn in (task_reader, task_writer, result_reader, result_writer):
                     register_descriptor(conn, conn.fileno())
                 fd_main, fd_worker = fd_socket_pair()
+                for sock in (fd_main, fd_worker):  # (segments queued there: shared memory)
+                    register_descriptor(sock, sock.fileno())
                 self.fd_sockets.append(fd_main)
                 setup = dataclasses.replace(setup, fd_socket=fd_worker)
                 thread = threading.Thread(

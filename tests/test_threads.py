@@ -3,6 +3,7 @@ with the same errors as processes and no effect on the process-wide RNGs."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -249,3 +250,60 @@ def test_a_kept_crash_error_keeps_no_slab_of_a_closed_loader():
     del iterator, loader
     gc.collect()
     assert not our_slab_mappings()
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(int(target[len("socket:["):-1]))
+    return inodes
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.filterwarnings("ignore:your code holds")
+@pytest.mark.parametrize(("worker_mode", "fatal_index"),
+                         [("thread", None), ("thread", 9), ("process", None)])
+def test_a_forked_child_holds_no_descriptor_socket_of_the_workers(worker_mode, fatal_index):
+    """A child forked while workers send one-off segments (here the consumer holds every
+    slot) inherited the main process's end of each worker's descriptor socket (a thread
+    worker's end too): the descriptors sent and not yet received (batches loaded ahead,
+    records unread) stayed queued there, so their shared memory outlived close() for as long
+    as the child lived (a fork Pool: until it ends). A thread's crash still raises at once."""
+    loader = ArenaLoader(ExitingDataset(40, fatal_index=fatal_index if fatal_index else -1),
+                         batch_size=2, num_workers=1, worker_mode=worker_mode, slots=2)
+    iterator = iter(loader)
+    held = [next(iterator) for _ in range(3)]  # every slot held: the next batches go to segments
+    time.sleep(0.2)  # the worker loads the window ahead; its segments wait on the socket
+    group = iterator._session.crew.group
+    ours = {os.fstat(sock.fileno()).st_ino for sock in group.fd_sockets}
+    del group
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: waits until told, then leaves without running pytest's exit
+        try:
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        if fatal_index is not None:
+            start = time.monotonic()
+            with pytest.raises(WorkerCrashedError, match="worker thread 0"):
+                for _ in iterator:
+                    pass
+            assert time.monotonic() - start < 1.5
+        start = time.monotonic()
+        del held
+        iterator.close()
+        closing_s = time.monotonic() - start
+        held_by_child = ours & _socket_inodes(pid)
+    finally:
+        os.write(go_w, b"\0")
+        os.waitpid(pid, 0)
+        for fd in (go_r, go_w):
+            os.close(fd)
+    del iterator, loader
+    assert closing_s < 1.0
+    assert not held_by_child, "the forked child holds the main process's end of the sockets"
