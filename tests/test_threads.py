@@ -198,14 +198,7 @@ def test_crash_with_a_forked_child_alive_still_ends_every_other_thread(caplog):
                          worker_mode="thread")
     iterator = iter(loader)
     next(iterator)
-    go_r, go_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: waits until told, then leaves without running pytest's exit
-        try:
-            os.read(go_r, 1)
-        finally:
-            os._exit(0)
-    try:
+    with _forked_child():
         start = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="arena_loader"), \
                 pytest.raises(WorkerCrashedError, match="worker thread 0"):
@@ -214,12 +207,27 @@ def test_crash_with_a_forked_child_alive_still_ends_every_other_thread(caplog):
         assert time.monotonic() - start < 1.5
         assert not [t for t in our_threads() if t.name.startswith("arena_loader-worker")]
         assert "still in user code" not in caplog.text
+    del iterator, loader
+
+
+@contextlib.contextmanager
+def _forked_child():
+    """A child forked now that holds what it inherited until the block ends (then it leaves
+    without running pytest's exit); yields its pid."""
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        yield pid
     finally:
         os.write(go_w, b"\0")
         os.waitpid(pid, 0)
         for fd in (go_r, go_w):
             os.close(fd)
-    del iterator, loader
 
 
 class ExitingWhileHandlingDataset(ImageDataset):
@@ -272,22 +280,15 @@ def test_a_forked_child_holds_no_descriptor_socket_of_the_workers(worker_mode, f
     worker's end too): the descriptors sent and not yet received (batches loaded ahead,
     records unread) stayed queued there, so their shared memory outlived close() for as long
     as the child lived (a fork Pool: until it ends). A thread's crash still raises at once."""
+    before = _socket_inodes(os.getpid())
     loader = ArenaLoader(ExitingDataset(40, fatal_index=fatal_index if fatal_index else -1),
                          batch_size=2, num_workers=1, worker_mode=worker_mode, slots=2)
     iterator = iter(loader)
     held = [next(iterator) for _ in range(3)]  # every slot held: the next batches go to segments
     time.sleep(0.2)  # the worker loads the window ahead; its segments wait on the socket
-    group = iterator._session.crew.group
-    ours = {os.fstat(sock.fileno()).st_ino for sock in group.fd_sockets}
-    del group
-    go_r, go_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: waits until told, then leaves without running pytest's exit
-        try:
-            os.read(go_r, 1)
-        finally:
-            os._exit(0)
-    try:
+    ours = _socket_inodes(os.getpid()) - before  # the workers' descriptor sockets
+    assert ours
+    with _forked_child() as pid:
         if fatal_index is not None:
             start = time.monotonic()
             with pytest.raises(WorkerCrashedError, match="worker thread 0"):
@@ -299,11 +300,6 @@ def test_a_forked_child_holds_no_descriptor_socket_of_the_workers(worker_mode, f
         iterator.close()
         closing_s = time.monotonic() - start
         held_by_child = ours & _socket_inodes(pid)
-    finally:
-        os.write(go_w, b"\0")
-        os.waitpid(pid, 0)
-        for fd in (go_r, go_w):
-            os.close(fd)
     del iterator, loader
     assert closing_s < 1.0
     assert not held_by_child, "the forked child holds the main process's end of the sockets"
