@@ -178,3 +178,16 @@ def fresh_copy(error: BaseException) -> BaseException:
     clone.__suppress_context__ = error.__suppress_context__
     return clone
 
+
+def without_tracebacks(exc: BaseException) -> BaseException:
+    """``exc`` and every exception chained to it (cause, context) without its traceback: an
+    error kept to raise later, whose frames would hold slot views or the session."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        chained = pending.pop()
+        if chained is not None and id(chained) not in seen:
+            seen.add(id(chained))
+            chained.with_traceback(None)
+            pending += [chained.__cause__, chained.__context__]
+    return exc

@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ._forksafe import register_descriptor
+from ._messages import without_tracebacks
 from ._pipeline.order import OrderReader
 from ._process import JOIN_TIMEOUT_S, fd_socket_pair, worker_pipes
 from ._slab import Slab
@@ -124,7 +125,7 @@ class ThreadWorkerGroup:
         except BaseException as exc:  # SystemExit from user code, or its result pipe closed
             # Without tracebacks, its own nor those of the errors it was raised from or while
             # handling: their frames hold slot arrays, which keep the slab mapped.
-            self._exits[setup.worker_id] = _without_tracebacks(exc)
+            self._exits[setup.worker_id] = without_tracebacks(exc)
         finally:
             set_thread_worker_info(None)
             # EOF on the result pipe is how the dispatch thread learns this worker is gone.
@@ -180,17 +181,3 @@ class ThreadWorkerGroup:
         for thread in self.threads:
             if thread.ident is not None and thread is not threading.current_thread():
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
-
-
-def _without_tracebacks(exc: BaseException) -> BaseException:
-    """``exc`` and every exception chained to it (cause, context) without its traceback."""
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [exc]
-    while pending:
-        chained = pending.pop()
-        if chained is not None and id(chained) not in seen:
-            seen.add(id(chained))
-            chained.with_traceback(None)
-            pending += [chained.__cause__, chained.__context__]
-    return exc
-

@@ -87,7 +87,7 @@ def _load_structure(pickled: bytes, idx: int, worker_id: int) -> Any:
             f"rebuild ({exc}): a namedtuple, dataclass or Mapping type in it exists in the "
             "worker but cannot be imported here; define that type at module level of a module "
             "the main process imports (not in worker_init_fn or in code only workers run)"
-        ) from exc.with_traceback(None)  # (its frames lead back to the session that keeps it)
+        ) from exc
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 from .._arena import Arena
-from .._messages import NO_SLOT, fresh_copy, listed, rebuild_worker_error
+from .._messages import NO_SLOT, fresh_copy, listed, rebuild_worker_error, without_tracebacks
 from .._process import JOIN_TIMEOUT_S
 from ..errors import LayoutError
 from .completions import ENDED, LOADED, SEGMENT, STATE, WORKER_FAILED, Completion
@@ -118,7 +118,7 @@ class Intake:
         try:
             return self.session.crew.fill(worker, speculative)
         except LayoutError as error:  # (kept without its frames, which hold the session)
-            self.session.fail(error.with_traceback(None))
+            self.session.fail(without_tracebacks(error))
             return False
 
     def file_arrived(self) -> None:
