@@ -126,12 +126,6 @@ def epoch_batches(options: LoaderOptions, sampler: Any, batch_sampler: Any,
         batches = itertools.islice(batch_sampler, first, None)
     else:
         batches = iter(batch_sampler)
-    if filler.batch_size is None:
-        # A batch_sampler that does not say its batch size: size the slots from this
-        # epoch's largest batch.
-        batch_list = [list(b) for b in batches]
-        filler.batch_size = max((len(b) for b in batch_list), default=1)
-        batches = iter(batch_list)
     return batches
 
 

@@ -245,6 +245,36 @@ class BatchedFetchDataset(ImageDataset):
         return [self[i] + 1 for i in indices]
 
 
+class CountedBatches:
+    """A batch sampler of ``batches`` batches of ``size`` consecutive indices that counts the
+    batches the loader has drawn from it (``drawn``)."""
+
+    def __init__(self, batches: int, size: int):
+        self.batches, self.size, self.drawn = batches, size, 0
+
+    def __iter__(self) -> Any:
+        for batch in range(self.batches):
+            self.drawn += 1
+            yield list(range(batch * self.size, (batch + 1) * self.size))
+
+    def __len__(self) -> int:
+        return self.batches
+
+
+def draws_per_next(loader: Any, sampler: CountedBatches, settle_s: float = 0.05) -> list[int]:
+    """How many batches ``loader`` has drawn from ``sampler`` after ``iter()`` and after each
+    ``next()`` of one epoch, each read ``settle_s`` later (time for a stage thread to run
+    ahead)."""
+    sampler.drawn = 0
+    iterator = iter(loader)
+    time.sleep(settle_s)
+    counts = [sampler.drawn]
+    for _ in iterator:
+        time.sleep(settle_s)
+        counts.append(sampler.drawn)
+    return counts
+
+
 def fail_init(worker_id: int) -> None:
     raise FileNotFoundError(errno.ENOENT, f"cannot open shard for worker {worker_id}")
 

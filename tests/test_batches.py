@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -10,9 +12,11 @@ from hypothesis import strategies as st
 from arena_loader import ArenaLoader
 
 from .datasets import (
+    CountedBatches,
     ImageDataset,
     NestedDataset,
     assert_batches_equal,
+    draws_per_next,
     reference_epoch,
     stack_reference,
 )
@@ -152,6 +156,37 @@ def test_batch_sampler_without_batch_size_attribute_sizes_slots_from_its_batches
     assert len(batches) == len(batch_sampler)
     for actual, indices in zip(batches, batch_sampler):
         np.testing.assert_array_equal(actual, stack_reference([dataset[i] for i in indices]))
+
+
+class EndlessBatches:
+    """An infinite batch sampler with no ``batch_size`` attribute (a training sampler that
+    never ends an epoch), batches of 1 to 5 indices."""
+
+    def __iter__(self):
+        start = 0
+        while True:
+            size = 1 + start % 5
+            yield list(range(start, start + size))
+            start += size
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_batch_sampler_without_batch_size_is_drawn_as_torch_draws_it(num_workers):
+    """A batch_sampler that does not say its batch size is drawn batch by batch, as the
+    epoch goes, never to its end ahead of it: an endless one gives its batches (it hung
+    iter(), drawing forever), and a finite one has given as many batches as to torch's
+    DataLoader after iter() and after each next()."""
+    torch_data = pytest.importorskip("torch.utils.data")
+    dataset = ImageDataset(1000, shape=(2,), dtype=np.int64)
+    with ArenaLoader(dataset, batch_sampler=EndlessBatches(), num_workers=num_workers) as loader:
+        for batch, indices in zip(iter(loader), itertools.islice(EndlessBatches(), 8)):
+            np.testing.assert_array_equal(batch,
+                                          stack_reference([dataset[i] for i in indices]))
+    sampler = CountedBatches(12, 2)
+    expected = draws_per_next(torch_data.DataLoader(dataset, batch_sampler=sampler,
+                                                    num_workers=num_workers), sampler)
+    with ArenaLoader(dataset, batch_sampler=sampler, num_workers=num_workers) as loader:
+        assert draws_per_next(loader, sampler, settle_s=0.01) == expected
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

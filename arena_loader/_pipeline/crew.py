@@ -47,13 +47,14 @@ class WorkerGroupLike(Protocol):
 
 class Crew:
     def __init__(self, options: LoaderOptions, filler: BatchFiller, slab: Slab,
-                 slot_nbytes: int, slots: int, base_seed: int, window: int, waker_fd: int,
-                 streams: list[StreamResume] | None = None):
+                 slot_nbytes: int, slots: int, base_seed: int, window: int, rows: int,
+                 waker_fd: int, streams: list[StreamResume] | None = None):
         """Start ``options.num_workers`` workers holding ``slab`` (sized: ``slot_nbytes``;
-        reserved: 0, an ATTACH entry sizes it later) and a ring deep enough for ``window``;
+        reserved: 0, an ATTACH entry sizes it later) and a ring deep enough for ``window``,
+        its entries ``rows`` indices long (a longer batch's travel on the order pipe);
         ``streams``: where each resumed worker's iterator starts (iterable-style datasets)."""
         self.workers = options.num_workers
-        self.ring = OrderRing(self.workers, window + 2, filler.batch_size or 1)
+        self.ring = OrderRing(self.workers, window + 2, rows)
         thread = options.worker_mode == "thread"
         # The slab the workers write (``hand_slab`` gives them a grown one).
         self.slab = slab
