@@ -49,6 +49,13 @@ class InProcessIterator:
     def __iter__(self) -> InProcessIterator:
         return self
 
+    def follow_stage(self) -> None:
+        """(A stage here is the device thread: it runs this iterator, which draws as it loads,
+        one batch per next(), in that thread: nothing to count.)"""
+
+    def refill(self) -> None:
+        """(Nothing is sent ahead: see ``follow_stage``.)"""
+
     def __next__(self) -> Any:
         if os.getpid() != self._pid:
             raise forked_iterator_error(self._pid)  # its slots are the parent's

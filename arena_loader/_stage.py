@@ -75,6 +75,9 @@ class HostStage:
         self._finished = False
         self._thread: threading.Thread | None = None
         self._first: Any = None
+        # What the thread holds ahead of the consumer counts against the host's read-ahead,
+        # as torch's pin thread's does: the host refills as the consumer receives each batch.
+        self._lag = host.follow_stage() if positions is not None else None
 
     # -- the thread -----------------------------------------------------------------------
 
@@ -160,6 +163,9 @@ class HostStage:
         same again if the ``next()`` is cut short and repeated."""
         if item.position is not None:
             self._follow(item.position)
+            if self._lag is not None:
+                self._lag.receive(item.position.yielded)
+                self._host.refill()
 
     def _hand_on(self, item: Raised | Ended) -> NoReturn:
         """``next()``'s end for a result that is no batch: the error raised (a fatal one

@@ -27,6 +27,7 @@ from arena_loader._device.ring import DeviceRing
 
 from .conftest import live_children, our_threads, wait_until
 from .datasets import (
+    CountedBatches,
     ImageDataset,
     NestedDataset,
     RaisingDataset,
@@ -34,6 +35,7 @@ from .datasets import (
     SlowDataset,
     assert_batches_equal,
     assert_epoch_equal,
+    draws_per_next,
     host_copy,
     host_epoch,
 )
@@ -499,6 +501,20 @@ def test_state_dict_counts_device_batches_received_not_those_copied_ahead(shuffl
     assert len(head) + len(tail) == len(whole)
     for i, (got, expected) in enumerate(zip(head + tail, whole, strict=True)):
         assert_batches_equal(got, expected, f"batch {i}")
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_the_device_thread_draws_from_the_sampler_no_further_ahead_than_torch(
+        persistent_workers):
+    """Batches the device thread took ahead of next() count against the read-ahead, as
+    torch's pin thread's do: after iter() and after each next(), the sampler has given
+    prefetch_factor * num_workers batches more than next() returned (torch's rule, checked
+    against torch in test_pin_stage), in every epoch."""
+    dataset, sampler = ImageDataset(24, shape=(4,)), CountedBatches(12, 2)
+    with ArenaLoader(dataset, batch_sampler=sampler, num_workers=2, device="cuda",
+                     persistent_workers=persistent_workers) as loader:
+        for _ in range(2):
+            assert draws_per_next(loader, sampler) == [min(4 + k, 12) for k in range(13)]
 
 
 def test_persistent_workers_keep_delivering_across_abandoned_epochs():

@@ -13,7 +13,7 @@ from arena_loader import ArenaLoader, LoaderClosedError, LoaderTimeoutError, Wor
 from tests import resume_driver
 
 from .conftest import wait_until
-from .datasets import SuicidalDataset
+from .datasets import CountedBatches, SuicidalDataset, draws_per_next
 from .test_device import TensorPairs
 
 pytestmark = pytest.mark.timeout(60)
@@ -84,6 +84,26 @@ def test_state_dict_counts_batches_received_not_those_pinned_ahead(fake_pinning,
         tail = [resume_driver.rows(b) for epoch in range(state["epoch"], resume_driver.EPOCHS)
                 for b in loader]
     assert head + tail == whole
+
+
+@pytest.mark.parametrize("prefetch_factor", [1, 2])
+def test_the_pin_thread_draws_from_the_sampler_no_further_ahead_than_torch(fake_pinning,
+                                                                         prefetch_factor):
+    """Batches the pin thread took ahead of next() count against the read-ahead, as torch's
+    do (its main thread sends the next indices as it receives each batch): after iter() and
+    after each next(), the sampler has given exactly as many batches as to torch's
+    DataLoader, however far the pin thread has run."""
+    import torch.utils.data
+
+    options = dict(num_workers=2, prefetch_factor=prefetch_factor)
+    sampler = CountedBatches(12, 2)
+    expected = draws_per_next(torch.utils.data.DataLoader(
+        TensorPairs(24), batch_sampler=sampler, **options), sampler)
+    assert expected == [min(2 * prefetch_factor + k, 12) for k in range(13)]  # torch's rule
+    with ArenaLoader(TensorPairs(24), batch_sampler=sampler, pin_memory=True,
+                     **options) as loader:
+        assert draws_per_next(loader, sampler) == expected
+        assert len(fake_pinning) == 2 * 12
 
 
 class FailsToPin:

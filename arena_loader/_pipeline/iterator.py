@@ -13,6 +13,7 @@ from .._options import LoaderOptions
 from .._resume import EpochPlan
 from ..snapshot import IteratorSnapshot
 from .session import Session
+from .window import StageLag
 
 
 class MultiProcessIterator:
@@ -39,6 +40,14 @@ class MultiProcessIterator:
         # No handler here: an error handed out must leave without running a line of ours
         # (the session ends the epoch itself, Consumer.next_batch).
         return self._session.next_batch()
+
+    def follow_stage(self) -> StageLag:
+        """A stage takes this epoch's batches ahead of its consumer (``TopUp.follow_stage``)."""
+        return self._session.top_up.follow_stage()
+
+    def refill(self) -> None:
+        """The stage's consumer received a batch (``TopUp.refill``)."""
+        self._session.top_up.refill()
 
     def reset(self, plan: EpochPlan) -> None:
         """Persistent workers: begin a new epoch on the same workers and slab."""

@@ -31,12 +31,13 @@ from .claim import SlabClaim
 from .completions import LOADED
 from .consumer import Consumer
 from .crew import Crew
-from .feed import NO_PENDING, Feed
+from .feed import Feed
 from .handout import Handout
 from .intake import Intake
 from .phase import MOVES, Phase
 from .reorder import Reorderer
-from .window import UnsendableBatchError, Window, WorkerGoneError
+from .top_up import TopUp
+from .window import Window
 
 
 class Session:
@@ -68,6 +69,8 @@ class Session:
         self.epoch = -1
         self._reset_epoch_state(EpochPlan(EpochPosition(0, None, None)))
         self.intake = Intake(self)
+        self.top_up = TopUp(self)
+        self.fill_window = self.top_up.fill  # (bound once: no extra call per batch)
         self.next_batch = Consumer(self).next_batch  # (bound once: no extra call per batch)
 
     # -- phases -----------------------------------------------------------------------
@@ -170,33 +173,6 @@ class Session:
             return 2 * max(1, len(self.feed.pending))
         except TypeError:  # none drawn (an empty or failed epoch), or indices with no len()
             return 1
-
-    # -- publishing the batch order ------------------------------------------------------
-
-    def fill_window(self) -> None:
-        """Send batches while the window, free slots and the sampler allow; the sampler runs
-        outside the lock (a slow one must not hold up close())."""
-        feed, order, window = self.feed, self.order, self.window
-        while True:
-            if (feed.pending is NO_PENDING and not feed.exhausted and self.phase is Phase.RUNNING
-                    and window.has_room(order)):
-                feed.draw()  # (only this thread changes the order; close() only ends it)
-            with self.lock:
-                if self.ended:
-                    self.check_open()
-                if self.phase is not Phase.RUNNING:
-                    return
-                try:
-                    if not window.publish(feed, order, self.crew, self.claim.arena,
-                                          self.source, self.reconcile_slots,
-                                          self.handout.taken is not None):
-                        return
-                except UnsendableBatchError as unsendable:
-                    self.fail(unsendable.__cause__)  # e.g. indices that do not pickle
-                    return
-                except WorkerGoneError as gone:
-                    self.intake.crash(gone.worker)
-                    return
 
     def reconcile_slots(self) -> int:
         """Recover slots no batch owns (a Ctrl-C between taking a slot and recording its

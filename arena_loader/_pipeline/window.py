@@ -13,6 +13,7 @@ from .._arena import Arena, ArenaSource
 from .._messages import NO_SLOT
 from .crew import Crew
 from .feed import NO_PENDING, Feed
+from .handout import Handout
 from .reorder import Reorderer
 
 
@@ -28,22 +29,49 @@ class WorkerGoneError(Exception):
         self.worker = worker
 
 
+class StageLag:
+    """Batches this iterator handed to a stage (the pin or device thread) that the stage's
+    consumer has not received yet. They count against the window as the batches torch's pin
+    thread holds count against torch's (its main thread sends the next indices only as it
+    receives a batch), so the sampler is drawn no further ahead than torch's."""
+
+    __slots__ = ("_handout", "received")
+
+    def __init__(self, handout: Handout):
+        self._handout = handout  # its position moves as each batch is handed out
+        self.received = handout.position.yielded  # where the consumer is
+
+    def count(self) -> int:
+        handout = self._handout  # (a batch taken and not yet handed over is the stage's)
+        return handout.position.yielded + (handout.taken is not None) - self.received
+
+    def receive(self, yielded: int) -> None:
+        """The consumer has the batch that left the iterator at ``yielded`` (the same again
+        when its ``next()`` is repeated after an interrupt)."""
+        if yielded > self.received:
+            self.received = yielded
+
+
 class Window:
-    __slots__ = ("held_blocked", "held_overflow", "size")
+    __slots__ = ("held_blocked", "held_overflow", "lag", "size")
 
     def __init__(self, size: int):
         self.size = size
         self.held_blocked = False  # the consumer holds held_batch_limit batches
         self.held_overflow = False  # a batch went to a segment: every slot is held
+        self.lag: StageLag | None = None  # a stage takes the batches: TopUp.follow_stage
 
     def has_room(self, order: Reorderer) -> bool:
-        return len(order.in_flight) + len(order.done) < self.size
+        lag = self.lag
+        return (len(order.in_flight) + len(order.done)
+                + (lag.count() if lag is not None else 0)) < self.size
 
     def publish(self, feed: Feed, order: Reorderer, crew: Crew, arena: Arena | None,
                 source: ArenaSource, reconcile: Callable[[], int], taking: bool) -> bool:
         """Send the drawn batches the window allows; True when the next needs a draw.
         ``taking``: ``next()`` has taken the batch it returns."""
-        in_flight, done, size = order.in_flight, order.done, self.size
+        in_flight, done, lag = order.in_flight, order.done, self.lag
+        size = self.size - (lag.count() if lag is not None else 0)
         while not feed.exhausted and len(in_flight) + len(done) < size:
             if feed.pending is NO_PENDING:
                 return True
