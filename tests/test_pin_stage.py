@@ -106,6 +106,33 @@ def test_the_pin_thread_draws_from_the_sampler_no_further_ahead_than_torch(fake_
         assert len(fake_pinning) == 2 * 12
 
 
+class OneDrawAtATime(CountedBatches):
+    """Batches that take a while to draw, noting the most draws under way at once."""
+
+    def __init__(self, batches: int, size: int):
+        super().__init__(batches, size)
+        self.inside = self.most_inside = 0
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+            time.sleep(0.005)
+            self.inside -= 1
+            yield batch
+
+
+def test_the_sampler_runs_in_one_thread_at_a_time_with_the_pin_thread(fake_pinning):
+    """next() refills the window as it receives each batch while the pin thread may top it
+    up too: the two never draw at once (a draw in each would lose or repeat a batch)."""
+    sampler = OneDrawAtATime(40, 2)
+    with ArenaLoader(TensorPairs(80), batch_sampler=sampler, num_workers=2,
+                     pin_memory=True) as loader:
+        labels = [batch[1].tolist() for batch in loader]
+    assert labels == [[i, i + 1] for i in range(0, 80, 2)]
+    assert sampler.most_inside == 1
+
+
 class FailsToPin:
     """A collate_fn's batch type whose pin_memory() raises for batch 2."""
 
