@@ -218,6 +218,8 @@ class BatchFiller:
 
         def load_share(thread: int) -> None:
             share = range(thread, rows, count)
+            if not share:
+                return  # more lanes than rows: torch never calls __getitems__([])
             if getitems is not None:  # one __getitems__ call per thread, for its rows
                 keys = [indices[i] for i in share]
                 try:

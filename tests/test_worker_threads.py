@@ -375,3 +375,31 @@ def test_pace_halves_on_queueing_doubles_on_waiting_and_keeps_otherwise():
     assert pace.next_active(4, 100) == 4
     pace.usable = False
     assert pace.next_active(2, 100) == 8
+
+
+class IndexedRead(ImageDataset):
+    """``__getitems__`` reads its rows by fancy indexing, as a dataset over an array does:
+    ``x[np.asarray([])]`` is an ``IndexError`` (a float index array)."""
+
+    def __init__(self, n: int):
+        super().__init__(n, shape=(3,), dtype=np.int64)
+        self.x = np.stack([super(IndexedRead, self).__getitem__(i) for i in range(n)])
+
+    def __getitems__(self, keys: list) -> list:
+        return list(self.x[np.asarray(keys)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_lane_without_rows_does_not_call_getitems(mode):
+    """More lanes than a batch's rows (K above batch_size, or the last partial batch): each
+    __getitems__ call has keys, as with one thread and in torch. Before: the lanes without
+    rows called __getitems__([]), and a read by x[np.asarray(keys)] failed the batch."""
+    dataset = IndexedRead(10)
+    for batch_size, lanes in ((2, 4), (4, 3)):  # 10 = 4 + 4 + 2: the last has 2 rows
+        expected = host_epoch(dataset, batch_size=batch_size, num_workers=1, worker_mode=mode)
+        got = host_epoch(dataset, batch_size=batch_size, num_workers=1, worker_mode=mode,
+                         worker_threads=lanes)
+        assert len(got) == len(expected)
+        for batch, ref in zip(got, expected):
+            assert_batches_equal(batch, ref)
+
