@@ -220,6 +220,7 @@ class BatchFiller:
             share = range(thread, rows, count)
             if not share:
                 return  # more lanes than rows: torch never calls __getitems__([])
+            taken = None  # the lane's rows of what __getitems__ returned
             if getitems is not None:  # one __getitems__ call per thread, for its rows
                 keys = [indices[i] for i in share]
                 try:
@@ -230,19 +231,18 @@ class BatchFiller:
                             f"dataset.__getitems__ returned {len(got)} samples for "
                             f"{len(share)} indices; it must return one sample per index, in "
                             "order")
+                    taken = iter(got)
                 except BaseException as exc:
                     _note_rows(exc, keys, thread, count)
                     failure.record(share.start, exc)
                     return
-                pairs = zip(share, got)
-            else:
-                pairs = ((row, None) for row in share)
-            for row, sample in pairs:
+            for row in share:
                 if row > failure.row:
                     return  # an earlier row failed: that is the batch's error
                 try:
-                    if getitems is None:
-                        sample = dataset[indices[row]]
+                    # A lazy sequence from __getitems__ may fail as its rows are taken:
+                    # that row's error, as collation meets it with one thread.
+                    sample = dataset[indices[row]] if taken is None else next(taken)
                     if writer is not None:
                         writer.offer(row, sample)
                     else:

@@ -403,3 +403,67 @@ def test_a_lane_without_rows_does_not_call_getitems(mode):
         for batch, ref in zip(got, expected):
             assert_batches_equal(batch, ref)
 
+
+class LazyRows:
+    """What ``__getitems__`` returns when rows are decoded on access (a lazy batch view):
+    taking row ``bad`` raises."""
+
+    def __init__(self, keys: list, bad: int):
+        self.keys, self.bad = keys, bad
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        key = self.keys[i]  # (IndexError past the end: how iteration stops)
+        if key == self.bad:
+            raise CorruptError(f"row {key} does not decode", key)
+        return np.full(3, key, np.int64)
+
+
+class LazyRead(ImageDataset):
+    def __getitems__(self, keys: list) -> LazyRows:
+        return LazyRows(keys, bad=13)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_row_that_fails_as_a_lazy_getitems_result_is_read_fails_its_batch(mode):
+    """A row of __getitems__'s result that raises as it is taken (in any lane) is its batch's
+    error with its type and sample index, as with one thread; the epoch goes on. Before: the
+    error escaped the extra thread and ended it, the batch came out with that lane's rows
+    never written (stale slot bytes), and the worker's next batch waited for good."""
+    dataset = LazyRead(32)
+    with ArenaLoader(dataset, batch_size=8, num_workers=1, worker_mode=mode,
+                     worker_threads=2, timeout=20) as loader:
+        iterator = iter(loader)
+        np.testing.assert_array_equal(np.asarray(next(iterator))[:, 0], range(8))
+        with pytest.raises(CorruptError, match="row 13 does not decode") as caught:
+            next(iterator)
+        assert "sample index 13 in thread 1 of worker_threads=2" in "".join(
+            traceback.format_exception(caught.value))
+        assert [np.asarray(b)[:, 0].tolist() for b in iterator] == [list(range(16, 24)),
+                                                                  list(range(24, 32))]
+        del iterator
+
+
+def test_an_error_that_escapes_a_task_in_another_thread_is_raised_by_run():
+    """SampleThreads.run raises what a call raised in another thread, and the thread serves
+    the next batch. Before: run() returned as if the batch were whole and the thread had
+    ended, so the next run() waited for it for good."""
+    from arena_loader.worker_info import thread_info
+
+    infos = [thread_info(0, 0, 1, 0, None, t, 3) for t in range(3)]
+    threads = SampleThreads(infos, paced=False)
+    try:
+        def failing(lane: int) -> None:
+            if lane == 2:
+                raise CorruptError("lane 2 failed", lane)
+
+        with pytest.raises(CorruptError, match="lane 2 failed"):
+            threads.run(failing)
+        ran: list = []
+        threads.run(ran.append)  # every thread still serves
+        assert sorted(ran) == [0, 1, 2]
+    finally:
+        threads.close()
+
