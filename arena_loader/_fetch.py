@@ -139,9 +139,13 @@ class BatchFiller:
               storage_for: Callable[[int], np.ndarray] | None = None) -> Fetched:
         """The batch of ``indices``. With ``threads`` (``worker_threads > 1``, map-style,
         automatic batching) its samples are fetched by all of them at once and, under default
-        collation, written row by row into ``storage_for(nbytes)`` as they arrive."""
+        collation, written row by row into ``storage_for(nbytes)`` as they arrive. Not with
+        ``__getitems__`` and a collate_fn: what one call returns goes to the collate_fn as it
+        is (a batched read may return one structure for the whole batch, not one sample per
+        index), and the lanes' calls could not be put together into it."""
         try:
-            if threads is not None and self._read_into is None:
+            if threads is not None and self._read_into is None and (
+                    self._getitems is None or self.collate_fn is None):
                 return self._fetch_concurrently(indices, threads, storage_for)
             return self._fetch(indices)
         except StopIteration as exc:  # escaping from __next__ it would end the epoch silently

@@ -467,3 +467,22 @@ def test_an_error_that_escapes_a_task_in_another_thread_is_raised_by_run():
     finally:
         threads.close()
 
+
+class ColumnRead(ImageDataset):
+    """__getitems__ as one batched read returning columns, for a collate_fn to take as is."""
+
+    def __getitems__(self, keys: list) -> dict:
+        return {"x": np.stack([self[k] for k in keys]), "keys": list(keys)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_getitems_result_goes_to_the_collate_fn_as_it_is_with_threads(mode):
+    """With a collate_fn, what __getitems__ returns for the whole batch is handed to it
+    unchanged, as with one thread and in torch. Before: each lane called __getitems__ with its
+    share and a dict of columns was a SampleTypeError saying to pass a collate_fn."""
+    dataset = ColumnRead(10, shape=(2,), dtype=np.int16)
+    got = host_epoch(dataset, batch_size=4, num_workers=1, worker_mode=mode, worker_threads=3,
+                     collate_fn=lambda columns: columns)
+    assert [batch["keys"] for batch in got] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    for batch in got:
+        np.testing.assert_array_equal(batch["x"], np.stack([dataset[k] for k in batch["keys"]]))
