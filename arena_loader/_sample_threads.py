@@ -20,9 +20,8 @@ import queue
 import sys
 import threading
 import time
-import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .worker_info import WorkerInfo, set_thread_worker_info, thread_worker_info
@@ -226,9 +225,9 @@ def unsafe_attributes(dataset: Any) -> list[tuple[str, str]]:
     for name, value in getattr(dataset, "__dict__", {}).items():
         if isinstance(value, io.IOBase) and not value.closed and value.seekable():
             found.append((name, f"an open file object ({type(value).__name__})"))
-        elif isinstance(value, (types.GeneratorType, map, filter, zip)) or (
-                hasattr(value, "__next__") and hasattr(value, "__iter__")
-                and not isinstance(value, io.IOBase)):
+        elif isinstance(value, Iterator) and not isinstance(value, io.IOBase):
+            # (The type's methods, as next() looks them up: an attribute's own __getattr__,
+            # a proxy's that raises or one that answers every name, is not asked.)
             found.append((name, f"an iterator ({type(value).__name__})"))
     return found
 

@@ -274,6 +274,38 @@ def test_open_file_attribute_warns_that_threads_share_it(tmp_path):
     assert isinstance(dataset.handle, io.BufferedReader)
 
 
+
+class Unbound:
+    """A proxy of a resource not set up yet (a context-local or lazy proxy): every attribute
+    it does not have raises, and not AttributeError."""
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"proxy not bound: no {name}")
+
+
+class AnswersEverything(dict):
+    """An attribute-access dict that answers every name (addict, a mock): not an iterator."""
+
+    def __getattr__(self, name: str):
+        return AnswersEverything()
+
+
+def test_an_attribute_whose_getattr_raises_or_answers_everything_is_no_iterator():
+    """The thread-safety check asks an attribute's type for ``__next__``, as ``next()`` does:
+    a proxy whose ``__getattr__`` raises does not stop the loader, and a dict that answers
+    every name is not warned about. Before: ``hasattr(value, "__next__")`` ran the proxy's
+    ``__getattr__``, and its RuntimeError came out of ArenaLoader(); the dict was "an
+    iterator"."""
+    import warnings
+
+    for handle in (Unbound(), AnswersEverything(a=1)):
+        dataset = ImageDataset(8, shape=(2,))
+        dataset.handle = handle
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = host_epoch(dataset, batch_size=4, num_workers=1, worker_threads=2)
+        assert len(got) == 2
+
 class Hashing(ImageDataset):
     """Each sample hashes ``nbytes`` (hashlib releases the GIL: C work that fills a core) or,
     with ``wait_s``, sleeps instead; it records its lane, its lane's draw and the OS thread
