@@ -139,9 +139,13 @@ class BatchFiller:
               storage_for: Callable[[int], np.ndarray] | None = None) -> Fetched:
         """The batch of ``indices``. With ``threads`` (``worker_threads > 1``, map-style,
         automatic batching) its samples are fetched by all of them at once and, under default
-        collation, written row by row into ``storage_for(nbytes)`` as they arrive."""
+        collation, written row by row into ``storage_for(nbytes)`` as they arrive. Not with
+        ``__getitems__`` and a collate_fn: what one call returns goes to the collate_fn as it
+        is (a batched read may return one structure for the whole batch, not one sample per
+        index), and the lanes' calls could not be put together into it."""
         try:
-            if threads is not None and self._read_into is None:
+            if threads is not None and self._read_into is None and (
+                    self._getitems is None or self.collate_fn is None):
                 return self._fetch_concurrently(indices, threads, storage_for)
             return self._fetch(indices)
         except StopIteration as exc:  # escaping from __next__ it would end the epoch silently
@@ -218,6 +222,9 @@ class BatchFiller:
 
         def load_share(thread: int) -> None:
             share = range(thread, rows, count)
+            if not share:
+                return  # more lanes than rows: torch never calls __getitems__([])
+            taken = None  # the lane's rows of what __getitems__ returned
             if getitems is not None:  # one __getitems__ call per thread, for its rows
                 keys = [indices[i] for i in share]
                 try:
@@ -228,19 +235,18 @@ class BatchFiller:
                             f"dataset.__getitems__ returned {len(got)} samples for "
                             f"{len(share)} indices; it must return one sample per index, in "
                             "order")
+                    taken = iter(got)
                 except BaseException as exc:
                     _note_rows(exc, keys, thread, count)
                     failure.record(share.start, exc)
                     return
-                pairs = zip(share, got)
-            else:
-                pairs = ((row, None) for row in share)
-            for row, sample in pairs:
+            for row in share:
                 if row > failure.row:
                     return  # an earlier row failed: that is the batch's error
                 try:
-                    if getitems is None:
-                        sample = dataset[indices[row]]
+                    # A lazy sequence from __getitems__ may fail as its rows are taken:
+                    # that row's error, as collation meets it with one thread.
+                    sample = dataset[indices[row]] if taken is None else next(taken)
                     if writer is not None:
                         writer.offer(row, sample)
                     else:

@@ -20,9 +20,8 @@ import queue
 import sys
 import threading
 import time
-import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .worker_info import WorkerInfo, set_thread_worker_info, thread_worker_info
@@ -43,6 +42,7 @@ class SampleThreads:
         self._pace = Pace(self.count) if paced and self.count > 1 else None
         self._tasks: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in infos[1:]]
         self._finished = threading.Semaphore(0)
+        self._escaped: list[BaseException] = []  # what a task raised in an extra thread
         self._threads: list[threading.Thread] = []
         try:
             for t, info in enumerate(infos[1:], start=1):
@@ -64,7 +64,9 @@ class SampleThreads:
                     return
                 try:
                     self._run_lanes(info.thread_id, *got)
-                finally:  # tasks catch their own errors; whatever happens, the batch goes on
+                except BaseException as exc:  # (tasks catch their own) raised by run(): a
+                    self._escaped.append(exc)  # thread that ended would wait for good
+                finally:
                     self._finished.release()
         finally:
             set_thread_worker_info(None)
@@ -73,7 +75,8 @@ class SampleThreads:
 
     def run(self, task: Callable[[int], None]) -> None:
         """``task(t)`` for every lane; returns once every call has returned, even when the
-        caller's own call raised, so no thread still writes into the batch's storage."""
+        caller's own call raised, so no thread still writes into the batch's storage. What
+        a call in another thread raised is raised here then (the caller's own first)."""
         active, began = self.active, time.perf_counter_ns()
         for tasks in self._tasks[: active - 1]:
             tasks.put((task, active))
@@ -82,6 +85,9 @@ class SampleThreads:
         finally:
             for _ in range(active - 1):
                 self._finished.acquire()
+            escaped, self._escaped = self._escaped, []
+        if escaped:
+            raise escaped[0]
         if self._pace is not None:
             self.active = self._pace.next_active(active, time.perf_counter_ns() - began)
 
@@ -219,9 +225,9 @@ def unsafe_attributes(dataset: Any) -> list[tuple[str, str]]:
     for name, value in getattr(dataset, "__dict__", {}).items():
         if isinstance(value, io.IOBase) and not value.closed and value.seekable():
             found.append((name, f"an open file object ({type(value).__name__})"))
-        elif isinstance(value, (types.GeneratorType, map, filter, zip)) or (
-                hasattr(value, "__next__") and hasattr(value, "__iter__")
-                and not isinstance(value, io.IOBase)):
+        elif isinstance(value, Iterator) and not isinstance(value, io.IOBase):
+            # (The type's methods, as next() looks them up: an attribute's own __getattr__,
+            # a proxy's that raises or one that answers every name, is not asked.)
             found.append((name, f"an iterator ({type(value).__name__})"))
     return found
 

@@ -274,6 +274,38 @@ def test_open_file_attribute_warns_that_threads_share_it(tmp_path):
     assert isinstance(dataset.handle, io.BufferedReader)
 
 
+
+class Unbound:
+    """A proxy of a resource not set up yet (a context-local or lazy proxy): every attribute
+    it does not have raises, and not AttributeError."""
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"proxy not bound: no {name}")
+
+
+class AnswersEverything(dict):
+    """An attribute-access dict that answers every name (addict, a mock): not an iterator."""
+
+    def __getattr__(self, name: str):
+        return AnswersEverything()
+
+
+def test_an_attribute_whose_getattr_raises_or_answers_everything_is_no_iterator():
+    """The thread-safety check asks an attribute's type for ``__next__``, as ``next()`` does:
+    a proxy whose ``__getattr__`` raises does not stop the loader, and a dict that answers
+    every name is not warned about. Before: ``hasattr(value, "__next__")`` ran the proxy's
+    ``__getattr__``, and its RuntimeError came out of ArenaLoader(); the dict was "an
+    iterator"."""
+    import warnings
+
+    for handle in (Unbound(), AnswersEverything(a=1)):
+        dataset = ImageDataset(8, shape=(2,))
+        dataset.handle = handle
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = host_epoch(dataset, batch_size=4, num_workers=1, worker_threads=2)
+        assert len(got) == 2
+
 class Hashing(ImageDataset):
     """Each sample hashes ``nbytes`` (hashlib releases the GIL: C work that fills a core) or,
     with ``wait_s``, sleeps instead; it records its lane, its lane's draw and the OS thread
@@ -375,3 +407,114 @@ def test_pace_halves_on_queueing_doubles_on_waiting_and_keeps_otherwise():
     assert pace.next_active(4, 100) == 4
     pace.usable = False
     assert pace.next_active(2, 100) == 8
+
+
+class IndexedRead(ImageDataset):
+    """``__getitems__`` reads its rows by fancy indexing, as a dataset over an array does:
+    ``x[np.asarray([])]`` is an ``IndexError`` (a float index array)."""
+
+    def __init__(self, n: int):
+        super().__init__(n, shape=(3,), dtype=np.int64)
+        self.x = np.stack([super(IndexedRead, self).__getitem__(i) for i in range(n)])
+
+    def __getitems__(self, keys: list) -> list:
+        return list(self.x[np.asarray(keys)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_lane_without_rows_does_not_call_getitems(mode):
+    """More lanes than a batch's rows (K above batch_size, or the last partial batch): each
+    __getitems__ call has keys, as with one thread and in torch. Before: the lanes without
+    rows called __getitems__([]), and a read by x[np.asarray(keys)] failed the batch."""
+    dataset = IndexedRead(10)
+    for batch_size, lanes in ((2, 4), (4, 3)):  # 10 = 4 + 4 + 2: the last has 2 rows
+        expected = host_epoch(dataset, batch_size=batch_size, num_workers=1, worker_mode=mode)
+        got = host_epoch(dataset, batch_size=batch_size, num_workers=1, worker_mode=mode,
+                         worker_threads=lanes)
+        assert len(got) == len(expected)
+        for batch, ref in zip(got, expected):
+            assert_batches_equal(batch, ref)
+
+
+class LazyRows:
+    """What ``__getitems__`` returns when rows are decoded on access (a lazy batch view):
+    taking row ``bad`` raises."""
+
+    def __init__(self, keys: list, bad: int):
+        self.keys, self.bad = keys, bad
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        key = self.keys[i]  # (IndexError past the end: how iteration stops)
+        if key == self.bad:
+            raise CorruptError(f"row {key} does not decode", key)
+        return np.full(3, key, np.int64)
+
+
+class LazyRead(ImageDataset):
+    def __getitems__(self, keys: list) -> LazyRows:
+        return LazyRows(keys, bad=13)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_row_that_fails_as_a_lazy_getitems_result_is_read_fails_its_batch(mode):
+    """A row of __getitems__'s result that raises as it is taken (in any lane) is its batch's
+    error with its type and sample index, as with one thread; the epoch goes on. Before: the
+    error escaped the extra thread and ended it, the batch came out with that lane's rows
+    never written (stale slot bytes), and the worker's next batch waited for good."""
+    dataset = LazyRead(32)
+    with ArenaLoader(dataset, batch_size=8, num_workers=1, worker_mode=mode,
+                     worker_threads=2, timeout=20) as loader:
+        iterator = iter(loader)
+        np.testing.assert_array_equal(np.asarray(next(iterator))[:, 0], range(8))
+        with pytest.raises(CorruptError, match="row 13 does not decode") as caught:
+            next(iterator)
+        assert "sample index 13 in thread 1 of worker_threads=2" in "".join(
+            traceback.format_exception(caught.value))
+        assert [np.asarray(b)[:, 0].tolist() for b in iterator] == [list(range(16, 24)),
+                                                                  list(range(24, 32))]
+        del iterator
+
+
+def test_an_error_that_escapes_a_task_in_another_thread_is_raised_by_run():
+    """SampleThreads.run raises what a call raised in another thread, and the thread serves
+    the next batch. Before: run() returned as if the batch were whole and the thread had
+    ended, so the next run() waited for it for good."""
+    from arena_loader.worker_info import thread_info
+
+    infos = [thread_info(0, 0, 1, 0, None, t, 3) for t in range(3)]
+    threads = SampleThreads(infos, paced=False)
+    try:
+        def failing(lane: int) -> None:
+            if lane == 2:
+                raise CorruptError("lane 2 failed", lane)
+
+        with pytest.raises(CorruptError, match="lane 2 failed"):
+            threads.run(failing)
+        ran: list = []
+        threads.run(ran.append)  # every thread still serves
+        assert sorted(ran) == [0, 1, 2]
+    finally:
+        threads.close()
+
+
+class ColumnRead(ImageDataset):
+    """__getitems__ as one batched read returning columns, for a collate_fn to take as is."""
+
+    def __getitems__(self, keys: list) -> dict:
+        return {"x": np.stack([self[k] for k in keys]), "keys": list(keys)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_getitems_result_goes_to_the_collate_fn_as_it_is_with_threads(mode):
+    """With a collate_fn, what __getitems__ returns for the whole batch is handed to it
+    unchanged, as with one thread and in torch. Before: each lane called __getitems__ with its
+    share and a dict of columns was a SampleTypeError saying to pass a collate_fn."""
+    dataset = ColumnRead(10, shape=(2,), dtype=np.int16)
+    got = host_epoch(dataset, batch_size=4, num_workers=1, worker_mode=mode, worker_threads=3,
+                     collate_fn=lambda columns: columns)
+    assert [batch["keys"] for batch in got] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    for batch in got:
+        np.testing.assert_array_equal(batch["x"], np.stack([dataset[k] for k in batch["keys"]]))
