@@ -74,5 +74,7 @@ class TopUp:
             self.fill_locked()
         except (StopIteration, LoaderClosedError):
             return
-        if session.feed.exhausted:
-            session.waker.wake()  # a next() waiting with nothing in flight ends the epoch now
+        if session.feed.exhausted or session.phase is not Phase.RUNNING:
+            # A next() waiting in the stage's thread with nothing in flight ends the epoch
+            # now, or raises what failed here (a worker gone, indices that do not pickle).
+            session.waker.wake()
