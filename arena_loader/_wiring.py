@@ -196,11 +196,12 @@ class LiveIterators:
         self.live.add(wrapped)
         return wrapped
 
-    def watched(self, draws: Any, source: ArenaSource, epoch: Any,
+    def watched(self, draws: Any, source: ArenaSource, position: Any, epoch: Any,
                 new_persistent: MultiProcessIterator | None) -> Any:
         """``epoch``, whose random draws are given back if it is dropped unused (a probe
         such as Lightning's ``iter(loader)``), with the persistent iterator this ``iter()``
-        made (its workers were seeded from those draws: it is dropped too)."""
+        made (its workers were seeded from those draws: it is dropped too). Used: it handed
+        out a batch, or ended (``position``, the epoch's: an empty epoch drew as torch's)."""
         if draws is not None:
             iterators = weakref.ref(self)
 
@@ -209,7 +210,10 @@ class LiveIterators:
                 if live is not None and live.persistent is new_persistent:
                     live.close_persistent()
 
-            draws.watch(epoch, source.delivered_count,
+            def used() -> int:
+                return source.delivered_count() + position.finished
+
+            draws.watch(epoch, used,
                         drop_persistent if new_persistent is not None else None)
         return epoch
 
