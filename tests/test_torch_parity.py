@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 
 from arena_loader import ArenaLoader, get_worker_info
@@ -132,6 +134,68 @@ def test_setting_sampling_attributes_after_construction_raises_like_torch():
             setattr(tud.DataLoader(DATA), attribute, None)
         with ArenaLoader(DATA) as loader, pytest.raises(ValueError, match=attribute):
             setattr(loader, attribute, None)
+
+
+def seed_numpy_per_worker(worker_id: int) -> None:
+    np.random.seed(1234 + worker_id)
+
+
+def draws_with_init_set_after_construction(cls) -> list[int]:
+    loader = cls(WorkerProbeDataset(4), batch_size=2, num_workers=1)
+    loader.worker_init_fn = seed_numpy_per_worker
+    draws = [int(x) for batch in loader for x in batch["draw"]]
+    if hasattr(loader, "close"):
+        loader.close()
+    return draws
+
+
+@pytest.mark.timeout(60)
+def test_options_torch_reads_at_iter_take_effect_when_set_after_construction():
+    """torch's DataLoader reads timeout, worker_init_fn, multiprocessing_context (checked as
+    its constructor checks it) and in_order when iter() makes a new iterator, so code sets
+    them on a made loader (`loader.multiprocessing_context = "spawn"`). They were stored and
+    silently ignored: the workers forked, without the init function."""
+    assert draws_with_init_set_after_construction(ArenaLoader) == \
+        draws_with_init_set_after_construction(tud.DataLoader)
+    for cls in (tud.DataLoader, ArenaLoader):
+        in_process = cls(DATA)
+        in_process.timeout = 5
+        with pytest.raises(AssertionError, match="_SingleProcessDataLoaderIter requires timeout"):
+            iter(in_process)
+        with pytest.raises(ValueError, match="can only be used with multi-process loading"):
+            in_process.multiprocessing_context = "fork"
+        loader = cls(DATA, batch_size=5, num_workers=1)
+        with pytest.raises(ValueError, match="should specify a valid start method"):
+            loader.multiprocessing_context = "threads"
+        with pytest.raises(TypeError, match="should be a valid context object"):
+            loader.multiprocessing_context = 3
+        loader.multiprocessing_context = "forkserver"
+        assert loader.multiprocessing_context.get_start_method() == "forkserver"
+        if cls is ArenaLoader:
+            iterator = iter(loader)
+            # A forkserver's children are the server's, not this process's.
+            assert all(psutil.Process(pid).ppid() != os.getpid()
+                       for pid in iterator.worker_pids)
+            assert len(list(iterator)) == 2
+            loader.close()
+
+
+def test_options_built_into_the_loader_cannot_be_set_after_construction():
+    """What the slab, samplers, seeds and collation were built from cannot change (torch
+    reads num_workers, collate_fn, prefetch_factor, pin_memory and generator at each
+    iter()): setting one to another value is an error naming it, not a change ignored."""
+    changes = dict(num_workers=1, collate_fn=list, prefetch_factor=3, pin_memory=True,
+                   generator=7, slots=9, held_batch_limit=4, output="numpy", device="cpu:0",
+                   worker_mode="thread", worker_threads=2)
+    with ArenaLoader(DATA, batch_size=5) as loader:
+        for name, value in changes.items():
+            before = getattr(loader, name)
+            with pytest.raises(ValueError, match=f"{name} cannot be changed after ArenaLoader "
+                                                 "is initialized"):
+                setattr(loader, name, value)
+            assert getattr(loader, name) == before
+            setattr(loader, name, before)  # the value it has: nothing changes
+        assert [batch.shape for batch in loader] == [(5, 3, 2), (5, 3, 2)]
 
 
 # ---------------------------------------------------------------------------------------------
