@@ -132,7 +132,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
             multiprocessing_context, str) else multiprocessing_context)
         self.generator = generator
         self.prefetch_factor = (self.options.effective_prefetch_factor if num_workers > 0
-                                else prefetch_factor)
+                                and prefetch_factor is None else prefetch_factor)
         self.persistent_workers = persistent_workers
         self.in_order = in_order
         self.slots = self.options.slots_or_default

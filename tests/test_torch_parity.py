@@ -136,6 +136,28 @@ def test_setting_sampling_attributes_after_construction_raises_like_torch():
             setattr(loader, attribute, None)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kwargs", [
+    dict(num_workers=np.int64(2)),
+    dict(num_workers=np.int32(1), prefetch_factor=np.int64(3)),
+    dict(num_workers=1, timeout=np.float32(30.0)),
+    dict(num_workers=1, timeout=np.int64(30)),
+], ids=["num_workers", "prefetch_factor", "timeout-float32", "timeout-int64"])
+def test_numpy_numbers_are_options_as_in_torch(kwargs):
+    """numpy integers for num_workers and prefetch_factor, and numpy numbers for timeout (a
+    config computed with numpy), work in torch's DataLoader; they were a TypeError here.
+    The attributes read back as passed, as torch's."""
+    theirs = tud.DataLoader(DATA, batch_size=4, **kwargs)
+    expected = [host_copy(batch) for batch in theirs]
+    with ArenaLoader(DATA, batch_size=4, **kwargs) as loader:
+        for name, value in kwargs.items():
+            assert getattr(loader, name) is value and getattr(theirs, name) is value
+        got = list(loader)
+        assert len(got) == len(expected)
+        for ours, reference in zip(got, expected):
+            assert_same_batch(ours, reference, "batch")
+
+
 def seed_numpy_per_worker(worker_id: int) -> None:
     np.random.seed(1234 + worker_id)
 
