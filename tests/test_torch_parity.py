@@ -375,6 +375,16 @@ def test_distributed_rank_out_of_range_raises_like_torch():
             DistributedSampler(range(8), num_replicas, rank)
 
 
+def test_distributed_sampler_takes_numpy_integers_like_torch():
+    """num_replicas and rank as numpy integers (a launcher's config read with numpy) give
+    torch's share; they were a ValueError ("num_replicas must be a positive int")."""
+    for shuffle in (False, True):
+        theirs = tud.DistributedSampler(range(11), np.int64(3), np.int32(2), shuffle=shuffle)
+        ours = DistributedSampler(range(11), np.int64(3), np.int32(2), shuffle=shuffle)
+        assert list(ours) == list(theirs) and len(ours) == len(theirs) == 4
+        assert ours.num_replicas == 3 and ours.rank == 2
+
+
 def test_distributed_defaults_come_from_torchrun_environment(monkeypatch):
     """Without torch.distributed initialised, WORLD_SIZE and RANK give the defaults."""
     assert not torch.distributed.is_initialized()
