@@ -15,6 +15,7 @@ import numpy as np
 
 from ._arena import ArenaSource
 from ._fetch import BatchFiller
+from ._iterator_length import LoaderLength
 from ._leases import WeakEntries
 from ._options import LoaderOptions
 from ._output import NUMPY_UNPINNED, tensor_pinner
@@ -135,7 +136,7 @@ def epoch_batches(options: LoaderOptions, sampler: Any, batch_sampler: Any,
     return batches
 
 
-class PersistentEpoch:
+class PersistentEpoch(LoaderLength):
     """The persistent iterator as ``iter(loader)`` returns it: holds the loader (so that
     ``for b in ArenaLoader(...)`` keeps it alive) while the loader holds only the iterator."""
 

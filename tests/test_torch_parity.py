@@ -158,6 +158,31 @@ def test_numpy_numbers_are_options_as_in_torch(kwargs):
             assert_same_batch(ours, reference, "batch")
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kwargs", [
+    dict(batch_size=3), dict(batch_size=3, drop_last=True, num_workers=2),
+    dict(batch_size=4, shuffle=True, num_workers=2, persistent_workers=True),
+    dict(batch_size=None), dict(batch_sampler=[[0, 1], [2], [3, 4, 5]], num_workers=1),
+], ids=["in-process", "workers", "persistent", "unbatched", "batch_sampler"])
+def test_an_iterator_has_the_length_of_torchs(kwargs):
+    """len(iter(loader)) is the index sampler's length, as torch's iterators have it (code
+    counts steps with len(it), tqdm(it) shows a total); it was a TypeError. An iterable-style
+    dataset's iterator has none, as in torch."""
+    theirs = tud.DataLoader(DATA, **kwargs)
+    with ArenaLoader(DATA, **kwargs) as loader:
+        for _ in range(2):  # a persistent iterator's second epoch too
+            iterator = iter(loader)
+            assert len(iterator) == len(iter(theirs)) == len(loader)
+            next(iterator)
+            assert len(iterator) == len(loader)  # torch's: the whole epoch's, not what is left
+            del iterator
+    stream = make_stream()
+    with pytest.raises(TypeError):
+        len(iter(tud.DataLoader(stream)))
+    with ArenaLoader(stream) as loader, pytest.raises(TypeError):
+        len(iter(loader))
+
+
 def seed_numpy_per_worker(worker_id: int) -> None:
     np.random.seed(1234 + worker_id)
 
