@@ -52,10 +52,11 @@ def default_samplers(dataset: Any, options: LoaderOptions, sampler: Any, batch_s
 
 def make_filler(dataset: Any, options: LoaderOptions, sampler: Any, batch_sampler: Any,
                 batch_size: int | None, drop_last: bool) -> BatchFiller:
-    """What loads and collates a batch, with slots of ``batch_size`` rows (or the user
-    batch_sampler's, if it says)."""
+    """What loads and collates a batch of ``batch_size`` rows (a user batch_sampler's rows
+    are learnt from its first batch: its ``batch_size`` attribute, if any, may mean anything,
+    a token budget or a list of bucket sizes)."""
     user_batch_sampler = options.batch_sampler is not None
-    rows = getattr(batch_sampler, "batch_size", None) if user_batch_sampler else batch_size
+    rows = None if user_batch_sampler else batch_size
     index_source = (f"batch_sampler {type(batch_sampler).__name__}" if user_batch_sampler
                     else f"sampler {type(sampler).__name__}")
     return BatchFiller(dataset, options.collate_fn, options.auto_collation, rows,
@@ -127,12 +128,17 @@ def epoch_batches(options: LoaderOptions, sampler: Any, batch_sampler: Any,
         batches = itertools.islice(batch_sampler, first, None)
     else:
         batches = iter(batch_sampler)
-    if filler.batch_size is None:
-        # A batch_sampler that does not say its batch size: size the slots from this
-        # epoch's largest batch.
-        batch_list = [list(b) for b in batches]
-        filler.batch_size = max((len(b) for b in batch_list), default=1)
-        batches = iter(batch_list)
+    if filler.batch_size is None and options.num_workers > 0:
+        # A user batch_sampler: the workers' index entries are sized by its first batch (a
+        # larger one travels pickled), taken now as torch's first prefetch takes it; the rest
+        # are asked for as torch asks (the sampler may be endless, or draw as it goes).
+        first_batch = next(batches, None)
+        if first_batch is None:
+            return iter(())
+        if not hasattr(first_batch, "__len__"):
+            first_batch = list(first_batch)  # (a generator of indices)
+        filler.batch_size = max(len(first_batch), 1)
+        batches = itertools.chain((first_batch,), batches)
     return batches
 
 

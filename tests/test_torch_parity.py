@@ -315,6 +315,53 @@ def test_batches_equal_torch_dataloader(name, num_workers):
             assert count == len(theirs[epoch]) == len(loader), f"{name} epoch {epoch}"
 
 
+class InfiniteBatches:
+    """A batch sampler without end or ``__len__`` (iteration-based training), drawing each
+    batch from torch's RNG as it is asked for; ``batch_size``: an attribute that is not the
+    row count (a token budget, a list of bucket sizes), or none."""
+
+    def __init__(self, batch_size: Any = None) -> None:
+        if batch_size is not None:
+            self.batch_size = batch_size
+
+    def __iter__(self):
+        while True:
+            yield torch.randint(0, 10, (int(torch.randint(1, 5, ())),)).tolist()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("batch_size", [None, 10**9, 2.5, [2, 4]],
+                         ids=["none", "huge", "float", "list"])
+def test_a_batch_sampler_is_drawn_as_torch_draws_it(num_workers, batch_size):
+    """A user batch sampler is asked for batches as torch asks (at each next(), or a
+    prefetch window ahead with workers), so an infinite one works and a lazy one draws from
+    torch's RNG between the user's draws as with torch. Its first epoch was drawn whole at
+    the first iter() to size the workers' index entries (an infinite one: a hang), and its
+    batch_size attribute, when it had one, sized them instead (10**9: a ShmCapacityError,
+    2.5 or a list: a TypeError)."""
+    def run(cls):
+        torch.manual_seed(0)
+        loader = cls(DATA, batch_sampler=InfiniteBatches(batch_size), num_workers=num_workers)
+        epochs = []
+        for _ in range(2):
+            iterator = iter(loader)
+            batches = [host_copy(next(iterator))]
+            drawn = torch.rand(2).tolist()  # between the batches, as a training step draws
+            batches += [host_copy(next(iterator)) for _ in range(5)]
+            epochs.append((batches, drawn))
+            del iterator
+        if hasattr(loader, "close"):
+            loader.close()
+        return epochs
+
+    theirs, ours = run(tud.DataLoader), run(ArenaLoader)
+    for (their_batches, their_draw), (our_batches, our_draw) in zip(theirs, ours):
+        assert our_draw == their_draw
+        for mine, reference in zip(our_batches, their_batches, strict=True):
+            assert_same_batch(mine, reference, "batch")
+
+
 class TupleDataset(ImageDataset):
     """Plain-tuple samples."""
 
