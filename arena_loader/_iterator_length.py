@@ -17,5 +17,8 @@ class LoaderLength:
 
     def __len__(self) -> int:
         loader = self._owner
+        if loader is None:  # (a TypeError, which list() and other length hints pass over)
+            raise TypeError(f"{type(self).__name__} of persistent workers has no len(); its "
+                            "face that iter(loader) returns has the loader's")
         batch_sampler = loader.batch_sampler
         return len(loader.sampler if batch_sampler is None else batch_sampler)
