@@ -4,6 +4,7 @@ torch's padding, shuffling and ``set_epoch`` rules (exported from ``arena_loader
 from __future__ import annotations
 
 import math
+import operator
 import os
 import sys
 import warnings
@@ -44,6 +45,8 @@ class DistributedSampler:
             num_replicas = _distributed_default("num_replicas", "WORLD_SIZE")
         if rank is None:
             rank = _distributed_default("rank", "RANK")
+        # Any integer but a bool, numpy's included, as torch's takes them.
+        num_replicas, rank = _integer(num_replicas), _integer(rank)
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) \
                 or num_replicas <= 0:
             raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
@@ -96,6 +99,16 @@ class DistributedSampler:
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s order on the next ``iter()``; call it at the start of each epoch."""
         self.epoch = epoch
+
+
+def _integer(value: Any) -> Any:
+    """``value`` as a plain int if it is an integer other than a bool, else as it is."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def _distributed_default(name: str, variable: str) -> int:

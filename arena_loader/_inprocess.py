@@ -10,6 +10,7 @@ from typing import Any
 
 from ._arena import Arena, ArenaSource, slot_budget
 from ._fetch import BatchFiller, Fetched, StreamPosition
+from ._iterator_length import LoaderLength
 from ._pool import SlotState
 from ._resume_stream import EpochPlan, ReplicaStream, draw_into
 from ._slab import map_new_segment
@@ -19,7 +20,7 @@ from .snapshot import IteratorSnapshot
 _NOTHING = object()  # nothing taken from the stash yet
 
 
-class InProcessIterator:
+class InProcessIterator(LoaderLength):
     def __init__(self, owner: Any, filler: BatchFiller, source: ArenaSource, plan: EpochPlan):
         self._pid = os.getpid()
         self._owner = owner  # the loader: `for b in ArenaLoader(...)` must keep it alive

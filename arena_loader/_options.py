@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing
+import numbers
+import operator
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,13 +91,16 @@ class LoaderOptions:
 
     def __post_init__(self) -> None:
         # Checks run in torch's order, so a call with several mistakes gets torch's error type.
-        _check_int("num_workers", self.num_workers, minimum=0,
+        _check_int(self, "num_workers", minimum=0,
                    fix="use num_workers=0 to load in the main process",
                    torch_text="num_workers option should be non-negative; use num_workers=0 to "
                    "disable multiprocessing.")
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
+        # Any real number, as torch's comparison takes it (numpy's too); kept as a float.
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, numbers.Real):
             raise TypeError(f"timeout must be a number of seconds, got "
                             f"{type(self.timeout).__name__} {self.timeout!r}; use 0 for no timeout")
+        if not isinstance(self.timeout, (int, float)):
+            object.__setattr__(self, "timeout", float(self.timeout))
         if self.timeout < 0:
             raise ValueError(torch_worded(
                 "timeout option should be non-negative",
@@ -119,11 +124,9 @@ class LoaderOptions:
                     "num_workers > 0; pass num_workers > 0 or drop multiprocessing_context"))
         elif self.prefetch_factor is not None:
             # torch accepts 0, which silently yields an empty epoch; we refuse it.
-            _check_int("prefetch_factor", self.prefetch_factor, minimum=1,
+            _check_int(self, "prefetch_factor", minimum=1,
                        fix="use prefetch_factor=None for the default of 2",
-                       torch_text="prefetch_factor option should be non-negative"
-                       if isinstance(self.prefetch_factor, int) and self.prefetch_factor < 0
-                       else None)
+                       torch_text="prefetch_factor option should be non-negative", torch_below=0)
         if self.worker_mode not in WORKER_MODES:
             raise ValueError(f"worker_mode must be one of {WORKER_MODES!r}, got "
                              f"{self.worker_mode!r}; use \"thread\" when loading releases the "
@@ -179,18 +182,18 @@ class LoaderOptions:
         if self.output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS!r}, got {self.output!r}")
         if self.slots is not None:
-            _check_int("slots", self.slots, minimum=1,
+            _check_int(self, "slots", minimum=1,
                        fix="pass a positive int, or slots=None for "
                        "prefetch_factor * num_workers + 2")
         if self.held_batch_limit is not None:
-            _check_int("held_batch_limit", self.held_batch_limit, minimum=1,
+            _check_int(self, "held_batch_limit", minimum=1,
                        fix="pass a positive int, or None to let held batches grow memory")
         object.__setattr__(self, "device", _check_device(self.device))
 
     def _check_worker_threads(self) -> None:
         """Threads inside workers (docs/design.md, "Threads inside workers") share out the
         samples of a map-style dataset's batch."""
-        _check_int("worker_threads", self.worker_threads, minimum=1,
+        _check_int(self, "worker_threads", minimum=1,
                    fix="pass 1 (the default) for workers of one thread each")
         if self.worker_threads == 1:
             return
@@ -287,11 +290,21 @@ def _check_device(value: Any) -> str | None:
     raise ValueError(f"{_DEVICE_RULE}, got {value!r}; {_DEVICE_FIX}")
 
 
-def _check_int(name: str, value: Any, *, minimum: int, fix: str,
-               torch_text: str | None = None) -> None:
-    """``torch_text``: what torch says when ``value`` is below ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}; {fix}")
-    if value < minimum:
-        ours = f"{name} must be >= {minimum}, got {value}; {fix}"
-        raise ValueError(ours if torch_text is None else torch_worded(torch_text, ours))
+def _check_int(options: LoaderOptions, name: str, *, minimum: int, fix: str,
+               torch_text: str | None = None, torch_below: int | None = None) -> None:
+    """Option ``name`` made a plain int: any integer but a bool (a numpy integer too, as
+    torch takes it). ``torch_text``: what torch says when it is below ``torch_below`` (by
+    default ``minimum``)."""
+    value = getattr(options, name)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}; "
+                        f"{fix}") from None
+    if number < minimum:
+        ours = f"{name} must be >= {minimum}, got {number}; {fix}"
+        below_torch = number < (minimum if torch_below is None else torch_below)
+        raise ValueError(torch_worded(torch_text, ours) if torch_text and below_torch else ours)
+    object.__setattr__(options, name, number)

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 from . import _forksafe
 from ._inprocess import InProcessIterator
+from ._iterator_length import LoaderLength
 from ._messages import add_note, formatted, fresh_copy
 from .errors import LoaderClosedError, forked_iterator_error
 
@@ -239,7 +240,7 @@ class HostStage:
         before the host iterator (which may unpin its slab) is closed."""
 
 
-class StagedIterator:
+class StagedIterator(LoaderLength):
     """What ``iter(loader)`` returns with a stage: the stage's results, in order."""
 
     def __init__(self, owner: Any, stage: HostStage):

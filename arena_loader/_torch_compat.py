@@ -9,6 +9,7 @@ the program already loaded (a DataPipe or a ``torch.Generator`` cannot exist wit
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import multiprocessing
 import os
@@ -295,6 +296,15 @@ def _equal_states(a: Any, b: Any) -> bool:
 # What shapes the epoch: fixed once the loader exists (torch's DataLoader.__setattr__).
 FIXED_ATTRIBUTES = frozenset(
     ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"))
+# Read by torch when iter() makes a new iterator, and by ours from the loader's options then:
+# set later, they are checked as at construction and used by the next new iterator.
+PER_ITERATOR_OPTIONS = frozenset(("timeout", "worker_init_fn", "multiprocessing_context",
+                                  "in_order"))
+# What the slab, samplers, seeds and collation were built from (torch reads the first five
+# at each iter()): a change would be silently ignored, so it is an error.
+BUILT_OPTIONS = frozenset(("num_workers", "collate_fn", "prefetch_factor", "pin_memory",
+                           "generator", "slots", "held_batch_limit", "output", "device",
+                           "worker_mode", "worker_threads"))
 
 
 class TorchIteratorAttribute:
@@ -303,19 +313,31 @@ class TorchIteratorAttribute:
     workers' iterator, or ``None``; setting it to ``None`` drops that iterator, and the next
     ``iter()`` starts new workers), ``_auto_collation``, ``_index_sampler`` and
     ``check_worker_number_rationality``; and torch's rule that ``FIXED_ATTRIBUTES`` cannot
-    be set once the loader is made (``_finalizer`` set: the end of ``__init__``)."""
+    be set once the loader is made (``_finalizer`` set: the end of ``__init__``), while
+    ``PER_ITERATOR_OPTIONS`` can, as torch's (``BUILT_OPTIONS`` cannot, unlike torch's)."""
 
     _iterators: Any  # the loader's LiveIterators
+    options: Any  # the loader's LoaderOptions
     batch_sampler: Any
     sampler: Any
     num_workers: int
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # An error rather than a setting silently ignored by the existing sampler and slab.
-        if name in FIXED_ATTRIBUTES and "_finalizer" in self.__dict__:
-            raise ValueError(f"{name} attribute should not be set after {type(self).__name__} "
-                             f"is initialized; create a new {type(self).__name__} with "
-                             f"{name}={value!r}")
+        if "_finalizer" in self.__dict__:  # made: an error rather than a setting ignored
+            kind = type(self).__name__
+            if name in FIXED_ATTRIBUTES:
+                raise ValueError(f"{name} attribute should not be set after {kind} is "
+                                 f"initialized; create a new {kind} with {name}={value!r}")
+            if name in BUILT_OPTIONS and not _same(value, getattr(self, name)):
+                raise ValueError(
+                    f"{name} cannot be changed after {kind} is initialized: its slab, samplers "
+                    f"and workers were made for {name}={getattr(self, name)!r} (torch's "
+                    f"DataLoader reads it at the next iter()); create a new {kind} with "
+                    f"{name}={value!r}")
+            if name in PER_ITERATOR_OPTIONS:
+                self.options = dataclasses.replace(self.options, **{name: value})
+                if name == "multiprocessing_context" and isinstance(value, str):
+                    value = self.options.context  # read as its context, as torch's
         super().__setattr__(name, value)
 
     @property
@@ -344,6 +366,14 @@ class TorchIteratorAttribute:
         """torch's check, run at construction and when workers start: a UserWarning when
         ``num_workers`` exceeds the CPUs this process may use."""
         check_worker_number(self.num_workers, stacklevel=3)
+
+
+def _same(value: Any, current: Any) -> bool:
+    """Setting an option to the value it has changes nothing."""
+    try:
+        return value is current or (type(value) is type(current) and bool(value == current))
+    except Exception:  # a comparison that raises or gives no truth value
+        return False
 
 
 class _TorchIteratorView:

@@ -15,6 +15,7 @@ import numpy as np
 
 from ._arena import ArenaSource
 from ._fetch import BatchFiller
+from ._iterator_length import LoaderLength
 from ._leases import WeakEntries
 from ._options import LoaderOptions
 from ._output import NUMPY_UNPINNED, tensor_pinner
@@ -51,10 +52,11 @@ def default_samplers(dataset: Any, options: LoaderOptions, sampler: Any, batch_s
 
 def make_filler(dataset: Any, options: LoaderOptions, sampler: Any, batch_sampler: Any,
                 batch_size: int | None, drop_last: bool) -> BatchFiller:
-    """What loads and collates a batch, with slots of ``batch_size`` rows (or the user
-    batch_sampler's, if it says)."""
+    """What loads and collates a batch of ``batch_size`` rows (a user batch_sampler's rows
+    are learnt from its first batch: its ``batch_size`` attribute, if any, may mean anything,
+    a token budget or a list of bucket sizes)."""
     user_batch_sampler = options.batch_sampler is not None
-    rows = getattr(batch_sampler, "batch_size", None) if user_batch_sampler else batch_size
+    rows = None if user_batch_sampler else batch_size
     index_source = (f"batch_sampler {type(batch_sampler).__name__}" if user_batch_sampler
                     else f"sampler {type(sampler).__name__}")
     return BatchFiller(dataset, options.collate_fn, options.auto_collation, rows,
@@ -126,10 +128,21 @@ def epoch_batches(options: LoaderOptions, sampler: Any, batch_sampler: Any,
         batches = itertools.islice(batch_sampler, first, None)
     else:
         batches = iter(batch_sampler)
+    if filler.batch_size is None and options.num_workers > 0:
+        # A user batch_sampler: the workers' index entries are sized by its first batch (a
+        # larger one travels pickled), taken now as torch's first prefetch takes it; the rest
+        # are asked for as torch asks (the sampler may be endless, or draw as it goes).
+        first_batch = next(batches, None)
+        if first_batch is None:
+            return iter(())
+        if not hasattr(first_batch, "__len__"):
+            first_batch = list(first_batch)  # (a generator of indices)
+        filler.batch_size = max(len(first_batch), 1)
+        batches = itertools.chain((first_batch,), batches)
     return batches
 
 
-class PersistentEpoch:
+class PersistentEpoch(LoaderLength):
     """The persistent iterator as ``iter(loader)`` returns it: holds the loader (so that
     ``for b in ArenaLoader(...)`` keeps it alive) while the loader holds only the iterator."""
 
@@ -190,11 +203,12 @@ class LiveIterators:
         self.live.add(wrapped)
         return wrapped
 
-    def watched(self, draws: Any, source: ArenaSource, epoch: Any,
+    def watched(self, draws: Any, source: ArenaSource, position: Any, epoch: Any,
                 new_persistent: MultiProcessIterator | None) -> Any:
         """``epoch``, whose random draws are given back if it is dropped unused (a probe
         such as Lightning's ``iter(loader)``), with the persistent iterator this ``iter()``
-        made (its workers were seeded from those draws: it is dropped too)."""
+        made (its workers were seeded from those draws: it is dropped too). Used: it handed
+        out a batch, or ended (``position``, the epoch's: an empty epoch drew as torch's)."""
         if draws is not None:
             iterators = weakref.ref(self)
 
@@ -203,7 +217,10 @@ class LiveIterators:
                 if live is not None and live.persistent is new_persistent:
                     live.close_persistent()
 
-            draws.watch(epoch, source.delivered_count,
+            def used() -> int:
+                return source.delivered_count() + position.finished
+
+            draws.watch(epoch, used,
                         drop_persistent if new_persistent is not None else None)
         return epoch
 

@@ -132,7 +132,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
             multiprocessing_context, str) else multiprocessing_context)
         self.generator = generator
         self.prefetch_factor = (self.options.effective_prefetch_factor if num_workers > 0
-                                else prefetch_factor)
+                                and prefetch_factor is None else prefetch_factor)
         self.persistent_workers = persistent_workers
         self.in_order = in_order
         self.slots = self.options.slots_or_default
@@ -221,8 +221,8 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         elif reuse:  # `persistent` as read above: close() in another thread may drop it
             persistent.reset(plan)  # (its session raises LoaderClosedError once closed)
             _check_open(self)
-            return self._iterators.watched(draws, self._source, self._checked_length(
-                self._staged(persistent, False, positions)), None)
+            epoch = self._checked_length(self._staged(persistent, False, positions))
+            return self._iterators.watched(draws, self._source, plan.position, epoch, None)
         else:
             self.check_worker_number_rationality()
             if persistent is not None:  # (read once: see above)
@@ -236,7 +236,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
                 self._iterators.persistent = iterator
         self._iterators.add(iterator)
         _check_open(self, iterator)  # close() from another thread while it was being made
-        return self._iterators.watched(draws, self._source, self._checked_length(
+        return self._iterators.watched(draws, self._source, plan.position, self._checked_length(
             self._staged(iterator, not options.persistent_workers, positions)),
             iterator if options.persistent_workers else None)
 

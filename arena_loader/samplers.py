@@ -140,10 +140,11 @@ class RandomSampler:
             raise TypeError(torch_worded(
                 f"replacement should be a boolean value, but got replacement={replacement}",
                 f"replacement must be a bool, got {replacement!r}"))
-        if num_samples is not None and (
-            isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0
-        ):
-            raise ValueError(_num_samples_message(num_samples))
+        # torch's check, of the dataset's length (read now, as torch's) when not given: an
+        # empty dataset is its ValueError, one without len() its TypeError.
+        count = len(data_source) if num_samples is None else num_samples
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            raise ValueError(_num_samples_message(count))
         self.data_source = data_source
         self.replacement = replacement
         self._num_samples = num_samples

@@ -55,9 +55,37 @@ def test_random_sampler_replacement_and_num_samples():
     assert len(longer) == 23 and sorted(longer[:20]) == sorted(list(range(10)) * 2)
 
 
+def test_empty_or_unsized_dataset_with_shuffle_raises_torchs_error_at_construction():
+    """shuffle=True makes a RandomSampler, which reads the dataset's length at construction,
+    as torch's does: an empty dataset is torch's ValueError, one without len() its TypeError
+    (both were accepted: an empty epoch, or the TypeError only at iter())."""
+    tud = pytest.importorskip("torch.utils.data")
+
+    class Unsized:
+        def __getitem__(self, index):
+            return index
+
+    torch_text = r"^num_samples should be a positive integer value, but got num_samples=0"
+    for dataset, error, theirs, ours in (
+            (ImageDataset(0), ValueError, torch_text,
+             torch_text + r" \(num_samples must be a positive int, got 0\)"),
+            (Unsized(), TypeError, r"has no len\(\)", r"has no len\(\)")):
+        with pytest.raises(error, match=theirs):
+            tud.DataLoader(dataset, batch_size=2, shuffle=True)
+        with pytest.raises(error, match=ours):
+            ArenaLoader(dataset, batch_size=2, shuffle=True)
+        with pytest.raises(error, match=ours):
+            RandomSampler(dataset)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_empty_dataset_with_shuffle_yields_nothing(num_workers):
-    """shuffle=True over an empty dataset is an empty epoch, not a ZeroDivisionError."""
-    with ArenaLoader(ImageDataset(0), batch_size=2, shuffle=True,
-                     num_workers=num_workers) as loader:
-        assert list(loader) == [] and len(loader) == 0
+def test_empty_dataset_yields_nothing(num_workers):
+    """An empty dataset (not shuffled, or shuffled by a sampler of the caller's over indices
+    that are gone) is an empty epoch, not a ZeroDivisionError."""
+    shrinking = list(range(4))
+    sampler = RandomSampler(shrinking)
+    shrinking.clear()
+    for options in (dict(), dict(sampler=sampler)):
+        with ArenaLoader(ImageDataset(0), batch_size=2, num_workers=num_workers,
+                         **options) as loader:
+            assert list(loader) == [] and len(loader) == 0

@@ -464,6 +464,28 @@ def test_an_iterator_dropped_unused_gives_back_its_random_draws(num_workers, per
     assert theirs[0] != theirs[1]
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)])
+def test_an_epoch_that_ended_empty_keeps_its_random_draws(num_workers, persistent):
+    """An epoch read to its end that had no batch (an empty dataset, a rank's empty share)
+    was used: torch's DataLoader drew the workers' base seed for it, so the draws after it
+    are torch's (they were given back as a probe's, and every later order shifted)."""
+    def draws_after_empty_epochs(cls, seed):
+        torch.manual_seed(0)
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        loader = cls(ListDataset(0, float), batch_size=2, num_workers=num_workers,
+                     persistent_workers=persistent, generator=generator)
+        epochs = [list(loader) for _ in range(2)]
+        if hasattr(loader, "close"):
+            loader.close()
+        drawn = torch.rand(2).tolist()
+        return epochs, drawn, None if generator is None else generator.get_state().tolist()
+
+    for seed in (None, 3):
+        assert draws_after_empty_epochs(ArenaLoader, seed) == \
+            draws_after_empty_epochs(tud.DataLoader, seed)
+
+
 @pytest.mark.timeout(60)
 def test_an_unused_iterator_collected_inside_a_generator_call_gives_its_draws_back_later():
     """An unused iterator in a reference cycle, collected by a garbage collection that the

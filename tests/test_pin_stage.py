@@ -60,6 +60,15 @@ def test_batches_are_pinned_ahead_of_next_in_the_pin_thread(pinning_threads, num
         assert labels.tolist() == list(range(4 * i, 4 * i + 4))
 
 
+def test_an_iterator_through_the_pin_thread_has_the_loaders_length(fake_pinning):
+    """len(iter(loader)) with the pin thread between is the loader's, as torch's iterator's
+    (its index sampler's)."""
+    with ArenaLoader(TensorPairs(10), batch_size=4, num_workers=2, pin_memory=True) as loader:
+        iterator = iter(loader)
+        assert len(iterator) == len(loader) == 3
+        assert len(list(iterator)) == 3
+
+
 @pytest.mark.parametrize("name", ["workers", "iterable_stateful"])
 def test_state_dict_counts_batches_received_not_those_pinned_ahead(fake_pinning, name):
     """The pin thread takes batches ahead of the consumer; state_dict() still says where the

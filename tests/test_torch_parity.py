@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 
 from arena_loader import ArenaLoader, get_worker_info
@@ -134,6 +136,115 @@ def test_setting_sampling_attributes_after_construction_raises_like_torch():
             setattr(loader, attribute, None)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kwargs", [
+    dict(num_workers=np.int64(2)),
+    dict(num_workers=np.int32(1), prefetch_factor=np.int64(3)),
+    dict(num_workers=1, timeout=np.float32(30.0)),
+    dict(num_workers=1, timeout=np.int64(30)),
+], ids=["num_workers", "prefetch_factor", "timeout-float32", "timeout-int64"])
+def test_numpy_numbers_are_options_as_in_torch(kwargs):
+    """numpy integers for num_workers and prefetch_factor, and numpy numbers for timeout (a
+    config computed with numpy), work in torch's DataLoader; they were a TypeError here.
+    The attributes read back as passed, as torch's."""
+    theirs = tud.DataLoader(DATA, batch_size=4, **kwargs)
+    expected = [host_copy(batch) for batch in theirs]
+    with ArenaLoader(DATA, batch_size=4, **kwargs) as loader:
+        for name, value in kwargs.items():
+            assert getattr(loader, name) is value and getattr(theirs, name) is value
+        got = list(loader)
+        assert len(got) == len(expected)
+        for ours, reference in zip(got, expected):
+            assert_same_batch(ours, reference, "batch")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kwargs", [
+    dict(batch_size=3), dict(batch_size=3, drop_last=True, num_workers=2),
+    dict(batch_size=4, shuffle=True, num_workers=2, persistent_workers=True),
+    dict(batch_size=None), dict(batch_sampler=[[0, 1], [2], [3, 4, 5]], num_workers=1),
+], ids=["in-process", "workers", "persistent", "unbatched", "batch_sampler"])
+def test_an_iterator_has_the_length_of_torchs(kwargs):
+    """len(iter(loader)) is the index sampler's length, as torch's iterators have it (code
+    counts steps with len(it), tqdm(it) shows a total); it was a TypeError. An iterable-style
+    dataset's iterator has none, as in torch."""
+    theirs = tud.DataLoader(DATA, **kwargs)
+    with ArenaLoader(DATA, **kwargs) as loader:
+        for _ in range(2):  # a persistent iterator's second epoch too
+            iterator = iter(loader)
+            assert len(iterator) == len(iter(theirs)) == len(loader)
+            next(iterator)
+            assert len(iterator) == len(loader)  # torch's: the whole epoch's, not what is left
+            del iterator
+    stream = make_stream()
+    with pytest.raises(TypeError):
+        len(iter(tud.DataLoader(stream)))
+    with ArenaLoader(stream) as loader, pytest.raises(TypeError):
+        len(iter(loader))
+
+
+def seed_numpy_per_worker(worker_id: int) -> None:
+    np.random.seed(1234 + worker_id)
+
+
+def draws_with_init_set_after_construction(cls) -> list[int]:
+    loader = cls(WorkerProbeDataset(4), batch_size=2, num_workers=1)
+    loader.worker_init_fn = seed_numpy_per_worker
+    draws = [int(x) for batch in loader for x in batch["draw"]]
+    if hasattr(loader, "close"):
+        loader.close()
+    return draws
+
+
+@pytest.mark.timeout(60)
+def test_options_torch_reads_at_iter_take_effect_when_set_after_construction():
+    """torch's DataLoader reads timeout, worker_init_fn, multiprocessing_context (checked as
+    its constructor checks it) and in_order when iter() makes a new iterator, so code sets
+    them on a made loader (`loader.multiprocessing_context = "spawn"`). They were stored and
+    silently ignored: the workers forked, without the init function."""
+    assert draws_with_init_set_after_construction(ArenaLoader) == \
+        draws_with_init_set_after_construction(tud.DataLoader)
+    for cls in (tud.DataLoader, ArenaLoader):
+        in_process = cls(DATA)
+        in_process.timeout = 5
+        with pytest.raises(AssertionError, match="_SingleProcessDataLoaderIter requires timeout"):
+            iter(in_process)
+        with pytest.raises(ValueError, match="can only be used with multi-process loading"):
+            in_process.multiprocessing_context = "fork"
+        loader = cls(DATA, batch_size=5, num_workers=1)
+        with pytest.raises(ValueError, match="should specify a valid start method"):
+            loader.multiprocessing_context = "threads"
+        with pytest.raises(TypeError, match="should be a valid context object"):
+            loader.multiprocessing_context = 3
+        loader.multiprocessing_context = "forkserver"
+        assert loader.multiprocessing_context.get_start_method() == "forkserver"
+        if cls is ArenaLoader:
+            iterator = iter(loader)
+            # A forkserver's children are the server's, not this process's.
+            assert all(psutil.Process(pid).ppid() != os.getpid()
+                       for pid in iterator.worker_pids)
+            assert len(list(iterator)) == 2
+            loader.close()
+
+
+def test_options_built_into_the_loader_cannot_be_set_after_construction():
+    """What the slab, samplers, seeds and collation were built from cannot change (torch
+    reads num_workers, collate_fn, prefetch_factor, pin_memory and generator at each
+    iter()): setting one to another value is an error naming it, not a change ignored."""
+    changes = dict(num_workers=1, collate_fn=list, prefetch_factor=3, pin_memory=True,
+                   generator=7, slots=9, held_batch_limit=4, output="numpy", device="cpu:0",
+                   worker_mode="thread", worker_threads=2)
+    with ArenaLoader(DATA, batch_size=5) as loader:
+        for name, value in changes.items():
+            before = getattr(loader, name)
+            with pytest.raises(ValueError, match=f"{name} cannot be changed after ArenaLoader "
+                                                 "is initialized"):
+                setattr(loader, name, value)
+            assert getattr(loader, name) == before
+            setattr(loader, name, before)  # the value it has: nothing changes
+        assert [batch.shape for batch in loader] == [(5, 3, 2), (5, 3, 2)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Conformance: the same configuration through both loaders gives the same batches.
 
@@ -202,6 +313,53 @@ def test_batches_equal_torch_dataloader(name, num_workers):
                 assert_same_batch(batch, theirs[epoch][i], f"{name} epoch {epoch} batch {i}")
                 count += 1
             assert count == len(theirs[epoch]) == len(loader), f"{name} epoch {epoch}"
+
+
+class InfiniteBatches:
+    """A batch sampler without end or ``__len__`` (iteration-based training), drawing each
+    batch from torch's RNG as it is asked for; ``batch_size``: an attribute that is not the
+    row count (a token budget, a list of bucket sizes), or none."""
+
+    def __init__(self, batch_size: Any = None) -> None:
+        if batch_size is not None:
+            self.batch_size = batch_size
+
+    def __iter__(self):
+        while True:
+            yield torch.randint(0, 10, (int(torch.randint(1, 5, ())),)).tolist()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("batch_size", [None, 10**9, 2.5, [2, 4]],
+                         ids=["none", "huge", "float", "list"])
+def test_a_batch_sampler_is_drawn_as_torch_draws_it(num_workers, batch_size):
+    """A user batch sampler is asked for batches as torch asks (at each next(), or a
+    prefetch window ahead with workers), so an infinite one works and a lazy one draws from
+    torch's RNG between the user's draws as with torch. Its first epoch was drawn whole at
+    the first iter() to size the workers' index entries (an infinite one: a hang), and its
+    batch_size attribute, when it had one, sized them instead (10**9: a ShmCapacityError,
+    2.5 or a list: a TypeError)."""
+    def run(cls):
+        torch.manual_seed(0)
+        loader = cls(DATA, batch_sampler=InfiniteBatches(batch_size), num_workers=num_workers)
+        epochs = []
+        for _ in range(2):
+            iterator = iter(loader)
+            batches = [host_copy(next(iterator))]
+            drawn = torch.rand(2).tolist()  # between the batches, as a training step draws
+            batches += [host_copy(next(iterator)) for _ in range(5)]
+            epochs.append((batches, drawn))
+            del iterator
+        if hasattr(loader, "close"):
+            loader.close()
+        return epochs
+
+    theirs, ours = run(tud.DataLoader), run(ArenaLoader)
+    for (their_batches, their_draw), (our_batches, our_draw) in zip(theirs, ours):
+        assert our_draw == their_draw
+        for mine, reference in zip(our_batches, their_batches, strict=True):
+            assert_same_batch(mine, reference, "batch")
 
 
 class TupleDataset(ImageDataset):
@@ -287,6 +445,16 @@ def test_distributed_rank_out_of_range_raises_like_torch():
                                              rf"\[0, {num_replicas - 1}\], got rank={rank} with "
                                              rf"num_replicas={num_replicas}"):
             DistributedSampler(range(8), num_replicas, rank)
+
+
+def test_distributed_sampler_takes_numpy_integers_like_torch():
+    """num_replicas and rank as numpy integers (a launcher's config read with numpy) give
+    torch's share; they were a ValueError ("num_replicas must be a positive int")."""
+    for shuffle in (False, True):
+        theirs = tud.DistributedSampler(range(11), np.int64(3), np.int32(2), shuffle=shuffle)
+        ours = DistributedSampler(range(11), np.int64(3), np.int32(2), shuffle=shuffle)
+        assert list(ours) == list(theirs) and len(ours) == len(theirs) == 4
+        assert ours.num_replicas == 3 and ours.rank == 2
 
 
 def test_distributed_defaults_come_from_torchrun_environment(monkeypatch):

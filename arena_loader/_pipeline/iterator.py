@@ -9,6 +9,7 @@ from typing import Any
 
 from .._arena import ArenaSource
 from .._fetch import BatchFiller
+from .._iterator_length import LoaderLength
 from .._options import LoaderOptions
 from .._resume import EpochPlan
 from ..snapshot import IteratorSnapshot
@@ -16,7 +17,7 @@ from .session import Session
 from .window import StageLag
 
 
-class MultiProcessIterator:
+class MultiProcessIterator(LoaderLength):
     def __init__(self, owner: Any, options: LoaderOptions, filler: BatchFiller,
                  source: ArenaSource, plan: EpochPlan, base_seed: int):
         # The loader: `for b in ArenaLoader(...)` must keep it alive. Batches come converted

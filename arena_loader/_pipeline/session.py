@@ -111,13 +111,6 @@ class Session:
             with self.lock:
                 self.check_open()
                 self._reset_epoch_state(plan)
-            if self.crew is None and self._filler.batch_size is None:
-                # The ring's entries are sized by the first batch of a batch_sampler that
-                # does not say its batch size: drawn first (one of the window's draws, which
-                # torch makes at iter() too; outside the lock, as every draw).
-                self.feed.draw()
-            with self.lock:
-                self.check_open()
                 arena = self.claim.arena
                 if arena is not None and self.crew is not None and self.source.outgrown(arena):
                     self._regrow()
@@ -158,21 +151,11 @@ class Session:
             self.attached = [slot_nbytes > 0] * self.options.num_workers
             self.crew = Crew(self.options, self._filler, slab, slot_nbytes,
                               self.source.slots, self._base_seed, self._window_size,
-                              self._ring_rows(), self.waker.fileno(), self._streams)
+                              self._filler.batch_size or 1, self.waker.fileno(), self._streams)
         elif arena is not None and arena.slab is not self.crew.slab:
             self.crew.hand_slab(arena.slab, arena.slot_nbytes)  # a grown slab (_regrow)
         self.enter(Phase.RUNNING)
         self.started = True
-
-    def _ring_rows(self) -> int:
-        """Indices an order entry holds (a longer batch's travel on the order pipe): the
-        batch size, or twice the first batch's length (``start_epoch`` drew it)."""
-        if self._filler.batch_size is not None:
-            return self._filler.batch_size
-        try:
-            return 2 * max(1, len(self.feed.pending))
-        except TypeError:  # none drawn (an empty or failed epoch), or indices with no len()
-            return 1
 
     def reconcile_slots(self) -> int:
         """Recover slots no batch owns (a Ctrl-C between taking a slot and recording its

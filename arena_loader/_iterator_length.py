@@ -1,0 +1,24 @@
+"""``len(iter(loader))``, as torch's DataLoader iterators have it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LoaderLength:
+    """The length of an iterator handed to user code: its loader's index sampler's (the batch
+    sampler's, or the sampler's without batching), the whole epoch's as torch's ``__len__``
+    gives it, not what is left. An iterable-style dataset's ``InfiniteConstantSampler`` has
+    none: a ``TypeError``, as in torch. Code counts steps by it (``range(len(it))``), and
+    ``tqdm(it)`` shows its total."""
+
+    __slots__ = ()
+    _owner: Any  # the loader (None only for the persistent iterator, never handed out)
+
+    def __len__(self) -> int:
+        loader = self._owner
+        if loader is None:  # (a TypeError, which list() and other length hints pass over)
+            raise TypeError(f"{type(self).__name__} of persistent workers has no len(); its "
+                            "face that iter(loader) returns has the loader's")
+        batch_sampler = loader.batch_sampler
+        return len(loader.sampler if batch_sampler is None else batch_sampler)
