@@ -544,6 +544,76 @@ def test_close_from_another_thread_while_num_workers_0_loads_is_loader_closed_er
     assert not our_slab_mappings()
 
 
+class _SlowReadInto:
+    """Batch protocol: ``read_into`` of the batch holding index ``slow`` says so (``writing``),
+    then waits ``delay_s`` before writing its rows: a close() lands while a ``num_workers=0``
+    next() writes its slot."""
+
+    def __init__(self, n: int, slow: int, delay_s: float):
+        import threading
+
+        self.n, self.slow, self.delay_s = n, slow, delay_s
+        self.writing = threading.Event()
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.full(4, i, dtype=np.int64)
+
+    def read_into(self, indices, out):
+        if self.slow in indices:
+            self.writing.set()
+            time.sleep(self.delay_s)
+        out[:] = indices[:, None]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.filterwarnings("ignore:your code holds")
+def test_an_iterator_closed_while_another_thread_writes_its_slot_keeps_the_slot_till_done():
+    """close() of a num_workers=0 iterator from another thread while its next() wrote a slot
+    (a slow read_into) freed that slot and gave the slab back at once: the loader's next
+    iterator took the slot, and the batch it handed out changed as the old next() went on
+    writing (which then raised RuntimeError "... arena_loader bug"). That next() now raises
+    LoaderClosedError and gives its slot and the slab back as it returns; every batch of the
+    next epoch stays as it was handed out."""
+    import threading
+
+    dataset = _SlowReadInto(12, slow=2, delay_s=1.0)
+    loader = ArenaLoader(dataset, batch_size=2, slots=2)
+    iterator = iter(loader)
+    first = next(iterator)  # held: its slot stays leased, the next batch takes the other
+    outcome: list = []
+
+    def load():
+        try:
+            outcome.append(next(iterator))
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    assert dataset.writing.wait(10)
+    iterator.close()
+    again = iter(loader)
+    batch = next(again)
+    copy = batch.copy()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    np.testing.assert_array_equal(batch, copy)  # unchanged since it was handed out
+    assert [type(got) for got in outcome] == [LoaderClosedError]
+    rest = [b[:, 0].tolist() for b in again]
+    assert [batch[:, 0].tolist(), *rest] == [[i, i + 1] for i in range(0, 12, 2)]
+    assert first[:, 0].tolist() == [0, 1]
+    with pytest.raises(StopIteration):
+        next(iterator)
+    outcome.clear()
+    del first, batch, again
+    loader.close()
+    gc.collect()
+    assert not our_slab_mappings()
+
+
 @pytest.mark.timeout(60)
 def test_an_epoch_end_interrupted_while_giving_the_slab_back_is_finished_later(monkeypatch):
     """num_workers=0: a Ctrl-C inside the epoch's end, while the iterator gives the slab
