@@ -149,6 +149,11 @@ class ThreadWorkerGroup:
         error.__cause__ = cause
         return error
 
+    def exited(self) -> list[int]:
+        """None to add: a thread's pipes are registered with ``_forksafe``, so a child forked
+        meanwhile never holds them, and its end reads as EOF."""
+        return []
+
     def shutdown(self, graceful: bool = True) -> None:
         """Stop every thread: wait for those asked to stop (``graceful``), then close the
         pipes, each step bounded by ``JOIN_TIMEOUT_S``. Idempotent. A thread stuck in user
