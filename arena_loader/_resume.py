@@ -333,4 +333,4 @@ class Resumable:
         differs."""
         self._resume.load_state_dict(self, state_dict)
         # Its workers were seeded for another position: the next iter() starts new ones.
-        self._iterators.close_persistent()  # type: ignore[attr-defined]
+        self._iterators.let_go_persistent()  # type: ignore[attr-defined]

@@ -459,3 +459,31 @@ def test_a_worker_whose_stream_ended_before_the_state_starts_the_next_epoch_whol
         loader.load_state_dict(state)
         tail = rows(loader) + rows(loader)
     assert head + tail == whole
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_load_state_dict_from_another_thread_leaves_the_epoch_being_iterated_whole(persistent):
+    """load_state_dict() while another thread iterates an epoch (a checkpoint restored
+    meanwhile; the same in one thread): that epoch goes on to its end, as torchdata's
+    StatefulDataLoader's does (its load_state_dict only drops the loader's reference to the
+    iterator), and the next iter() is the loaded state's. With persistent workers their
+    iterator was closed under the iterating thread: LoaderClosedError at its next next()."""
+    import threading
+
+    loader = ArenaLoader(_Rows(), batch_size=8, shuffle=True,
+                         num_workers=2, persistent_workers=persistent,
+                         generator=torch.Generator().manual_seed(SEED))
+    state = loader.state_dict()  # before the first epoch
+    first = [b[:, 0].tolist() for b in loader]
+    iterator = iter(loader)
+    seen = [next(iterator)[:, 0].tolist() for _ in range(3)]
+    restorer = threading.Thread(target=loader.load_state_dict, args=(state,))
+    restorer.start()
+    restorer.join(timeout=10)
+    assert not restorer.is_alive()
+    seen += [b[:, 0].tolist() for b in iterator]
+    assert sorted(i for b in seen for i in b) == list(range(64))
+    assert [b[:, 0].tolist() for b in loader] == first  # the loaded state: epoch 0 again
+    del iterator
+    loader.close()
