@@ -487,3 +487,49 @@ def test_load_state_dict_from_another_thread_leaves_the_epoch_being_iterated_who
     assert [b[:, 0].tolist() for b in loader] == first  # the loaded state: epoch 0 again
     del iterator
     loader.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_state_saved_by_another_thread_as_iter_begins_an_epoch_resumes_it(persistent,
+                                                                         monkeypatch):
+    """state_dict() from another thread (a checkpointing thread) while iter() began an epoch,
+    after it had recorded the epoch's start and before it drew the workers' base seed: the
+    state held the last epoch's seed, and resuming it raised ValueError ("state_dict's base
+    seed must be replayed ..."). The state is now taken before that step or once it is done,
+    and resumes the epoch as the uninterrupted run gives it."""
+    import threading
+
+    from arena_loader._resume import LoaderResume
+
+    def make():
+        return ArenaLoader(_Rows(), batch_size=8, shuffle=True, num_workers=2,
+                           persistent_workers=persistent,
+                           generator=torch.Generator().manual_seed(SEED))
+
+    loader = make()
+    [b[:, 0].tolist() for b in loader]
+    saved: list = []
+    saver = threading.Thread(target=lambda: saved.append(loader.state_dict()))
+    real = LoaderResume.base_seed
+
+    def base_seed_while_another_thread_saves(self, seeds, reuse):
+        saver.start()
+        saver.join(timeout=0.5)  # (it now waits for iter() to have drawn)
+        return real(self, seeds, reuse)
+
+    monkeypatch.setattr(LoaderResume, "base_seed", base_seed_while_another_thread_saves)
+    iterator = iter(loader)
+    monkeypatch.undo()
+    saver.join(timeout=10)
+    second = [b[:, 0].tolist() for b in iterator]
+    third = [b[:, 0].tolist() for b in loader]
+    loader.close()
+    (state,) = saved
+    assert (state["epoch"], state["batches_yielded"]) == (1, 0)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [b[:, 0].tolist() for b in resumed] == second
+    assert [b[:, 0].tolist() for b in resumed] == third
+    del iterator
+    resumed.close()
