@@ -150,9 +150,10 @@ class ThreadWorkerGroup:
         return error
 
     def exited(self) -> list[int]:
-        """None to add: a thread's pipes are registered with ``_forksafe``, so a child forked
-        meanwhile never holds them, and its end reads as EOF."""
-        return []
+        """The threads that ended (only a crash ends one before shutdown): a child forked by
+        another thread before a thread's pipes were registered with ``_forksafe`` holds its
+        result pipe open, which then never reads as EOF."""
+        return [worker for worker, thread in enumerate(self.threads) if not thread.is_alive()]
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop every thread: wait for those asked to stop (``graceful``), then close the
