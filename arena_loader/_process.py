@@ -157,7 +157,7 @@ class WorkerGroup:
         gone = []
         for worker, process in enumerate(self.processes):
             try:
-                if process.pid is not None and not process.is_alive():
+                if process.pid is not None and not _running(process):
                     gone.append(worker)
             except ValueError:
                 pass  # closed by a shutdown in another thread
@@ -231,8 +231,14 @@ def join_exited(processes: list[Any], timeout: float) -> None:
     forked by another thread holds its write end (``WorkerGroup.exited``)."""
     deadline = time.monotonic() + timeout
     for process in processes:
-        while process.is_alive() and (remaining := deadline - time.monotonic()) > 0:
+        while _running(process) and (remaining := deadline - time.monotonic()) > 0:
             process.join(timeout=min(remaining, EXIT_POLL_S))
+
+
+def _running(process: Any) -> bool:
+    """Not exited by its exit status, and its pid still there: in a program that ignores
+    SIGCHLD the kernel reaps it, the status is lost and ``is_alive()`` stays True."""
+    return process.is_alive() and pid_exists(process.pid)
 
 
 def check_descriptor_limit(num_workers: int) -> None:

@@ -782,40 +782,31 @@ def test_forked_workers_run_no_finalizer_of_the_parents_garbage(tmp_path):
     assert log.read_text().split() == [str(os.getpid())]
 
 
-# (thread id, action): run once by that thread as its next fork returns in the parent. A hook
-# of this module's, registered once (os.register_at_fork has no way back); idle when empty.
-_AFTER_NEXT_FORK: list = []
-
-
-def _after_fork_in_parent() -> None:
-    if _AFTER_NEXT_FORK and _AFTER_NEXT_FORK[0][0] == threading.get_ident():
-        _, action = _AFTER_NEXT_FORK.pop()
-        action()
-
-
-os.register_at_fork(after_in_parent=_after_fork_in_parent)
-
-
 @contextlib.contextmanager
 def _another_thread_forks_as_a_worker_starts():
     """As this thread's next fork (a fork-started worker) returns, another thread forks a
     child (a user's fork Pool starting, say): it inherits the worker's ends of its pipes that
     this process has not closed yet, multiprocessing's exit sentinel among them, and holds
-    them until the block ends."""
+    them until the block ends. (The hook is registered now, after every library's: the
+    locks their before-fork hooks take, which the other thread's fork takes too, are
+    released by then. os.register_at_fork has no way back: it stays, idle.)"""
     with contextlib.ExitStack() as children:
         pids: list[int] = []
+        armed = [threading.get_ident()]
 
         def fork_in_another_thread() -> None:
-            thread = threading.Thread(
-                target=lambda: pids.append(children.enter_context(_forked_child())))
-            thread.start()
-            thread.join()
+            if armed and armed[0] == threading.get_ident():
+                armed.clear()
+                thread = threading.Thread(
+                    target=lambda: pids.append(children.enter_context(_forked_child())))
+                thread.start()
+                thread.join(timeout=10)
 
-        _AFTER_NEXT_FORK.append((threading.get_ident(), fork_in_another_thread))
+        os.register_at_fork(after_in_parent=fork_in_another_thread)
         try:
             yield pids
         finally:
-            _AFTER_NEXT_FORK.clear()
+            armed.clear()
 
 
 def test_a_dead_worker_is_seen_while_another_threads_child_holds_its_pipes():
