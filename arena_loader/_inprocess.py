@@ -14,10 +14,11 @@ from ._iterator_length import LoaderLength
 from ._pool import SlotState
 from ._resume_stream import EpochPlan, ReplicaStream, draw_into
 from ._slab import map_new_segment
-from .errors import ShmCapacityError, forked_iterator_error
+from .errors import LoaderClosedError, ShmCapacityError, forked_iterator_error
 from .snapshot import IteratorSnapshot
 
 _NOTHING = object()  # nothing taken from the stash yet
+_CLOSED = "this iterator was closed; call iter(loader) for a new one"
 
 
 class InProcessIterator(LoaderLength):
@@ -41,6 +42,10 @@ class InProcessIterator(LoaderLength):
         self._finalizer: weakref.finalize | None = None
         self._count = plan.first_idx  # batches made (and skipped): names a batch in errors
         self._lock = threading.Lock()
+        # The thread inside next(), if any: a close() from another thread leaves the slab to
+        # that next() (it may be writing a slot), which gives it back as it returns.
+        self._in_next: int | None = None
+        self._closing = threading.Lock()  # one give-back at a time
         self._slabless = False
         # What next()'s last line pops (empty, or one item): the batch built, or with
         # ``_failed`` its error, raised by the pop (so Ctrl-C neither loses nor repeats it).
@@ -66,14 +71,20 @@ class InProcessIterator(LoaderLength):
         given = _NOTHING
         try:
             with self._lock:
-                if self._source.pending_warning is not None:
-                    self._source.warn_pending(stacklevel=2)
-                self._next()
-                if not self._failed:
-                    # Out of the stash with no call (as Consumer.next_batch): an interrupt
-                    # from here on, the lock's exit included, puts it back.
-                    (given,), self._stash = self._stash, []
-                    return given
+                self._in_next = threading.get_ident()
+                try:
+                    if self._source.pending_warning is not None:
+                        self._source.warn_pending(stacklevel=2)
+                    self._next()
+                    if not self._failed:
+                        # Out of the stash with no call (as Consumer.next_batch): an
+                        # interrupt from here on, the lock's exit included, puts it back.
+                        (given,), self._stash = self._stash, []
+                        return given
+                finally:
+                    self._in_next = None
+                    if self._done:
+                        self.close()  # what a close() from another thread left to this one
         except KeyboardInterrupt:
             if given is not _NOTHING:
                 self._stash = [given]
@@ -113,6 +124,8 @@ class InProcessIterator(LoaderLength):
         except Exception as exc:
             self._stash, self._failed, self._pending = [exc], True, None
             return
+        if self._done:  # closed from another thread while the batch was fetched
+            raise LoaderClosedError(_CLOSED)
         source = self._source
         if self._arena is None and not self._slabless:
             # Claimed at the first batch, whose size sets the slot budget; with no room in
@@ -138,6 +151,8 @@ class InProcessIterator(LoaderLength):
             else:
                 storage = arena.slot_bytes(slot)
             filler.write(prepared, fetched, storage, indices)
+            if self._done:  # closed from another thread while it wrote (a slow read_into)
+                raise LoaderClosedError(_CLOSED)  # (its slot is reclaimed below)
             if slot is not None:
                 arena.pool.mark_filled(slot)
             batch = source.deliver(arena, slot, storage if slot is None else None,
@@ -194,8 +209,17 @@ class InProcessIterator(LoaderLength):
                                 in_flight=(), ready=())
 
     def close(self) -> None:
-        """Idempotent; called again, it finishes a close that Ctrl-C interrupted."""
+        """Idempotent; called again, it finishes a close that Ctrl-C interrupted. From
+        another thread while next() runs, that next() gives the slab back as it returns (it
+        may be writing a slot: freed now, the slot went to the loader's next iterator while
+        it was still being written), raising LoaderClosedError unless its batch was made."""
         self._done = True
+        if self._in_next not in (None, threading.get_ident()):
+            return
+        with self._closing:
+            self._give_back()
+
+    def _give_back(self) -> None:
         finalizer = self._finalizer
         if finalizer is not None and finalizer.alive:
             # A slot an interrupt left ASSIGNED as it was taken is free again (none is this

@@ -16,7 +16,6 @@ the batches the consumer received.
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -48,7 +47,6 @@ class PinStage(HostStage):
         super().__init__(host, owns_host, PIN_PREFETCH, positions)
         self._pin = pin
         self._device_index = device_index
-        self._consumer_lock = threading.Lock()
         self._warned = False
         self._warning: str | None = None  # given by the consumer's next next()
 

@@ -20,6 +20,8 @@ from ._worker import WorkerSetup, pid_exists, worker_main
 from .errors import DescriptorLimitError, WorkerCrashedError
 
 JOIN_TIMEOUT_S = 2.0  # per escalation step: join, then terminate, then kill
+# How often a join reads the exit status of workers whose sentinel shows no exit (join_exited).
+EXIT_POLL_S = 0.05
 # Pipe buffers are raised from Linux's 64 KiB so that a piped index list, or a completion with
 # many object leaves, does not block one side while the other is also writing.
 PIPE_NBYTES = 1 << 20
@@ -132,7 +134,7 @@ class WorkerGroup:
     def crash_error(self, worker_id: int, owed: list[tuple[int, Any]]) -> WorkerCrashedError:
         """The error for a dead worker; ``owed``: (idx, indices) of the batches it had."""
         process = self.processes[worker_id]
-        process.join(timeout=JOIN_TIMEOUT_S)  # the pipe can close a moment before the exit
+        join_exited([process], JOIN_TIMEOUT_S)  # the pipe can close a moment before the exit
         exitcode = process.exitcode
         loading = (" while loading " + ", ".join(f"batch idx={idx} (indices {indices!r})"
                                                   for idx, indices in owed)
@@ -147,6 +149,19 @@ class WorkerGroup:
         message += ". In torch's words: " + torch_crash_text(process.pid, exitcode)
         return WorkerCrashedError(message, worker_id=worker_id, pid=process.pid,
                                   exitcode=exitcode)
+
+    def exited(self) -> list[int]:
+        """The workers whose process has exited, by its exit status (as torch's liveness
+        check reads it): a child that another thread forked while a worker started holds the
+        write end of that worker's sentinel and result pipe, which then never show its exit."""
+        gone = []
+        for worker, process in enumerate(self.processes):
+            try:
+                if process.pid is not None and not _running(process):
+                    gone.append(worker)
+            except ValueError:
+                pass  # closed by a shutdown in another thread
+        return gone
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop every worker: join (they were asked to stop), terminate, kill; each step
@@ -170,7 +185,7 @@ class WorkerGroup:
             try:
                 if process.is_alive():
                     process.kill()
-                process.join(timeout=JOIN_TIMEOUT_S)
+                join_exited([process], JOIN_TIMEOUT_S)
             except (OSError, ValueError, AttributeError):
                 pass  # already closed or reaped
         self._close_channels()
@@ -206,10 +221,24 @@ class WorkerGroup:
             if escalate is not None:
                 for process in alive:
                     getattr(process, escalate)()
-            deadline = time.monotonic() + JOIN_TIMEOUT_S
-            for process in alive:
-                process.join(timeout=max(0.0, deadline - time.monotonic()))
+            join_exited(alive, JOIN_TIMEOUT_S)
         self._close_channels()
+
+
+def join_exited(processes: list[Any], timeout: float) -> None:
+    """Join ``processes``, all within ``timeout``, reading each one's exit status every
+    ``EXIT_POLL_S``: a join waits on the sentinel, which never shows the exit while a child
+    forked by another thread holds its write end (``WorkerGroup.exited``)."""
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        while _running(process) and (remaining := deadline - time.monotonic()) > 0:
+            process.join(timeout=min(remaining, EXIT_POLL_S))
+
+
+def _running(process: Any) -> bool:
+    """Not exited by its exit status, and its pid still there: in a program that ignores
+    SIGCHLD the kernel reaps it, the status is lost and ``is_alive()`` stays True."""
+    return process.is_alive() and pid_exists(process.pid)
 
 
 def check_descriptor_limit(num_workers: int) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -165,6 +166,11 @@ class LoaderResume:
         self._pending: dict[str, Any] | None = None
         self._begun = False  # an iter() began the loaded state's epoch (self.position)
         self._follower: object | None = None  # the epoch whose stage moves the position
+        # Held by state_dict(), load_state_dict() and by iter() from begin_epoch until the
+        # epoch's draws are made: a state taken by another thread in between (the epoch's
+        # start recorded, its base seed not yet) held the last epoch's seed, and resuming it
+        # raised ValueError. (Re-entrant: user code iter() runs may call state_dict().)
+        self.lock = threading.RLock()
 
     # -- iter() ------------------------------------------------------------------------------
 
@@ -323,7 +329,8 @@ class Resumable:
         """Where this loader is, as of the batches your code has received (not what workers
         prefetched): a plain, picklable dict (JSON-serialisable where the datasets' and
         samplers' own states are). Cheap: nothing is drawn, loaded or asked of workers."""
-        return self._resume.state_dict(self)
+        with self._resume.lock:
+            return self._resume.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Make the next ``iter()`` yield exactly the rest of the epoch ``state_dict`` was
@@ -331,6 +338,7 @@ class Resumable:
         nothing. A state from a loader built otherwise (dataset length, batch size, sampler,
         generators, worker count for iterable-style datasets) is a ValueError naming what
         differs."""
-        self._resume.load_state_dict(self, state_dict)
+        with self._resume.lock:
+            self._resume.load_state_dict(self, state_dict)
         # Its workers were seeded for another position: the next iter() starts new ones.
-        self._iterators.close_persistent()  # type: ignore[attr-defined]
+        self._iterators.let_go_persistent()  # type: ignore[attr-defined]

@@ -79,25 +79,35 @@ class HostStage:
         # What the thread holds ahead of the consumer counts against the host's read-ahead,
         # as torch's pin thread's does: the host refills as the consumer receives each batch.
         self._lag = host.follow_stage() if positions is not None else None
+        # One start: two threads' first next() took a first batch each, and one was lost.
+        self._starting = threading.Lock()
+        # One next() at a time (held by the subclass's next_batch): two threads' next() could
+        # both take the first queued result before either removed it, and both hand it out.
+        self._consumer_lock = threading.Lock()
 
     # -- the thread -----------------------------------------------------------------------
 
     def start(self) -> None:
         """Take the first batch from the host iterator here, in the consumer's thread, so
         that whatever the host does at its first next() (claim the arena, pin the slab)
-        happens here and its errors are this next()'s; then start the thread with it."""
-        if self._first is None:
-            # Kept in an attribute (stored once next() returns, in the same line: a Ctrl-C
-            # later leaves it for the next next()), not as a thread argument: Thread keeps
-            # its arguments until run() returns, which would hold the slot all epoch.
-            self._first = next(self._host)
-        thread = threading.Thread(target=self._run, daemon=True, name=self.thread_name)
-        with self._cv:
-            if self._closed:
-                self._first = None
-                raise LoaderClosedError("this iterator was closed; call iter(loader) for a new one")
-            self._thread = thread
-        thread.start()
+        happens here and its errors are this next()'s; then start the thread with it (unless
+        another thread's next() did meanwhile)."""
+        with self._starting:
+            if self._thread is not None:
+                return
+            if self._first is None:
+                # Kept in an attribute (stored once next() returns, in the same line: a Ctrl-C
+                # later leaves it for the next next()), not as a thread argument: Thread keeps
+                # its arguments until run() returns, which would hold the slot all epoch.
+                self._first = next(self._host)
+            thread = threading.Thread(target=self._run, daemon=True, name=self.thread_name)
+            with self._cv:
+                if self._closed:
+                    self._first = None
+                    raise LoaderClosedError(
+                        "this iterator was closed; call iter(loader) for a new one")
+                self._thread = thread
+            thread.start()
 
     def _run(self) -> None:
         try:

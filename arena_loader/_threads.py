@@ -149,6 +149,12 @@ class ThreadWorkerGroup:
         error.__cause__ = cause
         return error
 
+    def exited(self) -> list[int]:
+        """The threads that ended (only a crash ends one before shutdown): a child forked by
+        another thread before a thread's pipes were registered with ``_forksafe`` holds its
+        result pipe open, which then never reads as EOF."""
+        return [worker for worker, thread in enumerate(self.threads) if not thread.is_alive()]
+
     def shutdown(self, graceful: bool = True) -> None:
         """Stop every thread: wait for those asked to stop (``graceful``), then close the
         pipes, each step bounded by ``JOIN_TIMEOUT_S``. Idempotent. A thread stuck in user

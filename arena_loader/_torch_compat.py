@@ -350,7 +350,7 @@ class TorchIteratorAttribute:
         if value is not None:
             raise ValueError(f"_iterator can only be set to None (drop the persistent workers' "
                              f"iterator), got {value!r}")
-        self._iterators.close_persistent()
+        self._iterators.let_go_persistent()
 
     @property
     def _auto_collation(self) -> bool:

@@ -229,6 +229,13 @@ class LiveIterators:
         if persistent is not None:
             persistent.close()
 
+    def let_go_persistent(self) -> None:
+        """The next ``iter()`` starts new workers, as torch's does after ``loader._iterator =
+        None`` (torchdata's ``load_state_dict``): an epoch still being iterated (in another
+        thread, say) ends on the old ones, which stop once that iterator is dropped (closed
+        at once if nothing else holds it)."""
+        self.persistent = None
+
 
 def open_gpu_options(options: LoaderOptions) -> tuple[Any, Any, Any, str | None]:
     """(slab pinner, device copier, batch pinner, why nothing is pinned), each or None, for

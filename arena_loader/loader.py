@@ -155,8 +155,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         self._resume = LoaderResume(self._seeds)
         self._filler = make_filler(self._datapipe or dataset, self.options, self.sampler,
                                    self.batch_sampler, batch_size, drop_last)
-        # With a device the stage counts the batches you hold (the host slot it is still
-        # copying from is not one of them).
+        # With a device the stage counts the batches you hold (not the slot it copies from).
         on_device = self._device is not None
         self._source = ArenaSource(self.slots, pinner=self._pinner, lease_only=on_device,
                                    output=output,
@@ -192,28 +191,29 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         if self._stager is not None and options.persistent_workers:
             # (Before it is looked at: a thread stuck in a slow batch gets it closed.)
             self._stager.detach()
-        plan = self._resume.begin_epoch(self)  # a loaded state: its epoch's draws replayed
-        if plan.resumed:  # its workers start anew, seeded by the replayed draw: an iter() cut
-            self._iterators.close_persistent()  # short may have made some (load_state_dict)
-        # A stage's thread takes batches ahead of you: the host moves a copy of the position.
-        positions = self._resume.follower(plan) if self._stager is not None else None
-        # Given back if the iterator is never used (not a resumed epoch's: its draws replay
-        # the interrupted run's, even when nothing of that epoch is left to hand out).
-        draws = None if plan.resumed else UnusedIteratorDraws.take(self)
-        # Random draws in torch's order: the DataPipe seed, the workers' base seed (for a new
-        # iterator only), then the sampler's own at its first index.
-        if self._datapipe is not None:
-            self._datapipe.start_epoch(self._seeds.datapipe_seed())
-        persistent = self._iterators.persistent
-        reuse = (options.num_workers > 0 and options.persistent_workers
-                 and persistent is not None and not persistent.broken)
-        if self.pin_memory and not reuse:
-            warn_pin_memory(self.pin_memory_device, self._unpinned)
-        base_seed = self._resume.base_seed(self._seeds, reuse)
-        if self._datapipe is not None and options.num_workers > 0 and self._resume.drew_seed:
-            # torch's new worker iterator draws the DataPipe seed once more, in its _reset(),
-            # for the main process's copy; its workers keep the first. Drawn to stay in step.
-            self._seeds.datapipe_seed()
+        with self._resume.lock:  # state_dict() in another thread: before, or once drawn
+            plan = self._resume.begin_epoch(self)  # a loaded state: its epoch's draws replayed
+            if plan.resumed:  # its workers start anew, seeded by the replayed draw: an iter() cut
+                self._iterators.close_persistent()  # short may have made some (load_state_dict)
+            # A stage's thread takes batches ahead of you: the host moves a copy of the position.
+            positions = self._resume.follower(plan) if self._stager is not None else None
+            # Given back if the iterator is never used (not a resumed epoch's: its draws replay
+            # the interrupted run's, even when nothing of that epoch is left to hand out).
+            draws = None if plan.resumed else UnusedIteratorDraws.take(self)
+            # Random draws in torch's order: the DataPipe seed, the workers' base seed (for a new
+            # iterator only), then the sampler's own at its first index.
+            if self._datapipe is not None:
+                self._datapipe.start_epoch(self._seeds.datapipe_seed())
+            persistent = self._iterators.persistent
+            reuse = (options.num_workers > 0 and options.persistent_workers
+                     and persistent is not None and not persistent.broken)
+            if self.pin_memory and not reuse:
+                warn_pin_memory(self.pin_memory_device, self._unpinned)
+            base_seed = self._resume.base_seed(self._seeds, reuse)
+            if self._datapipe is not None and options.num_workers > 0 and self._resume.drew_seed:
+                # torch's new worker iterator draws the DataPipe seed once more, in its _reset(),
+                # for the main process's copy; its workers keep the first. Drawn to stay in step.
+                self._seeds.datapipe_seed()
         plan.batches = epoch_batches(options, self.sampler, self.batch_sampler, self._filler,
                                      plan.first_idx)
         if options.num_workers == 0:

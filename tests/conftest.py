@@ -87,6 +87,17 @@ def our_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("arena_loader")]
 
 
+def run_in_threads(target, count: int = 2, timeout_s: float = 20.0) -> None:
+    """``target(k)`` for k in ``range(count)``, each in a thread of its own, all at once;
+    joined, none left hanging."""
+    threads = [threading.Thread(target=target, args=(k,)) for k in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout_s)
+    assert not any(thread.is_alive() for thread in threads), "a thread hangs"
+
+
 def wait_until(predicate, timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

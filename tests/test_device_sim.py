@@ -25,7 +25,7 @@ from arena_loader import ArenaLoader, LoaderClosedError, SlotsExhaustedError
 from arena_loader._device import cuda as device_cuda
 from arena_loader._device.ring import DeviceRing
 
-from .conftest import live_children, our_threads, wait_until
+from .conftest import live_children, our_threads, run_in_threads, wait_until
 from .datasets import (
     CountedBatches,
     ImageDataset,
@@ -597,3 +597,36 @@ def test_pinned_slab_with_larger_batches_stages_them(pinned_in_place):
     assert len(got) == len(expected)
     for ours, theirs in zip(got, expected):
         np.testing.assert_array_equal(ours, theirs)
+
+
+def test_two_threads_next_on_a_device_iterator_hand_out_each_batch_once(gated_events,
+                                                                         monkeypatch):
+    """Two threads calling next() on one device iterator (as on a host one): both could take
+    the first copied batch before either removed it from the queue, and each handed it out
+    (here the two meet in the wait on that batch's copy event). One next() at a time now, as
+    on the host and with pin_memory: every batch goes to one thread."""
+    import contextlib
+
+    gated_events.gated = False
+    dataset = ImageDataset(16, shape=(2,), dtype=np.int64)
+    with ArenaLoader(dataset, batch_size=2, num_workers=2, device="cuda") as loader:
+        iterator = iter(loader)
+        next(iterator).copy_to_host()  # the stage runs: the next copies queue up
+        both, first, got = threading.Barrier(2), [], [[], []]
+
+        def wait(self, stream=0):
+            self.waited_on.append(stream)
+            if self.is_copy and not first:
+                first.append(self)
+            if first and self is first[0]:
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    both.wait(timeout=1.0)  # (alone: the other next() waits for this one)
+
+        def consume(k):
+            for batch in iterator:
+                got[k].append(batch.copy_to_host())
+
+        monkeypatch.setattr(GatedEvent, "wait", wait)
+        run_in_threads(consume)
+        rows = sorted(int(row[0]) for batches in got for batch in batches for row in batch)
+        assert rows == sorted(int(dataset[i][0]) for i in range(2, 16))

@@ -3,6 +3,7 @@ hangs; OS limits are clear errors (docs/reliability.md, "Fork and OS limits").""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import json
@@ -12,6 +13,7 @@ import pickle
 import resource
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -22,6 +24,7 @@ from arena_loader import (
     DescriptorLimitError,
     LoaderForkedError,
     ShmCapacityError,
+    WorkerCrashedError,
     _forksafe,
     _slab,
 )
@@ -29,7 +32,9 @@ from arena_loader._pipeline.order import ORDER_TAG
 from arena_loader._slab import NAME_PREFIX, SHM_DIR, Slab
 
 from .conftest import live_children, our_slab_mappings, wait_until
+from .datasets import SuicidalDataset
 from .test_fault_matrix import REPO_ROOT
+from .test_threads import _forked_child
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -775,3 +780,63 @@ def test_forked_workers_run_no_finalizer_of_the_parents_garbage(tmp_path):
             gc.enable()
     gc.collect()
     assert log.read_text().split() == [str(os.getpid())]
+
+
+@contextlib.contextmanager
+def _another_thread_forks_as_a_worker_starts():
+    """As this thread's next fork (a fork-started worker) returns, another thread forks a
+    child (a user's fork Pool starting, say): it inherits the worker's ends of its pipes that
+    this process has not closed yet, multiprocessing's exit sentinel among them, and holds
+    them until the block ends. (The hook is registered now, after every library's: the
+    locks their before-fork hooks take, which the other thread's fork takes too, are
+    released by then. os.register_at_fork has no way back: it stays, idle.)"""
+    with contextlib.ExitStack() as children:
+        pids: list[int] = []
+        armed = [threading.get_ident()]
+
+        def fork_in_another_thread() -> None:
+            if armed and armed[0] == threading.get_ident():
+                armed.clear()
+                thread = threading.Thread(
+                    target=lambda: pids.append(children.enter_context(_forked_child())))
+                thread.start()
+                thread.join(timeout=10)
+
+        os.register_at_fork(after_in_parent=fork_in_another_thread)
+        try:
+            yield pids
+        finally:
+            armed.clear()
+
+
+def test_a_dead_worker_is_seen_while_another_threads_child_holds_its_pipes():
+    """A worker killed while a child that another thread forked as the worker started is
+    alive: that child holds the write ends of the worker's exit sentinel and result pipe, so
+    neither showed the death. next() waited for as long as the child lived (here, until
+    `timeout`: LoaderTimeoutError, "which is still running"), where torch's DataLoader raises
+    at once. The worker's exit status is read now: WorkerCrashedError."""
+    loader = ArenaLoader(SuicidalDataset(8, fatal_index=0), batch_size=2, num_workers=1,
+                         multiprocessing_context="fork", timeout=20)
+    with _another_thread_forks_as_a_worker_starts() as children:
+        with pytest.raises(WorkerCrashedError, match="was killed by SIGKILL"):
+            next(iter(loader))
+        assert len(children) == 1
+    loader.close()
+
+
+def test_an_epoch_ends_at_once_while_another_threads_child_holds_a_workers_sentinel(
+        monkeypatch):
+    """Workers' exits at an epoch's end, while a child that another thread forked as a worker
+    started is alive (it holds that worker's exit sentinel open): each was joined by its
+    sentinel, which never showed the exit, so the epoch ended only after the whole join
+    timeout (2 s; here raised to 20 s; torch's DataLoader waits its 5 s). Their exit statuses
+    are read as they are joined."""
+    monkeypatch.setattr("arena_loader._process.JOIN_TIMEOUT_S", 20.0)
+    loader = ArenaLoader(FullDataset(8), batch_size=2, num_workers=2,
+                         multiprocessing_context="fork")
+    with _another_thread_forks_as_a_worker_starts() as children:
+        start = time.monotonic()
+        assert_epoch(loader, 8, 2)
+        assert time.monotonic() - start < 10.0
+        assert len(children) == 1
+    loader.close()

@@ -183,6 +183,38 @@ def test_a_dataclass_batch_arrives_with_exactly_its_state():
     np.testing.assert_array_equal(own.x, [1.0, 1.0])  # its __reduce__ ran, as in pickle
 
 
+class Rebound:
+    """A module-level placeholder that worker_init_fn replaces, in each worker, by a dataclass
+    of the same name (a type the program builds at start-up, say)."""
+
+
+def test_a_dataclass_batch_whose_class_a_worker_rebound_arrives_as_unpickling_makes_it(
+        monkeypatch):
+    """A collate_fn's dataclass whose class the worker rebound under a module-level name
+    that is a placeholder in the main process: it arrives as an instance of the main
+    process's class with the fields as attributes, as unpickling makes it (torch's DataLoader
+    hands it out so). It arrived as a plain dict."""
+    import dataclasses
+    import pickle
+    import sys
+
+    made = dataclasses.make_dataclass("Rebound", ["x", "n"])
+    made.__module__ = __name__
+    monkeypatch.setattr(sys.modules[__name__], "Rebound", made)  # in the worker
+    prepared = prepare_batch(made(np.arange(3.0), 3), "collate_fn output")
+    storage = np.zeros(prepared.nbytes, dtype=np.uint8)
+    prepared.write(storage)
+    payload = PlanEncoder().encode(prepared.plan, 0, 3, 1, segment=False)
+    pickled = pickle.dumps(made(np.arange(3.0), 3))  # what torch's worker sends
+    monkeypatch.undo()  # the main process
+    plan = PlanDecoder().decode(payload).plan
+    out = plan.assemble(storage, plan.objects(storage))
+    torch_out = pickle.loads(pickled)
+    assert type(out) is type(torch_out) is Rebound
+    assert vars(out).keys() == vars(torch_out).keys() == {"x", "n"} and out.n == 3
+    np.testing.assert_array_equal(out.x, np.arange(3.0))
+
+
 def test_the_structure_is_sent_once_per_encoder():
     encoder, decoder = PlanEncoder(), PlanDecoder()
     prepared = prepare_samples([{"a": np.zeros(2)}] * 3, [0, 1, 2])

@@ -365,7 +365,7 @@ def test_ctrl_c_while_waiting_for_a_batch_interrupts_and_cleans_up():
 
 
 SIGCHLD_IGNORED_SCRIPT = r"""
-import json, os, signal, sys
+import json, os, signal, sys, time
 import numpy as np
 from arena_loader import ArenaLoader, WorkerCrashedError
 
@@ -380,9 +380,11 @@ KILL = [False]
 if __name__ == "__main__":
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps children at once
     loader = ArenaLoader(Rows(), batch_size=4, num_workers=2)
-    fds = []
+    fds, epoch_s = [], []
     for _ in range(6):
+        start = time.monotonic()
         assert [int(b[0, 0]) for b in loader] == [0, 4, 8, 12]
+        epoch_s.append(time.monotonic() - start)
         fds.append(len(os.listdir("/proc/self/fd")))
     KILL[0] = True
     try:
@@ -391,7 +393,7 @@ if __name__ == "__main__":
     except WorkerCrashedError as exc:
         crash = str(exc)
     loader.close()
-    print(json.dumps({"fds": fds, "crash": crash}))
+    print(json.dumps({"fds": fds, "crash": crash, "epoch_s": epoch_s}))
 """
 
 
@@ -399,7 +401,8 @@ if __name__ == "__main__":
 def test_sigchld_ignored_by_the_program_leaks_nothing_and_crashes_say_why(tmp_path):
     """A program that sets SIGCHLD to SIG_IGN (its children are reaped by the kernel, so
     their exit status is lost): epochs leak no descriptor, and a killed worker is reported as
-    exited, naming SIGCHLD, not as "still running"."""
+    exited, naming SIGCHLD, not as "still running"; an epoch's end does not wait out the
+    join timeouts."""
     script = tmp_path / "sigchld.py"
     script.write_text(SIGCHLD_IGNORED_SCRIPT)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
@@ -409,6 +412,8 @@ def test_sigchld_ignored_by_the_program_leaks_nothing_and_crashes_say_why(tmp_pa
     assert max(report["fds"]) == report["fds"][0], report["fds"]
     assert "exit status lost" in report["crash"] and "SIGCHLD" in report["crash"]
     assert "still running" not in report["crash"]
+    # Workers' exits are seen at once (not after a join timeout at each shutdown step).
+    assert max(report["epoch_s"]) < 4.0, report["epoch_s"]
 
 
 @pytest.mark.timeout(60)
@@ -541,6 +546,76 @@ def test_close_from_another_thread_while_num_workers_0_loads_is_loader_closed_er
         next(iterator)
     del iterator
     loader.close()
+    assert not our_slab_mappings()
+
+
+class _SlowReadInto:
+    """Batch protocol: ``read_into`` of the batch holding index ``slow`` says so (``writing``),
+    then waits ``delay_s`` before writing its rows: a close() lands while a ``num_workers=0``
+    next() writes its slot."""
+
+    def __init__(self, n: int, slow: int, delay_s: float):
+        import threading
+
+        self.n, self.slow, self.delay_s = n, slow, delay_s
+        self.writing = threading.Event()
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.full(4, i, dtype=np.int64)
+
+    def read_into(self, indices, out):
+        if self.slow in indices:
+            self.writing.set()
+            time.sleep(self.delay_s)
+        out[:] = indices[:, None]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.filterwarnings("ignore:your code holds")
+def test_an_iterator_closed_while_another_thread_writes_its_slot_keeps_the_slot_till_done():
+    """close() of a num_workers=0 iterator from another thread while its next() wrote a slot
+    (a slow read_into) freed that slot and gave the slab back at once: the loader's next
+    iterator took the slot, and the batch it handed out changed as the old next() went on
+    writing (which then raised RuntimeError "... arena_loader bug"). That next() now raises
+    LoaderClosedError and gives its slot and the slab back as it returns; every batch of the
+    next epoch stays as it was handed out."""
+    import threading
+
+    dataset = _SlowReadInto(12, slow=2, delay_s=1.0)
+    loader = ArenaLoader(dataset, batch_size=2, slots=2)
+    iterator = iter(loader)
+    first = next(iterator)  # held: its slot stays leased, the next batch takes the other
+    outcome: list = []
+
+    def load():
+        try:
+            outcome.append(next(iterator))
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    assert dataset.writing.wait(10)
+    iterator.close()
+    again = iter(loader)
+    batch = next(again)
+    copy = batch.copy()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    np.testing.assert_array_equal(batch, copy)  # unchanged since it was handed out
+    assert [type(got) for got in outcome] == [LoaderClosedError]
+    rest = [b[:, 0].tolist() for b in again]
+    assert [batch[:, 0].tolist(), *rest] == [[i, i + 1] for i in range(0, 12, 2)]
+    assert first[:, 0].tolist() == [0, 1]
+    with pytest.raises(StopIteration):
+        next(iterator)
+    outcome.clear()
+    del first, batch, again
+    loader.close()
+    gc.collect()
     assert not our_slab_mappings()
 
 

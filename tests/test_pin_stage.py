@@ -12,7 +12,7 @@ import pytest
 from arena_loader import ArenaLoader, LoaderClosedError, LoaderTimeoutError, WorkerCrashedError
 from tests import resume_driver
 
-from .conftest import wait_until
+from .conftest import run_in_threads, wait_until
 from .datasets import CountedBatches, SuicidalDataset, draws_per_next
 from .test_device import TensorPairs
 
@@ -254,3 +254,42 @@ def test_a_pin_thread_stuck_in_a_slow_batch_leaves_the_next_persistent_epoch_who
         next(abandoned)  # the pin thread now waits for batch 1 (slow)
         labels = [batch[1].tolist() for batch in loader]
     assert labels == [list(range(i, i + 4)) for i in range(0, 16, 4)]
+
+
+@pytest.mark.timeout(60)
+def test_two_threads_first_next_on_a_pinned_iterator_start_one_pin_thread(fake_pinning,
+                                                                          monkeypatch):
+    """Two threads calling next() on a new pin_memory iterator at once (the first batch slow
+    to come, as the workers start): each took a first batch from the workers and started a
+    pin thread with it, and when the second took its batch before the first thread had taken
+    its own, that one was never handed out (2 runs in 10 of a demo lost a batch). The stage
+    starts once: one pin thread, every sample exactly once."""
+    import torch
+
+    from .datasets import SlowDataset
+
+    pinned_by: set[int] = set()
+    pin_memory = torch.Tensor.pin_memory
+
+    def recording(tensor, device=None):
+        pinned_by.add(threading.get_ident())
+        return pin_memory(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", recording)
+    loader = ArenaLoader(SlowDataset(16, {0}, 0.5, shape=(2,), dtype="int64"), batch_size=2,
+                         num_workers=2, pin_memory=True, output="torch")
+    iterator = iter(loader)
+    together = threading.Barrier(2)
+    got: list[list] = [[], []]
+
+    def consume(k):
+        together.wait()
+        for batch in iterator:
+            got[k].append(batch.tolist())
+
+    run_in_threads(consume)
+    assert len(pinned_by) == 1
+    rows = sorted(tuple(row) for batches in got for batch in batches for row in batch)
+    expected = SlowDataset(16, (), 0.0, shape=(2,), dtype="int64")
+    assert rows == sorted(tuple(expected[i].tolist()) for i in range(16))
+    loader.close()

@@ -459,3 +459,77 @@ def test_a_worker_whose_stream_ended_before_the_state_starts_the_next_epoch_whol
         loader.load_state_dict(state)
         tail = rows(loader) + rows(loader)
     assert head + tail == whole
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_load_state_dict_from_another_thread_leaves_the_epoch_being_iterated_whole(persistent):
+    """load_state_dict() while another thread iterates an epoch (a checkpoint restored
+    meanwhile; the same in one thread): that epoch goes on to its end, as torchdata's
+    StatefulDataLoader's does (its load_state_dict only drops the loader's reference to the
+    iterator), and the next iter() is the loaded state's. With persistent workers their
+    iterator was closed under the iterating thread: LoaderClosedError at its next next()."""
+    import threading
+
+    loader = ArenaLoader(_Rows(), batch_size=8, shuffle=True,
+                         num_workers=2, persistent_workers=persistent,
+                         generator=torch.Generator().manual_seed(SEED))
+    state = loader.state_dict()  # before the first epoch
+    first = [b[:, 0].tolist() for b in loader]
+    iterator = iter(loader)
+    seen = [next(iterator)[:, 0].tolist() for _ in range(3)]
+    restorer = threading.Thread(target=loader.load_state_dict, args=(state,))
+    restorer.start()
+    restorer.join(timeout=10)
+    assert not restorer.is_alive()
+    seen += [b[:, 0].tolist() for b in iterator]
+    assert sorted(i for b in seen for i in b) == list(range(64))
+    assert [b[:, 0].tolist() for b in loader] == first  # the loaded state: epoch 0 again
+    del iterator
+    loader.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_state_saved_by_another_thread_as_iter_begins_an_epoch_resumes_it(persistent,
+                                                                         monkeypatch):
+    """state_dict() from another thread (a checkpointing thread) while iter() began an epoch,
+    after it had recorded the epoch's start and before it drew the workers' base seed: the
+    state held the last epoch's seed, and resuming it raised ValueError ("state_dict's base
+    seed must be replayed ..."). The state is now taken before that step or once it is done,
+    and resumes the epoch as the uninterrupted run gives it."""
+    import threading
+
+    from arena_loader._resume import LoaderResume
+
+    def make():
+        return ArenaLoader(_Rows(), batch_size=8, shuffle=True, num_workers=2,
+                           persistent_workers=persistent,
+                           generator=torch.Generator().manual_seed(SEED))
+
+    loader = make()
+    [b[:, 0].tolist() for b in loader]
+    saved: list = []
+    saver = threading.Thread(target=lambda: saved.append(loader.state_dict()))
+    real = LoaderResume.base_seed
+
+    def base_seed_while_another_thread_saves(self, seeds, reuse):
+        saver.start()
+        saver.join(timeout=0.5)  # (it now waits for iter() to have drawn)
+        return real(self, seeds, reuse)
+
+    monkeypatch.setattr(LoaderResume, "base_seed", base_seed_while_another_thread_saves)
+    iterator = iter(loader)
+    monkeypatch.undo()
+    saver.join(timeout=10)
+    second = [b[:, 0].tolist() for b in iterator]
+    third = [b[:, 0].tolist() for b in loader]
+    loader.close()
+    (state,) = saved
+    assert (state["epoch"], state["batches_yielded"]) == (1, 0)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [b[:, 0].tolist() for b in resumed] == second
+    assert [b[:, 0].tolist() for b in resumed] == third
+    del iterator
+    resumed.close()

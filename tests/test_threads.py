@@ -303,3 +303,31 @@ def test_a_forked_child_holds_no_descriptor_socket_of_the_workers(worker_mode, f
     del iterator, loader
     assert closing_s < 1.0
     assert not held_by_child, "the forked child holds the main process's end of the sockets"
+
+
+@pytest.mark.timeout(60)
+def test_a_thread_that_ends_is_seen_while_a_child_forked_as_it_started_holds_its_pipes(
+        monkeypatch):
+    """A child that another thread forked while a thread worker started, before its pipes
+    were registered with _forksafe (a fork Pool starting then), holds the thread's result
+    pipe open: when the thread ended, its EOF never came, and next() waited for as long as
+    the child lived (here until `timeout`: LoaderTimeoutError). Its end is now read from the
+    thread itself: WorkerCrashedError."""
+    from arena_loader import _threads
+
+    real, forked, children = _threads.register_descriptor, contextlib.ExitStack(), []
+
+    def fork_in_another_thread_first(owner, fd):
+        if not children:
+            thread = threading.Thread(
+                target=lambda: children.append(forked.enter_context(_forked_child())))
+            thread.start()
+            thread.join()
+        real(owner, fd)
+
+    monkeypatch.setattr(_threads, "register_descriptor", fork_in_another_thread_first)
+    loader = ArenaLoader(ExitingDataset(8, fatal_index=0), batch_size=2, num_workers=1,
+                         worker_mode="thread", timeout=20)
+    with forked, pytest.raises(WorkerCrashedError, match="worker thread 0"):
+        next(iter(loader))
+    loader.close()

@@ -106,14 +106,15 @@ class DeviceStage(HostStage):
     # -- the consumer ---------------------------------------------------------------------
 
     def next_batch(self) -> Any:
-        with cuda.on_gpu(self._gpu):
-            stream = self._consumer_streams.current()
-            item = self._take(stream)  # left queued: an interrupt before the end keeps it
-            self._received(item)
-            if isinstance(item, Copied):
-                item.event.wait(stream)  # the consumer's work on the batch follows the copy
-                return self._hand_over(item).batch
-        self._hand_on(item)
+        with self._consumer_lock:
+            with cuda.on_gpu(self._gpu):
+                stream = self._consumer_streams.current()
+                item = self._take(stream)  # left queued: an interrupt before the end keeps it
+                self._received(item)
+                if isinstance(item, Copied):
+                    item.event.wait(stream)  # the consumer's work follows the copy
+                    return self._hand_over(item).batch
+            self._hand_on(item)
 
     def _hand_over(self, item: Copied) -> Copied:
         with self._cv:

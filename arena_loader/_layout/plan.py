@@ -75,6 +75,10 @@ class MappingNode:
     # keeps its tokenizer encodings so): the object leaf holding an emptied copy of it, which
     # the batch's items are put back into, as torch hands out the object itself; -1: none.
     shell: int = -1
+    # A dataclass instance whose state is its fields (spec.rebuildable_fields): rebuilt as
+    # unpickling rebuilds it, whatever class the main process has under its name (a
+    # placeholder that worker_init_fn rebinds in workers, say), as torch's batch arrives.
+    fields_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -260,7 +264,7 @@ def rebuild(node: Any, views: list, objects: list) -> Any:
             shell = objects[node.shell]
             shell.update(items)
             return shell
-        if hasattr(node.type, "__dataclass_fields__"):  # one whose fields are its state
+        if node.fields_only:
             built = node.type.__new__(node.type)  # as unpickling makes it: no __init__ or
             for key, item in items.items():  # __post_init__ run again, frozen or not
                 object.__setattr__(built, key, item)  # (spec.rebuildable_fields)

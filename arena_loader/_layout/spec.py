@@ -204,7 +204,7 @@ class SpecBuilder:
         names = rebuildable_fields(value)
         if names is not None:
             children = tuple(self.build(getattr(value, n), f"{path}.{n}") for n in names)
-            return MappingNode(type(value), names, children, path)
+            return MappingNode(type(value), names, children, path, fields_only=True)
         return self._object(value, path, in_sequence)
 
     def _object(self, value: Any, path: str, in_sequence: bool, collate: Any = None) -> Any:

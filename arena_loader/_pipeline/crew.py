@@ -42,6 +42,8 @@ class WorkerGroupLike(Protocol):
 
     def crash_error(self, worker_id: int, owed: list[tuple[int, Any]]) -> WorkerCrashedError: ...
 
+    def exited(self) -> list[int]: ...
+
     def shutdown(self, graceful: bool = True) -> None: ...
 
 
@@ -196,7 +198,10 @@ class Crew:
         poller = self._poller if owed is None else self._owed_pollers[owed]
         events = poller.poll(max(0, int(timeout_s * 1000)))
         owner = self._owner
-        return [owner[fd] for fd, _ in events if fd in owner]
+        ready = [owner[fd] for fd, _ in events if fd in owner]
+        if not ready:  # nothing for a while: an exit no sentinel showed (WorkerGroup.exited)
+            ready = [(worker, True) for worker in self.group.exited()]
+        return ready
 
     def receive_segment(self, worker: int, idx: int, nbytes: int) -> np.ndarray:
         """Map the one-off segment ``worker`` sent for batch ``idx`` (``forget_segment`` once
