@@ -48,6 +48,12 @@ class Feed:
         except BaseException as exc:
             self.sampler_error, self.exhausted = _detached(exc), True
 
+    def let_go(self) -> None:
+        """The session closed: the sampler's iterator is let go now, as torch's iterator lets
+        go of its own when dropped (a generator's ``finally`` runs then; not when the cyclic
+        GC frees the session, which the session's parts reference)."""
+        self._batches = iter(())
+
     def pick_worker(self) -> int | None:
         """The worker for the next batch; iterable-style datasets skip workers whose iterator
         ended; None (and the epoch is exhausted) when all have."""
