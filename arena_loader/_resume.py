@@ -29,7 +29,7 @@ from ._resume_stream import (
     WorkerPosition,
     is_stateful,
 )
-from .samplers import is_torch_generator, numpy_stream
+from .samplers import is_torch_generator, may_draw_globally, numpy_stream, seeded_by_epoch
 
 FORMAT = "arena_loader.resume/1"
 
@@ -69,8 +69,7 @@ def random_streams(loader: Any, seeds: Any) -> dict[str, Any]:
                                          ("seeds", seeds.stream)]
     uses_global = loader.generator is None
     for role, sampler in _samplers(loader):
-        if hasattr(sampler, "generator") and sampler.generator is None:
-            uses_global = True
+        uses_global = uses_global or may_draw_globally(sampler)
         candidates += [(f"{role}.generator", getattr(sampler, "generator", None)),
                        (f"{role}.rng", numpy_stream(sampler))]
     if torch is not None and uses_global:
@@ -97,18 +96,13 @@ def _set_generator_state(generator: Any, state: Any) -> None:
                                          dtype=torch.uint8))
 
 
-def _by_epoch(sampler: Any) -> bool:
-    return callable(getattr(sampler, "set_epoch", None)) and \
-        isinstance(getattr(sampler, "epoch", None), int)
-
-
 def position_samplers(loader: Any) -> list[tuple[str, Any]]:
     """The samplers that state their own position (torchdata's ``Stateful``, not resumed by
     a ``set_epoch`` value): saved as of the last batch received, and they go on from it."""
     if loader.options.iterable:
         return []
     return [(role, sampler) for role, sampler in _samplers(loader)
-            if not _by_epoch(sampler) and is_stateful(sampler)]
+            if not seeded_by_epoch(sampler) and is_stateful(sampler)]
 
 
 def epoch_start(loader: Any, seeds: Any) -> dict[str, Any]:
@@ -121,7 +115,7 @@ def epoch_start(loader: Any, seeds: Any) -> dict[str, Any]:
     it made the resumed epoch empty; the index skip already gives the position."""
     samplers: dict[str, Any] = {}
     for role, sampler in _samplers(loader):
-        if _by_epoch(sampler):
+        if seeded_by_epoch(sampler):
             samplers[role] = {"epoch": sampler.epoch}
         elif is_stateful(sampler):
             samplers[role] = {"state": sampler.state_dict()}

@@ -450,21 +450,59 @@ def test_a_stateful_sampler_without_set_epoch_resumes_mid_epoch_from_its_own_pos
                   else dict(sampler=sampler, batch_size=3))
         return ArenaLoader(list(range(11)), num_workers=workers, **chosen)
 
+    whole, resumed = _whole_and_resumed_in_the_second_epoch(make)
+    assert resumed == whole
+
+
+def _whole_and_resumed_in_the_second_epoch(make, reseed=lambda: None):
+    """Three epochs of ``make()``'s loader, and the same cut after two batches of the second
+    epoch and resumed by a new loader from its state (``reseed`` runs before each of the
+    three loaders: RNGs as a new process has them)."""
     def rows(batches):
         return [np.asarray(b).tolist() for b in batches]
 
+    reseed()
     with make() as loader:
         whole = [rows(loader) for _ in range(3)]
+    reseed()
     with make() as loader:
-        rows(loader)
+        first = rows(loader)
         batches = iter(loader)
         head = [np.asarray(next(batches)).tolist() for _ in range(2)]
         state = pickle.loads(pickle.dumps(loader.state_dict()))
         del batches
-    assert head == whole[1][:2]
+    torch.manual_seed(SEED + 1)  # another process: its RNG is elsewhere
     with make() as loader:
         loader.load_state_dict(state)
-        assert [rows(loader), rows(loader)] == [whole[1][2:], whole[2]]
+        return whole, [first, head + rows(loader), rows(loader)]
+
+
+class _GlobalDrawSampler:
+    """A sampler with no ``generator`` attribute that draws from torch's global RNG, as
+    torchsampler's ImbalancedDatasetSampler (``torch.multinomial``) does."""
+
+    def __len__(self):
+        return 12
+
+    def __iter__(self):
+        return iter(torch.randperm(12).tolist())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sampler_drawing_from_torchs_global_rng_resumes_beside_the_loaders_generator(
+        workers):
+    """The loader has a ``generator`` (its workers' seeds), the sampler none of its own and
+    draws from torch's global RNG: the state holds that RNG as of the epoch's start, so the
+    resumed epoch, in a process whose global RNG is elsewhere, is the uninterrupted one (it
+    was held only when the loader or a sampler said ``generator=None``)."""
+    def make():
+        return ArenaLoader(list(range(12)), sampler=_GlobalDrawSampler(), batch_size=3,
+                           num_workers=workers, generator=torch.Generator().manual_seed(1))
+
+    whole, resumed = _whole_and_resumed_in_the_second_epoch(
+        make, reseed=lambda: torch.manual_seed(SEED))
+    assert resumed == whole
 
 
 @pytest.mark.timeout(60)
