@@ -154,13 +154,15 @@ class ArrayBatches:
 
 
 @pytest.mark.parametrize(("dtype", "strided"), [(np.int32, False), (np.uint8, False),
-                                                 (np.int16, False), (np.int64, True)])
+                                                 (np.int16, False), (np.int64, True),
+                                                 (np.int64, False)])
 def test_a_batch_sampler_of_numpy_arrays_of_any_int_dtype_gives_torchs_batches(dtype,
                                                                               strided):
-    """Index arrays that are not contiguous int64 reach the workers as the arrays they are:
-    the dataset gets their scalars, as torch's gets them. They were written into the order
-    ring as if int64 (a worker died on 'bytes length not a multiple of item size', or read
-    other indices), and a strided view raised TypeError from next()."""
+    """A batch_sampler's index arrays reach the workers as the arrays they are: the dataset
+    gets their numpy scalars, as torch's gets them (and as with num_workers=0). They were
+    written into the order ring as if int64 (a worker died on 'bytes length not a multiple
+    of item size', or read other indices), a strided view raised TypeError from next(), and
+    int64 ones reached the dataset as Python ints."""
     from torch.utils.data import DataLoader
 
     def batches(kind):
