@@ -15,13 +15,22 @@ from __future__ import annotations
 import base64
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ._resume_stream import EpochPlan, EpochPosition, StreamResume, WorkerPosition, is_stateful
-from .samplers import is_torch_generator, numpy_stream
+from ._resume_stream import (
+    DrawnStates,
+    EpochPlan,
+    EpochPosition,
+    SamplerStates,
+    StreamResume,
+    WorkerPosition,
+    is_stateful,
+)
+from .samplers import is_torch_generator, may_draw_globally, numpy_stream, seeded_by_epoch
 
 FORMAT = "arena_loader.resume/1"
 
@@ -61,8 +70,7 @@ def random_streams(loader: Any, seeds: Any) -> dict[str, Any]:
                                          ("seeds", seeds.stream)]
     uses_global = loader.generator is None
     for role, sampler in _samplers(loader):
-        if hasattr(sampler, "generator") and sampler.generator is None:
-            uses_global = True
+        uses_global = uses_global or may_draw_globally(sampler)
         candidates += [(f"{role}.generator", getattr(sampler, "generator", None)),
                        (f"{role}.rng", numpy_stream(sampler))]
     if torch is not None and uses_global:
@@ -89,6 +97,15 @@ def _set_generator_state(generator: Any, state: Any) -> None:
                                          dtype=torch.uint8))
 
 
+def position_samplers(loader: Any) -> list[tuple[str, Any]]:
+    """The samplers that state their own position (torchdata's ``Stateful``, not resumed by
+    a ``set_epoch`` value): saved as of the last batch received, and they go on from it."""
+    if loader.options.iterable:
+        return []
+    return [(role, sampler) for role, sampler in _samplers(loader)
+            if not seeded_by_epoch(sampler) and is_stateful(sampler)]
+
+
 def epoch_start(loader: Any, seeds: Any) -> dict[str, Any]:
     """What the next epoch draws from, now: generator states and the samplers' states.
 
@@ -99,8 +116,7 @@ def epoch_start(loader: Any, seeds: Any) -> dict[str, Any]:
     it made the resumed epoch empty; the index skip already gives the position."""
     samplers: dict[str, Any] = {}
     for role, sampler in _samplers(loader):
-        if callable(getattr(sampler, "set_epoch", None)) and \
-                isinstance(getattr(sampler, "epoch", None), int):
+        if seeded_by_epoch(sampler):
             samplers[role] = {"epoch": sampler.epoch}
         elif is_stateful(sampler):
             samplers[role] = {"state": sampler.state_dict()}
@@ -171,6 +187,7 @@ class LoaderResume:
         # start recorded, its base seed not yet) held the last epoch's seed, and resuming it
         # raised ValueError. (Re-entrant: user code iter() runs may call state_dict().)
         self.lock = threading.RLock()
+        self._drawn: SamplerStates | None = None  # position samplers' states per batch drawn
 
     # -- iter() ------------------------------------------------------------------------------
 
@@ -186,7 +203,11 @@ class LoaderResume:
         self.epoch, self._start = pending["epoch"], pending["epoch_start"]
         position = self._new_position(loader, pending)
         self._begun = True
-        plan = EpochPlan(position=position, first_idx=pending["next_idx"], resumed=True)
+        at = pending.get("samplers_at")  # their state as of the last batch received
+        for role, sampler in position_samplers(loader) if at is not None else ():
+            sampler.load_state_dict(at[role])
+        plan = EpochPlan(position=position, first_idx=pending["next_idx"], resumed=True,
+                         skip=0 if at is not None else pending["next_idx"])
         workers = position.workers
         if workers is not None:
             plan.active = [not w.ended for w in workers]
@@ -228,6 +249,21 @@ class LoaderResume:
             if position is None or position.finished or position.next_idx != pending["next_idx"]:
                 self._pending = pending = None
         return pending
+
+    def drawn(self, loader: Any, plan: EpochPlan, batches: Any) -> Any:
+        """The epoch's batch order, with the position samplers' states noted per batch."""
+        samplers = position_samplers(loader)
+        if not samplers:
+            self._drawn = None
+            return batches
+        resume = weakref.ref(self)  # (the iterator must not keep the loader's parts alive)
+
+        def consumer_idx() -> int:
+            live = resume()
+            return live.position.next_idx if live is not None and live.position else 0
+
+        self._drawn = SamplerStates(consumer_idx)
+        return DrawnStates(batches, samplers, plan.first_idx, self._drawn)
 
     def follower(self, plan: EpochPlan) -> tuple[Callable[[], EpochPosition],
                                                   Callable[[EpochPosition], None]]:
@@ -287,13 +323,15 @@ class LoaderResume:
                                kept, False, carried, None)
         workers = None if position.workers is None else [w.as_state()
                                                           for w in position.workers]
+        at = self._drawn.after(position.next_idx - 1) if self._drawn is not None else None
         return self._state(loader, self.epoch, self._start, position.yielded, position.next_idx,
-                           self._base_seed, self.drew_seed, workers, position.last_worker)
+                           self._base_seed, self.drew_seed, workers, position.last_worker, at)
 
     def _state(self, loader: Any, epoch: int, start: Any, yielded: int, next_idx: int,
-               base_seed: Any, drew: bool, workers: Any, last_worker: Any) -> dict[str, Any]:
+               base_seed: Any, drew: bool, workers: Any, last_worker: Any,
+               samplers_at: Any = None) -> dict[str, Any]:
         return {"format": FORMAT, "epoch": epoch, "batches_yielded": yielded,
-                "next_idx": next_idx,
+                "next_idx": next_idx, "samplers_at": samplers_at,
                 "base_seed": base_seed, "drew_base_seed": drew, "epoch_start": start,
                 "workers": workers, "last_worker": last_worker,
                 "fingerprint": fingerprint(loader, self._seeds)}

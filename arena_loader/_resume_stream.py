@@ -186,6 +186,53 @@ class EpochPosition:
             position.state = state
 
 
+class SamplerStates:
+    """The state of every sampler that states its own position (torchdata's ``Stateful``
+    without ``set_epoch``) after each batch drawn this epoch: ``state_dict()`` saves it for
+    the last batch the consumer received, as torchdata's ``StatefulDataLoader`` does (a
+    snapshot per batch sent, with workers). Kept from that batch on (``consumer_idx``: the
+    consumer's next idx); the batches drawn ahead of it wait here."""
+
+    __slots__ = ("_by_idx", "_consumer_idx")
+
+    def __init__(self, consumer_idx: Callable[[], int]):
+        self._consumer_idx = consumer_idx
+        self._by_idx: dict[int, dict[str, Any]] = {}
+
+    def note(self, idx: int, states: dict[str, Any]) -> None:
+        by_idx = self._by_idx
+        by_idx[idx] = states
+        oldest = self._consumer_idx() - 1
+        for old in [k for k in by_idx if k < oldest]:
+            del by_idx[old]
+
+    def after(self, idx: int) -> dict[str, Any] | None:
+        """The samplers' states after batch ``idx`` was drawn (None: not drawn)."""
+        return self._by_idx.get(idx)
+
+
+class DrawnStates:
+    """The epoch's batch order, noting the samplers' states (``SamplerStates``) after each
+    batch. Only the iterator holds it: dropped, the sampler's iterator goes with it."""
+
+    __slots__ = ("_batches", "_idx", "_samplers", "_store")
+
+    def __init__(self, batches: Iterator, samplers: list[tuple[str, Any]], first_idx: int,
+                 store: SamplerStates):
+        self._batches, self._samplers, self._idx, self._store = (
+            batches, samplers, first_idx, store)
+
+    def __iter__(self) -> DrawnStates:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._batches)
+        idx = self._idx
+        self._store.note(idx, {role: sampler.state_dict() for role, sampler in self._samplers})
+        self._idx = idx + 1
+        return batch
+
+
 @dataclass
 class EpochPlan:
     """What an epoch's iterator is given: the batch order (already past the batches handed
@@ -199,3 +246,5 @@ class EpochPlan:
     next_worker: int = 0
     streams: list[StreamResume] | None = None
     resumed: bool = False  # made by load_state_dict(): replays an interrupted epoch
+    skip: int = 0  # batches of the order to draw and drop (first_idx, unless the samplers
+    # were given their state as of the last batch received: they go on from there)

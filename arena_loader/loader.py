@@ -214,8 +214,8 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
                 # torch's new worker iterator draws the DataPipe seed once more, in its _reset(),
                 # for the main process's copy; its workers keep the first. Drawn to stay in step.
                 self._seeds.datapipe_seed()
-        plan.batches = epoch_batches(options, self.sampler, self.batch_sampler, self._filler,
-                                     plan.first_idx)
+        plan.batches = self._resume.drawn(self, plan, epoch_batches(
+            options, self.sampler, self.batch_sampler, self._filler, plan.skip))
         if options.num_workers == 0:
             iterator: Any = InProcessIterator(self, self._filler, self._source, plan)
         elif reuse:  # `persistent` as read above: close() in another thread may drop it

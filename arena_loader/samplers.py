@@ -367,3 +367,29 @@ class WeightedRandomSampler:
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+def seeded_by_epoch(sampler: Any) -> bool:
+    """A sampler whose order comes from its seed and ``set_epoch`` (DistributedSampler)."""
+    return callable(getattr(sampler, "set_epoch", None)) and \
+        isinstance(getattr(sampler, "epoch", None), int)
+
+
+# Samplers that draw nothing (ours and torch's), by type
+_DRAW_NOTHING = {SequentialSampler, BatchSampler, InfiniteConstantSampler}
+_TORCH_DRAW_NOTHING = {("torch.utils.data.sampler", "SequentialSampler"),
+                       ("torch.utils.data.sampler", "BatchSampler"),
+                       ("torch.utils.data.dataloader", "_InfiniteConstantSampler")}
+
+
+def may_draw_globally(sampler: Any) -> bool:
+    """Whether ``sampler`` may draw from torch's global RNG: with ``generator=None``, as
+    torch's samplers do, or with no generator of its own and no ``set_epoch`` seeding
+    (torchsampler's ImbalancedDatasetSampler calls ``torch.multinomial``); not ours or
+    torch's that draw nothing."""
+    if hasattr(sampler, "generator"):
+        return sampler.generator is None
+    kind = type(sampler)
+    return not (numpy_stream(sampler) is not None or seeded_by_epoch(sampler)
+                or kind in _DRAW_NOTHING
+                or (kind.__module__, kind.__qualname__) in _TORCH_DRAW_NOTHING)

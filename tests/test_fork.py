@@ -669,6 +669,55 @@ def test_dropped_loaders_stop_their_workers_without_the_cyclic_gc(gc_disabled, n
     assert max(fds) == fds[0], fds
 
 
+class ClosingSampler:
+    """Indices 0..n-1 over and over, from a generator whose ``finally`` notes its close."""
+
+    def __init__(self, n: int):
+        self.n, self.events = n, []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        self.events.append("start")
+        try:
+            index = 0
+            while True:
+                yield index % self.n
+                index += 1
+        finally:
+            self.events.append("closed")
+
+
+@pytest.mark.parametrize(("num_workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_a_dropped_iterator_lets_go_of_the_samplers_iterator_as_torchs_does(
+        gc_disabled, num_workers, persistent):
+    """torch's iterator dropped mid-epoch frees its sampler iterator with it: a generator's
+    ``finally`` runs at once, and mmengine's InfiniteSampler (whose iterators all delegate to
+    one generator) then yields nothing more; a persistent one lets it go at the next
+    ``iter()``. ArenaLoader's does the same without waiting for the cyclic GC."""
+    from torch.utils.data import DataLoader
+
+    events = {}
+    for kind in (DataLoader, ArenaLoader):
+        sampler = ClosingSampler(16)
+        loader = kind(FullDataset(16), sampler=sampler, batch_size=4, num_workers=num_workers,
+                      persistent_workers=persistent)
+        iterator = iter(loader)
+        next(iterator)
+        del iterator
+        dropped = list(sampler.events)
+        iterator = iter(loader)
+        next(iterator)
+        events[kind] = (dropped, list(sampler.events))
+        del iterator
+        if kind is ArenaLoader:
+            loader.close()
+    closed = ["start"] if persistent else ["start", "closed"]
+    assert events[DataLoader] == (closed, ["start", "closed", "start"])
+    assert events[ArenaLoader] == events[DataLoader]
+
+
 # -- the registry itself ---------------------------------------------------------------------
 
 

@@ -403,6 +403,108 @@ def test_stateful_distributed_sampler_resumes_after_the_first_epoch(workers, tak
             [whole[1][taken_after:], whole[2]]
 
 
+class _SelfCountingStatefulSampler:
+    """A sampler written to torchdata's ``Stateful`` contract, with no ``set_epoch``: each
+    ``iter()`` is its next epoch (a new permutation); ``state_dict()`` says where it is (its
+    epoch and the indices yielded), and the ``iter()`` after ``load_state_dict()`` goes on
+    from there, as torchdata's StatefulDataLoader resumes it."""
+
+    def __init__(self, size: int):
+        self.size, self.epoch, self.yielded, self.resume_at = size, -1, 0, None
+
+    def __len__(self):
+        return self.size
+
+    def __iter__(self):
+        if self.resume_at is None:
+            self.epoch, self.yielded = self.epoch + 1, 0
+        self.resume_at = None
+        order = np.random.default_rng(self.epoch).permutation(self.size).tolist()
+        for index in order[self.yielded:]:
+            self.yielded += 1
+            yield index
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "yielded": self.yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.yielded = state["epoch"], state["yielded"]
+        self.resume_at = state["yielded"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_stateful_sampler_without_set_epoch_resumes_mid_epoch_from_its_own_position(
+        workers, wrapped):
+    """A Stateful sampler without set_epoch (itself, or inside a batch_sampler), resumed
+    mid-way through its second epoch: the rest of that epoch, then the next, as uninterrupted.
+    Its state as of the last batch received is saved and loaded, as torchdata's
+    StatefulDataLoader does (saved at the epoch's start, it said the first epoch had ended,
+    and loaded it emptied the rest of the resumed epoch)."""
+    from torch.utils.data import BatchSampler
+
+    def make():
+        sampler = _SelfCountingStatefulSampler(11)
+        chosen = (dict(batch_sampler=BatchSampler(sampler, 3, False)) if wrapped
+                  else dict(sampler=sampler, batch_size=3))
+        return ArenaLoader(list(range(11)), num_workers=workers, **chosen)
+
+    whole, resumed = _whole_and_resumed_in_the_second_epoch(make)
+    assert resumed == whole
+
+
+def _whole_and_resumed_in_the_second_epoch(make, reseed=lambda: None):
+    """Three epochs of ``make()``'s loader, and the same cut after two batches of the second
+    epoch and resumed by a new loader from its state (``reseed`` runs before each of the
+    three loaders: RNGs as a new process has them)."""
+    def rows(batches):
+        return [np.asarray(b).tolist() for b in batches]
+
+    reseed()
+    with make() as loader:
+        whole = [rows(loader) for _ in range(3)]
+    reseed()
+    with make() as loader:
+        first = rows(loader)
+        batches = iter(loader)
+        head = [np.asarray(next(batches)).tolist() for _ in range(2)]
+        state = pickle.loads(pickle.dumps(loader.state_dict()))
+        del batches
+    torch.manual_seed(SEED + 1)  # another process: its RNG is elsewhere
+    with make() as loader:
+        loader.load_state_dict(state)
+        return whole, [first, head + rows(loader), rows(loader)]
+
+
+class _GlobalDrawSampler:
+    """A sampler with no ``generator`` attribute that draws from torch's global RNG, as
+    torchsampler's ImbalancedDatasetSampler (``torch.multinomial``) does."""
+
+    def __len__(self):
+        return 12
+
+    def __iter__(self):
+        return iter(torch.randperm(12).tolist())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sampler_drawing_from_torchs_global_rng_resumes_beside_the_loaders_generator(
+        workers):
+    """The loader has a ``generator`` (its workers' seeds), the sampler none of its own and
+    draws from torch's global RNG: the state holds that RNG as of the epoch's start, so the
+    resumed epoch, in a process whose global RNG is elsewhere, is the uninterrupted one (it
+    was held only when the loader or a sampler said ``generator=None``)."""
+    def make():
+        return ArenaLoader(list(range(12)), sampler=_GlobalDrawSampler(), batch_size=3,
+                           num_workers=workers, generator=torch.Generator().manual_seed(1))
+
+    whole, resumed = _whole_and_resumed_in_the_second_epoch(
+        make, reseed=lambda: torch.manual_seed(SEED))
+    assert resumed == whole
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", ["in_process", "persistent"])
 def test_an_iterator_dropped_unused_leaves_the_loaded_state_to_the_next_iter(name):

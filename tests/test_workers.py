@@ -126,6 +126,57 @@ def test_getitems_result_goes_to_the_collate_fn_as_it_is(num_workers):
         np.testing.assert_array_equal(batch["x"], dataset.x[batch["indices"]])
 
 
+class IndexKinds:
+    """Sample ``i``: its value and the type of the index the dataset was given."""
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, index) -> dict:
+        return {"x": np.int64(index), "kind": type(index).__name__}
+
+
+class ArrayBatches:
+    """A batch_sampler yielding numpy index arrays: an int32 or uint8 index file's batches,
+    or strided views of an int64 order (``order[k::3]``)."""
+
+    def __init__(self, dtype, strided: bool = False):
+        self.dtype, self.strided = dtype, strided
+
+    def __len__(self) -> int:
+        return 3
+
+    def __iter__(self):
+        order = np.arange(19, -1, -1).astype(self.dtype)
+        if self.strided:
+            return iter([order[k::3] for k in range(3)])
+        return iter(np.array_split(order, 3))
+
+
+@pytest.mark.parametrize(("dtype", "strided"), [(np.int32, False), (np.uint8, False),
+                                                 (np.int16, False), (np.int64, True),
+                                                 (np.int64, False)])
+def test_a_batch_sampler_of_numpy_arrays_of_any_int_dtype_gives_torchs_batches(dtype,
+                                                                              strided):
+    """A batch_sampler's index arrays reach the workers as the arrays they are: the dataset
+    gets their numpy scalars, as torch's gets them (and as with num_workers=0). They were
+    written into the order ring as if int64 (a worker died on 'bytes length not a multiple
+    of item size', or read other indices), a strided view raised TypeError from next(), and
+    int64 ones reached the dataset as Python ints."""
+    from torch.utils.data import DataLoader
+
+    def batches(kind):
+        loader = kind(IndexKinds(), batch_sampler=ArrayBatches(dtype, strided), num_workers=2)
+        try:
+            return [(np.asarray(b["x"]).tolist(), b["kind"]) for b in loader]
+        finally:
+            getattr(loader, "close", lambda: None)()
+
+    expected = batches(DataLoader)
+    assert expected[0][1][0] == np.dtype(dtype).name
+    assert batches(ArenaLoader) == expected
+
+
 class TorchDrawDataset(ImageDataset):
     """Each sample is a draw from torch's global RNG in the loading worker."""
 

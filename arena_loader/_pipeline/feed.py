@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from .._epoch_batches import ChunkedBatches, SlicedBatches
 from .._messages import add_note, formatted
 from .._resume_stream import EpochPlan, draw_into
 from .crew import Crew
@@ -19,6 +22,10 @@ NO_PENDING = object()  # not None: an iterable-style dataset's "indices" are Non
 class Feed:
     def __init__(self, plan: EpochPlan, num_workers: int, iterable: bool, epoch: int):
         self._batches = plan.batches
+        # Index arrays of our samplers' epoch array travel as int64 (the worker hands the
+        # dataset ints, as torch's BatchSampler does); a batch_sampler's own arrays pickled,
+        # so the dataset gets their numpy scalars, as torch's fetcher gives them.
+        self._own_arrays = type(plan.batches) in (SlicedBatches, ChunkedBatches)
         self._workers = num_workers
         self._iterable = iterable
         self.epoch = epoch
@@ -48,6 +55,12 @@ class Feed:
         except BaseException as exc:
             self.sampler_error, self.exhausted = _detached(exc), True
 
+    def let_go(self) -> None:
+        """The session closed: the sampler's iterator is let go now, as torch's iterator lets
+        go of its own when dropped (a generator's ``finally`` runs then; not when the cyclic
+        GC frees the session, which the session's parts reference)."""
+        self._batches = iter(())
+
     def pick_worker(self) -> int | None:
         """The worker for the next batch; iterable-style datasets skip workers whose iterator
         ended; None (and the epoch is exhausted) when all have."""
@@ -70,7 +83,8 @@ class Feed:
         try:
             order.in_flight[idx], self.pending, self.send_idx = (
                 (worker, slot, None if self._iterable else indices), NO_PENDING, idx + 1)
-            kind = EntryKind.STREAM if self._iterable else EntryKind.INDICES
+            kind = EntryKind.STREAM if self._iterable else EntryKind.PICKLED if (
+                type(indices) is np.ndarray and not self._own_arrays) else EntryKind.INDICES
             sent = crew.publish(worker, kind, idx, slot, self.epoch, indices)
             if not sent:
                 self._unsend(order, idx, indices)

@@ -158,7 +158,10 @@ class OrderRing:
         piped = b""
         if indices is None and kind is not EntryKind.INDICES:  # STREAM, ATTACH, STOP
             payload: Any = b""
-        elif type(indices) is np.ndarray:  # int64 slices of the sampler's epoch array
+        elif kind is EntryKind.PICKLED:  # (a batch_sampler's arrays: Feed.send)
+            payload = pickle.dumps(indices, protocol=5)
+        elif type(indices) is np.ndarray and indices.dtype == np.int64 \
+                and indices.flags.c_contiguous:  # slices of our samplers' epoch array
             payload, kind = indices, EntryKind.INDICES
         elif type(indices) is list and indices and type(indices[0]) is int:
             try:

@@ -248,6 +248,7 @@ class Session:
                 self.release_arena()
                 self.claim.close()
                 self.waker.close()
+                self.feed.let_go()
 
     def reclaim_done(self) -> None:
         """Drop the batches that arrived and were not handed out; their slots are free."""
