@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -85,3 +85,46 @@ class ChunkedBatches:
         batch = parts[0] if len(parts) == 1 else np.concatenate(parts)
         batch = batch.tolist() if self._lists else batch.astype(np.int64, copy=False)
         self._start = end; return batch  # noqa: E702 (as SlicedBatches.__next__)
+
+
+class ListedBatches:
+    """A user sampler's indices in lists of ``size``, as torch's BatchSampler groups them (the
+    sampler iterated at the first ``next()``; ``first`` batches drawn and dropped). Each batch
+    is taken by ``list.extend`` (kept by C, interrupted or not) into ``_held``, which the line
+    that returns it forgets; a skipped one is dropped in the statement that counts it."""
+
+    __slots__ = ("_drop_last", "_held", "_indices", "_sampler", "_size", "_skip")
+
+    def __init__(self, sampler: Iterable, size: int, drop_last: bool, first: int):
+        self._sampler, self._size, self._drop_last, self._skip = sampler, size, drop_last, first
+        self._indices: Iterator | None = None
+        self._held: list = []
+
+    def __iter__(self) -> ListedBatches:
+        return self
+
+    def __next__(self) -> list:
+        indices = self._indices
+        if indices is None:
+            indices = self._indices = iter(self._sampler)
+        while self._skip:
+            if not self._held:
+                self._take(indices)
+            self._held, self._skip = [], self._skip - 1  # (one statement)
+        held = self._held
+        if not held:
+            self._take(indices)
+        if not held or (self._drop_last and len(held) < self._size):
+            raise StopIteration
+        self._held = []; return held  # noqa: E702 (as SlicedBatches.__next__)
+
+    def _take(self, indices: Iterator) -> None:
+        try:
+            self._held.extend(itertools.islice(indices, self._size))
+        except KeyboardInterrupt:
+            raise  # (what the sampler gave is kept; a sampler of ours goes on)
+        except BaseException:
+            # The sampler raised: the epoch ends there, its batch's indices dropped, as
+            # torch's BatchSampler (a generator) ends once its sampler raised.
+            self._indices, self._held, self._skip = iter(()), [], 0
+            raise

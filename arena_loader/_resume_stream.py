@@ -215,21 +215,25 @@ class DrawnStates:
     """The epoch's batch order, noting the samplers' states (``SamplerStates``) after each
     batch. Only the iterator holds it: dropped, the sampler's iterator goes with it."""
 
-    __slots__ = ("_batches", "_idx", "_samplers", "_store")
+    __slots__ = ("_batches", "_drawn", "_idx", "_samplers", "_store")
 
     def __init__(self, batches: Iterator, samplers: list[tuple[str, Any]], first_idx: int,
                  store: SamplerStates):
         self._batches, self._samplers, self._idx, self._store = (
             batches, samplers, first_idx, store)
+        self._drawn: list = []  # the batch drawn and not yet returned (see draw_into)
 
     def __iter__(self) -> DrawnStates:
         return self
 
     def __next__(self) -> Any:
-        batch = next(self._batches)
+        # Interrupted anywhere, the batch drawn stays in ``_drawn`` and its states are noted
+        # again (the samplers have not moved since): nothing lost, nothing drawn twice.
+        if not draw_into(self._drawn, self._batches):
+            raise StopIteration
         idx = self._idx
         self._store.note(idx, {role: sampler.state_dict() for role, sampler in self._samplers})
-        self._idx = idx + 1
+        (batch,), self._drawn, self._idx = self._drawn, [], idx + 1
         return batch
 
 

@@ -15,14 +15,13 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
-from collections import deque
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any
 
 import numpy as np
 
 from ._distributed import DistributedSampler
-from ._epoch_batches import ChunkedBatches, SlicedBatches
+from ._epoch_batches import ChunkedBatches, ListedBatches, SlicedBatches
 from ._options import torch_worded
 
 __all__ = [
@@ -266,18 +265,7 @@ class BatchSampler:
                                  lists)
         if type(sampler) is RandomSampler and len(sampler.data_source) > 0:
             return sampler._chunked_batches(self.batch_size, self.drop_last, first, lists)
-        return self._listed_batches(first)
-
-    def _listed_batches(self, first: int) -> Iterator[list[int]]:
-        skip = first * self.batch_size
-        indices = iter(self.sampler)
-        if skip:  # drawn and dropped in C, no list per batch
-            deque(itertools.islice(indices, skip), maxlen=0)
-        while True:
-            batch = list(itertools.islice(indices, self.batch_size))
-            if len(batch) < self.batch_size and (self.drop_last or not batch):
-                return
-            yield batch
+        return ListedBatches(sampler, self.batch_size, self.drop_last, first)
 
     def __len__(self) -> int:
         if self.drop_last:

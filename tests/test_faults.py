@@ -761,6 +761,65 @@ def test_ctrl_c_at_any_line_of_next_loses_no_batch(num_workers):
         assert got == expected, (k, interrupts, got)
 
 
+class _UserSampler:
+    """A user's sampler (not one of ours): the loader groups its indices into batches."""
+
+    def __init__(self, n: int):
+        self.n, self.start = n, 0
+
+    def __iter__(self):
+        while self.start < self.n:
+            self.start += 1
+            yield self.start - 1
+        self.start = 0
+
+    def __len__(self):
+        return self.n
+
+
+class _PositionSampler(_UserSampler):
+    """A sampler that states its own position (torchdata's Stateful, no set_epoch): the
+    loader records its state after each batch drawn, in Python, beside the draw."""
+
+    def state_dict(self):
+        return {"start": self.start}
+
+    def load_state_dict(self, state):
+        self.start = state["start"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("sampler", [_UserSampler, _PositionSampler])
+def test_ctrl_c_at_any_line_of_next_loses_no_batch_of_a_users_sampler(num_workers, sampler):
+    """As above, with a user's sampler, whose indices the loader groups into batches, and
+    one whose state it records per batch drawn (a Stateful one): an interrupt while a batch
+    is drawn or its state recorded loses no batch and repeats none (an interrupt in the
+    grouping ended the epoch there, silently)."""
+    import sys
+
+    expected = list(range(0, 40, 2))
+    for k in range(1, 40, 3):
+        with ArenaLoader(_Indexed(), sampler=sampler(40), batch_size=2,
+                         num_workers=num_workers, timeout=10 if num_workers else 0) as loader:
+            iterator, got, batch = iter(loader), [], None
+            tracer = _InterruptAt(k)
+            while len(got) <= len(expected):
+                sys.settrace(tracer)
+                try:
+                    batch = next(iterator)
+                except KeyboardInterrupt:
+                    continue
+                except StopIteration:
+                    break
+                finally:
+                    sys.settrace(None)
+                got.append(int(batch[0, 0]))
+                tracer.count, tracer.armed = 0, True
+            del batch, iterator
+        assert got == expected, (k, got)
+
+
 class _FailsAt13(_Indexed):
     def __len__(self):
         return 20  # 10 batches: every next() of an epoch is interrupted, so time goes as len
