@@ -274,6 +274,9 @@ class StagedIterator(LoaderLength):
         self._stage.close()  # (not the finalizer, which runs once: see HostStage.close)
 
 
+_ANY_HOST = object()  # Stager.detach: whatever host the staged iterator reads
+
+
 class Stager:
     """A loader's stage: a ``StagedIterator`` around each host iterator (``make``)."""
 
@@ -293,10 +296,12 @@ class Stager:
             self._shared = weakref.ref(iterator)
         return iterator
 
-    def detach(self) -> None:
+    def detach(self, host: Any = _ANY_HOST) -> None:
         """Stop the staged iterator still reading the persistent host iterator (an abandoned
-        epoch) before that one starts a new epoch."""
+        epoch) before that one starts a new epoch: ``host``'s only, if given. One reading a
+        host that load_state_dict() let go goes on to its epoch's end, as without a stage."""
         previous = self._shared() if self._shared is not None else None
+        if previous is None or (host is not _ANY_HOST and previous._stage._host is not host):
+            return
         self._shared = None
-        if previous is not None:
-            previous.close()
+        previous.close()
