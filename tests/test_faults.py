@@ -730,35 +730,75 @@ def _ctrl_c_matrix(num_workers, persistent, threads=1, pin=False, device=None):
                                                                     live_children())
 
 
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("persistent, pin, device, step", [
+    (True, True, None, 1), (False, True, None, 3), (True, False, "cuda", 1)])
+def test_ctrl_c_at_any_line_of_a_staged_next_loses_nothing(persistent, pin, device, step):
+    """pin_memory or device with workers: every next() of an epoch interrupted at its k-th
+    line of arena_loader code, for every k (every ``step``-th) until an epoch's next() calls
+    are all shorter. The matrix above interrupts each call once at a k that grows by one per
+    call, so k is past the first next() (the stage's start, the workers') before the steady
+    calls come, and the lines those run in the main thread (the stage's next_batch, the host
+    window's refill from the consumer, TopUp.refill) were never a target. Each epoch yields
+    every batch once, in order, with every slot free after it. Fresh interpreter."""
+    _in_fresh_interpreter(
+        f"_ctrl_c_staged_matrix({persistent}, {pin}, {device!r}, {step})", 160,
+        simulator=device is not None)
+
+
+def _ctrl_c_staged_matrix(persistent, pin, device, step):
+    expected = list(range(0, 40, 2))
+    if pin:
+        _fake_pinning()
+    dataset = _IndexedTensors() if pin else _Indexed()
+    with ArenaLoader(dataset, batch_size=2, num_workers=2, timeout=10,
+                     persistent_workers=persistent, pin_memory=pin, device=device) as loader:
+        k, interrupts = 0, 1
+        while interrupts:  # the last epoch: no next() reached its k-th line
+            k += step
+            assert k < 2000, "a next() of over 2000 lines, or one interrupted for good"
+            got, interrupts = _every_next_interrupted_at(loader, k, len(expected))
+            assert got == expected, (k, interrupts, got)
+            gc.collect()
+            snapshot = loader.snapshot()
+            if snapshot.slab_nbytes is not None:
+                assert snapshot.free_slots == loader.slots, (k, snapshot.slot_states)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_ctrl_c_at_any_line_of_next_loses_no_batch(num_workers):
     """KeyboardInterrupt injected at the k-th line of arena_loader code in each next() (for
     many k): every interrupt reaches the caller, and the epoch still yields every batch
     exactly once, in order, with no hang."""
-    import sys
-
     expected = list(range(0, 40, 2))
     for k in range(1, 60, 4):
         with ArenaLoader(_Indexed(), batch_size=2, num_workers=num_workers,
                          timeout=10 if num_workers else 0) as loader:
-            iterator, got, interrupts = iter(loader), [], 0
-            tracer = _InterruptAt(k)
-            while len(got) <= len(expected):
-                sys.settrace(tracer)
-                try:
-                    batch = next(iterator)
-                except KeyboardInterrupt:
-                    interrupts += 1
-                    continue
-                except StopIteration:
-                    break
-                finally:
-                    sys.settrace(None)
-                got.append(int(batch[0, 0]))
-                tracer.count, tracer.armed = 0, True
-            del batch, iterator
+            got, interrupts = _every_next_interrupted_at(loader, k, len(expected))
         assert got == expected, (k, interrupts, got)
+
+
+def _every_next_interrupted_at(loader, k, batches):
+    """One epoch of ``loader``, each ``next()`` interrupted at its k-th line of arena_loader
+    code (and called again): (each batch's first value, how many interrupts)."""
+    iterator, got, interrupts = iter(loader), [], 0
+    tracer = _InterruptAt(k)
+    while len(got) <= batches:
+        sys.settrace(tracer)
+        try:
+            batch = next(iterator)
+        except KeyboardInterrupt:
+            interrupts += 1
+            continue
+        except StopIteration:
+            break
+        finally:
+            sys.settrace(None)
+        got.append(int(batch[0, 0]))
+        del batch
+        tracer.count, tracer.armed = 0, True
+    return got, interrupts
 
 
 class _FailsAt13(_Indexed):

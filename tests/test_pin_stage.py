@@ -313,3 +313,37 @@ def test_an_epoch_whose_persistent_workers_load_state_dict_let_go_goes_on_after_
         assert labels == [list(range(i, i + 4)) for i in range(0, 32, 4)]
         assert [batch[1].tolist() for batch in new] == labels  # the loaded state's epoch
         del old, new
+
+
+@pytest.mark.parametrize("then", ["next", "close"])
+def test_ctrl_c_as_the_pin_thread_is_started_leaves_the_iterator_whole(fake_pinning,
+                                                                     monkeypatch, then):
+    """A Ctrl-C inside ``Thread.start()`` of the pin thread, before the thread began (its
+    Python lines run before the OS thread is made), at the first next(). The next next()
+    starts it and the epoch is whole; close() instead closes. Before: the stage kept the
+    thread object as started, so every next() raised RuntimeError ('the arena_loader-pin
+    thread stopped unexpectedly') and close() raised RuntimeError ('cannot join thread before
+    it is started')."""
+    real_start = threading.Thread.start
+    interrupted: list[str] = []
+
+    def interrupted_once(thread):
+        if thread.name == "arena_loader-pin" and not interrupted:
+            interrupted.append(thread.name)
+            raise KeyboardInterrupt
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted_once)
+    with ArenaLoader(TensorPairs(16), batch_size=4, num_workers=2, pin_memory=True) as loader:
+        iterator = iter(loader)
+        with pytest.raises(KeyboardInterrupt):
+            next(iterator)
+        assert interrupted
+        if then == "close":
+            iterator.close()
+            with pytest.raises(LoaderClosedError):
+                next(iterator)
+        else:
+            labels = [batch[1].tolist() for batch in iterator]
+            assert labels == [list(range(i, i + 4)) for i in range(0, 16, 4)]
+        del iterator
