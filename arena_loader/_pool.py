@@ -268,7 +268,12 @@ class SlotPool(LeaseRing):
         Returns how many slots were recovered."""
         with self._lock:
             self._collect_released()
-            listed = set(self._free)
+            free, states = self._free, self._states
+            # An entry a take that Ctrl-C cut short left listed behind the head (no longer
+            # FREE) goes: unowned, its slot is recovered below like any other.
+            for slot in [slot for slot in free if states[slot] is not SlotState.FREE]:
+                free.remove(slot)
+            listed = set(free)
             recovered = [slot for slot, state in enumerate(self._states)
                          if slot not in listed and (state is SlotState.FREE or (
                              state in (SlotState.ASSIGNED, SlotState.FILLED)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -35,6 +36,8 @@ POLL_S = 0.5
 # one (closing it costs the workers) or runs user code in this process.
 OWNED_JOIN_S = 0.5
 SHARED_JOIN_S = 10.0
+# How long a thread whose start() a Ctrl-C cut short gets to show it began (_begun).
+BEGIN_WAIT_S = 1.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,6 +78,7 @@ class HostStage:
         self._closed = False
         self._finished = False
         self._thread: threading.Thread | None = None
+        self._started = False  # start() returned: the thread began
         self._first: Any = None
         # What the thread holds ahead of the consumer counts against the host's read-ahead,
         # as torch's pin thread's does: the host refills as the consumer receives each batch.
@@ -93,21 +97,24 @@ class HostStage:
         happens here and its errors are this next()'s; then start the thread with it (unless
         another thread's next() did meanwhile)."""
         with self._starting:
-            if self._thread is not None:
-                return
-            if self._first is None:
-                # Kept in an attribute (stored once next() returns, in the same line: a Ctrl-C
-                # later leaves it for the next next()), not as a thread argument: Thread keeps
-                # its arguments until run() returns, which would hold the slot all epoch.
-                self._first = next(self._host)
-            thread = threading.Thread(target=self._run, daemon=True, name=self.thread_name)
-            with self._cv:
-                if self._closed:
-                    self._first = None
-                    raise LoaderClosedError(
-                        "this iterator was closed; call iter(loader) for a new one")
-                self._thread = thread
-            thread.start()
+            thread = self._thread
+            if thread is None:
+                if self._first is None:
+                    # Kept in an attribute (stored once next() returns, in the same line: a
+                    # Ctrl-C later leaves it for the next next()), not as a thread argument:
+                    # Thread keeps its arguments until run() returns, which would hold the
+                    # slot all epoch.
+                    self._first = next(self._host)
+                thread = threading.Thread(target=self._run, daemon=True, name=self.thread_name)
+                with self._cv:
+                    if self._closed:
+                        self._first = None
+                        raise LoaderClosedError(
+                            "this iterator was closed; call iter(loader) for a new one")
+                    self._thread = thread
+            if not _begun(thread):  # (a Ctrl-C cut the last start() short before it began)
+                thread.start()
+            self._started = True
 
     def _run(self) -> None:
         try:
@@ -194,7 +201,7 @@ class HostStage:
     @property
     def awaits_first(self) -> bool:
         """Neither started nor closed: ``start`` may be called."""
-        return self._thread is None and not self._closed
+        return not self._started and not self._closed
 
     def _first_queued(self, before_look: Callable[[], None] | None = None) -> Any:
         """With ``_cv`` held: the first result, waited for and left queued until ``_remove``
@@ -231,6 +238,8 @@ class HostStage:
             self._closed = self._stop = True
             self._cv.notify_all()
             thread = self._thread
+        if thread is not None and not _begun(thread):
+            thread = None  # a Ctrl-C cut start() short before it began: nothing to stop
         if thread is not None and thread is not threading.current_thread():
             # A multi-process host iterator it owns is closed soon; one that runs user code in
             # this process, or a persistent one, is given time to finish its batch.
@@ -248,6 +257,18 @@ class HostStage:
     def _before_host_close(self) -> None:
         """Called from ``close()`` while the thread may still be at work: what must finish
         before the host iterator (which may unpin its slab) is closed."""
+
+
+def _begun(thread: threading.Thread) -> bool:
+    """Whether ``thread.start()`` began the thread. A Ctrl-C can cut it short before, or in
+    its wait for the new thread, which then sets its ident in a moment (it stays in
+    ``threading.enumerate()`` from the start's first step): it is given that moment."""
+    deadline = time.monotonic() + BEGIN_WAIT_S
+    while thread.ident is None:
+        if thread not in threading.enumerate() or time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 class StagedIterator(LoaderLength):
@@ -274,6 +295,9 @@ class StagedIterator(LoaderLength):
         self._stage.close()  # (not the finalizer, which runs once: see HostStage.close)
 
 
+_ANY_HOST = object()  # Stager.detach: whatever host the staged iterator reads
+
+
 class Stager:
     """A loader's stage: a ``StagedIterator`` around each host iterator (``make``)."""
 
@@ -293,10 +317,12 @@ class Stager:
             self._shared = weakref.ref(iterator)
         return iterator
 
-    def detach(self) -> None:
+    def detach(self, host: Any = _ANY_HOST) -> None:
         """Stop the staged iterator still reading the persistent host iterator (an abandoned
-        epoch) before that one starts a new epoch."""
+        epoch) before that one starts a new epoch: ``host``'s only, if given. One reading a
+        host that load_state_dict() let go goes on to its epoch's end, as without a stage."""
         previous = self._shared() if self._shared is not None else None
+        if previous is None or (host is not _ANY_HOST and previous._stage._host is not host):
+            return
         self._shared = None
-        if previous is not None:
-            previous.close()
+        previous.close()

@@ -190,7 +190,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         UnusedIteratorDraws.settle()  # (an unused iterator's draws given back first)
         if self._stager is not None and options.persistent_workers:
             # (Before it is looked at: a thread stuck in a slow batch gets it closed.)
-            self._stager.detach()
+            self._stager.detach(self._iterators.persistent)
         with self._resume.lock:  # state_dict() in another thread: before, or once drawn
             plan = self._resume.begin_epoch(self)  # a loaded state: its epoch's draws replayed
             if plan.resumed:  # its workers start anew, seeded by the replayed draw: an iter() cut

@@ -757,6 +757,45 @@ class _PositionSampler(_UserSampler):
         self.start = state["start"]
 
 
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("persistent, pin, device, step", [
+    (True, True, None, 3), (False, True, None, 5), (True, False, "cuda", 3),
+    # every k (44, 23, 17 s on the 2-core machine): --runslow
+    pytest.param(True, True, None, 1, marks=pytest.mark.slow),
+    pytest.param(False, True, None, 1, marks=pytest.mark.slow),
+    pytest.param(True, False, "cuda", 1, marks=pytest.mark.slow)])
+def test_ctrl_c_at_any_line_of_a_staged_next_loses_nothing(persistent, pin, device, step):
+    """pin_memory or device with workers: every next() of an epoch interrupted at its k-th
+    line of arena_loader code, for every ``step``-th k until an epoch's next() calls are all
+    shorter (every k with --runslow). The matrix above interrupts each call once at a k that grows by one per
+    call, so k is past the first next() (the stage's start, the workers') before the steady
+    calls come, and the lines those run in the main thread (the stage's next_batch, the host
+    window's refill from the consumer, TopUp.refill) were never a target. Each epoch yields
+    every batch once, in order, with every slot free after it. Fresh interpreter."""
+    _in_fresh_interpreter(
+        f"_ctrl_c_staged_matrix({persistent}, {pin}, {device!r}, {step})", 160,
+        simulator=device is not None)
+
+
+def _ctrl_c_staged_matrix(persistent, pin, device, step):
+    expected = list(range(0, 40, 2))
+    if pin:
+        _fake_pinning()
+    dataset = _IndexedTensors() if pin else _Indexed()
+    with ArenaLoader(dataset, batch_size=2, num_workers=2, timeout=10,
+                     persistent_workers=persistent, pin_memory=pin, device=device) as loader:
+        k, interrupts = 0, 1
+        while interrupts:  # the last epoch: no next() reached its k-th line
+            k += step
+            assert k < 2000, "a next() of over 2000 lines, or one interrupted for good"
+            got, interrupts = _every_next_interrupted_at(loader, k, len(expected))
+            assert got == expected, (k, interrupts, got)
+            gc.collect()
+            snapshot = loader.snapshot()
+            if snapshot.slab_nbytes is not None:
+                assert snapshot.free_slots == loader.slots, (k, snapshot.slot_states)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("sampler", [None, _UserSampler, _PositionSampler])
@@ -767,30 +806,35 @@ def test_ctrl_c_at_any_line_of_next_loses_no_batch(num_workers, sampler):
     loader groups into batches, and one whose state it records per batch drawn (a Stateful
     one): an interrupt in the grouping ended the epoch there, silently, and one in the
     recording lost the batch drawn."""
-    import sys
-
     expected = list(range(0, 40, 2))
     for k in range(1, 60, 4):
         with ArenaLoader(_Indexed(), batch_size=2, num_workers=num_workers,
                          sampler=sampler(40) if sampler is not None else None,
                          timeout=10 if num_workers else 0) as loader:
-            iterator, got, interrupts, batch = iter(loader), [], 0, None
-            tracer = _InterruptAt(k)
-            while len(got) <= len(expected):
-                sys.settrace(tracer)
-                try:
-                    batch = next(iterator)
-                except KeyboardInterrupt:
-                    interrupts += 1
-                    continue
-                except StopIteration:
-                    break
-                finally:
-                    sys.settrace(None)
-                got.append(int(batch[0, 0]))
-                tracer.count, tracer.armed = 0, True
-            del batch, iterator
+            got, interrupts = _every_next_interrupted_at(loader, k, len(expected))
         assert got == expected, (k, interrupts, got)
+
+
+def _every_next_interrupted_at(loader, k, batches):
+    """One epoch of ``loader``, each ``next()`` interrupted at its k-th line of arena_loader
+    code (and called again): (each batch's first value, how many interrupts)."""
+    iterator, got, interrupts = iter(loader), [], 0
+    tracer = _InterruptAt(k)
+    while len(got) <= batches:
+        sys.settrace(tracer)
+        try:
+            batch = next(iterator)
+        except KeyboardInterrupt:
+            interrupts += 1
+            continue
+        except StopIteration:
+            break
+        finally:
+            sys.settrace(None)
+        got.append(int(batch[0, 0]))
+        del batch
+        tracer.count, tracer.armed = 0, True
+    return got, interrupts
 
 
 class _FailsAt13(_Indexed):

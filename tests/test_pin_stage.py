@@ -293,3 +293,57 @@ def test_two_threads_first_next_on_a_pinned_iterator_start_one_pin_thread(fake_p
     expected = SlowDataset(16, (), 0.0, shape=(2,), dtype="int64")
     assert rows == sorted(tuple(expected[i].tolist()) for i in range(16))
     loader.close()
+
+
+def test_an_epoch_whose_persistent_workers_load_state_dict_let_go_goes_on_after_iter(
+        fake_pinning):
+    """load_state_dict() lets go of the persistent workers' iterator: an epoch still being
+    iterated goes on to its end on them, as torch's does after ``_iterator = None``, even
+    once iter() has begun the loaded state's epoch on new workers. With the pin thread,
+    iter() stopped the staged iterator reading the old workers (as it stops one reading the
+    workers it is about to reuse): LoaderClosedError at the old epoch's next next()."""
+    with ArenaLoader(TensorPairs(32), batch_size=4, num_workers=2, pin_memory=True,
+                     persistent_workers=True) as loader:
+        state = loader.state_dict()
+        old = iter(loader)
+        labels = [next(old)[1].tolist() for _ in range(3)]
+        loader.load_state_dict(state)
+        new = iter(loader)
+        labels += [batch[1].tolist() for batch in old]
+        assert labels == [list(range(i, i + 4)) for i in range(0, 32, 4)]
+        assert [batch[1].tolist() for batch in new] == labels  # the loaded state's epoch
+        del old, new
+
+
+@pytest.mark.parametrize("then", ["next", "close"])
+def test_ctrl_c_as_the_pin_thread_is_started_leaves_the_iterator_whole(fake_pinning,
+                                                                     monkeypatch, then):
+    """A Ctrl-C inside ``Thread.start()`` of the pin thread, before the thread began (its
+    Python lines run before the OS thread is made), at the first next(). The next next()
+    starts it and the epoch is whole; close() instead closes. Before: the stage kept the
+    thread object as started, so every next() raised RuntimeError ('the arena_loader-pin
+    thread stopped unexpectedly') and close() raised RuntimeError ('cannot join thread before
+    it is started')."""
+    real_start = threading.Thread.start
+    interrupted: list[str] = []
+
+    def interrupted_once(thread):
+        if thread.name == "arena_loader-pin" and not interrupted:
+            interrupted.append(thread.name)
+            raise KeyboardInterrupt
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted_once)
+    with ArenaLoader(TensorPairs(16), batch_size=4, num_workers=2, pin_memory=True) as loader:
+        iterator = iter(loader)
+        with pytest.raises(KeyboardInterrupt):
+            next(iterator)
+        assert interrupted
+        if then == "close":
+            iterator.close()
+            with pytest.raises(LoaderClosedError):
+                next(iterator)
+        else:
+            labels = [batch[1].tolist() for batch in iterator]
+            assert labels == [list(range(i, i + 4)) for i in range(0, 16, 4)]
+        del iterator

@@ -272,3 +272,45 @@ def test_no_room_when_a_slot_is_first_handed_out_is_a_capacity_error_and_the_slo
         assert arena.pool.acquire() == 0 and arena.pool.backed() == 1
     finally:
         arena.close()
+
+
+def test_a_slot_whose_take_ctrl_c_cut_short_behind_the_free_lists_head_is_reconciled():
+    """Ctrl-C in ``acquire`` after the slot (a worker's own, behind the free list's head) is
+    marked ASSIGNED and before it leaves the list: nobody owns it, and ``reconcile`` frees
+    it. Before, a slot still listed counted as free there, so it stayed ASSIGNED until a
+    later take found it at the list's head and a later reconcile ran: with a pin or device
+    thread, whose consumer now tops the window up in its own thread, a Ctrl-C there left a
+    slot taken past the epoch's end (until the next epoch's)."""
+    import linecache
+    import sys
+
+    from arena_loader._arena import Arena
+
+    arena = Arena(4096, 4)
+    try:
+        pool = arena.pool
+        assert [pool.acquire(0), pool.acquire(1), pool.acquire(0), pool.acquire(1)] == [
+            0, 1, 2, 3]
+        pool.reclaim(1)
+        pool.reclaim(0)  # the free list is now 1, 0: worker 0's slot behind the head
+
+        def interrupt(frame, event, arg):
+            if event == "line" and linecache.getline(
+                    frame.f_code.co_filename, frame.f_lineno).strip() == "free.remove(slot)":
+                raise KeyboardInterrupt
+            return interrupt if "_pool" in frame.f_code.co_filename else None
+
+        sys.settrace(interrupt)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                pool.acquire(0)
+        finally:
+            sys.settrace(None)
+        assert pool.state(0) is SlotState.ASSIGNED  # taken, and owned by nobody
+        assert pool.reconcile(owned={2, 3}) == 1
+        assert pool.states() == [SlotState.FREE, SlotState.FREE, SlotState.ASSIGNED,
+                                 SlotState.ASSIGNED]
+        assert sorted([pool.acquire(), pool.acquire()]) == [0, 1]
+        assert pool.acquire() is None  # each slot handed out once
+    finally:
+        arena.close()
