@@ -767,11 +767,12 @@ class _PositionSampler(_UserSampler):
 def test_ctrl_c_at_any_line_of_a_staged_next_loses_nothing(persistent, pin, device, step):
     """pin_memory or device with workers: every next() of an epoch interrupted at its k-th
     line of arena_loader code, for every ``step``-th k until an epoch's next() calls are all
-    shorter (every k with --runslow). The matrix above interrupts each call once at a k that grows by one per
-    call, so k is past the first next() (the stage's start, the workers') before the steady
-    calls come, and the lines those run in the main thread (the stage's next_batch, the host
-    window's refill from the consumer, TopUp.refill) were never a target. Each epoch yields
-    every batch once, in order, with every slot free after it. Fresh interpreter."""
+    shorter (every k with --runslow). The matrix above interrupts each call once at a k that
+    grows by one per call, so k is past the first next() (the stage's start, the workers')
+    before the steady calls come, and the lines those run in the main thread (the stage's
+    next_batch, the host window's refill from the consumer, TopUp.refill) were never a
+    target. Each epoch yields every batch once, in order, with every slot free after it.
+    Fresh interpreter."""
     _in_fresh_interpreter(
         f"_ctrl_c_staged_matrix({persistent}, {pin}, {device!r}, {step})", 160,
         simulator=device is not None)
