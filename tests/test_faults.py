@@ -759,7 +759,7 @@ class _PositionSampler(_UserSampler):
 
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("persistent, pin, device, step", [
-    (True, True, None, 3), (False, True, None, 5), (True, False, "cuda", 3),
+    (True, True, None, 5), (False, True, None, 11), (True, False, "cuda", 3),
     # every k (44, 23, 17 s on the 2-core machine): --runslow
     pytest.param(True, True, None, 1, marks=pytest.mark.slow),
     pytest.param(False, True, None, 1, marks=pytest.mark.slow),
