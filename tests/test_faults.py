@@ -759,8 +759,10 @@ class _PositionSampler(_UserSampler):
 
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("persistent, pin, device, step", [
-    (True, True, None, 5), (False, True, None, 11), (True, False, "cuda", 3),
-    # every k (44, 23, 17 s on the 2-core machine): --runslow
+    (True, True, None, 5), (True, False, "cuda", 3),
+    # every k (44, 23, 17 s on the 2-core machine), and pinning without persistent workers
+    # (the same lines of next()): --runslow
+    pytest.param(False, True, None, 11, marks=pytest.mark.slow),
     pytest.param(True, True, None, 1, marks=pytest.mark.slow),
     pytest.param(False, True, None, 1, marks=pytest.mark.slow),
     pytest.param(True, False, "cuda", 1, marks=pytest.mark.slow)])

@@ -107,11 +107,11 @@ def test_the_pin_thread_draws_from_the_sampler_no_further_ahead_than_torch(fake_
     options = dict(num_workers=2, prefetch_factor=prefetch_factor)
     sampler = CountedBatches(12, 2)
     expected = draws_per_next(torch.utils.data.DataLoader(
-        TensorPairs(24), batch_sampler=sampler, **options), sampler)
+        TensorPairs(24), batch_sampler=sampler, **options), sampler, settle_s=0.02)
     assert expected == [min(2 * prefetch_factor + k, 12) for k in range(13)]  # torch's rule
     with ArenaLoader(TensorPairs(24), batch_sampler=sampler, pin_memory=True,
                      **options) as loader:
-        assert draws_per_next(loader, sampler) == expected
+        assert draws_per_next(loader, sampler, settle_s=0.02) == expected
         assert len(fake_pinning) == 2 * 12
 
 
