@@ -160,9 +160,8 @@ class OrderRing:
             payload: Any = b""
         elif kind is EntryKind.PICKLED:  # (a batch_sampler's arrays: Feed.send)
             payload = pickle.dumps(indices, protocol=5)
-        elif type(indices) is np.ndarray and indices.dtype == np.int64 \
-                and indices.flags.c_contiguous:  # slices of our samplers' epoch array
-            payload, kind = indices, EntryKind.INDICES
+        elif type(indices) is np.ndarray:  # int64 slices of our samplers' epoch array (any
+            payload, kind = indices, EntryKind.INDICES  # other array comes PICKLED: Feed.send)
         elif type(indices) is list and indices and type(indices[0]) is int:
             try:
                 payload, kind = array("q", indices), EntryKind.INDICES
