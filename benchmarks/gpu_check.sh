@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared run of every check that needs a CUDA GPU (the `device` tool's machines, or any
-# machine with a GPU, a CUDA build of torch and numba-cuda): the real-GPU tests, then
+# machine with a GPU, a CUDA build of torch and numba-cuda): the real-GPU tests (with the pin
+# and device tests that run on a GPU too: test_device.py, test_pin_stage.py), then
 # bench_h2d.py at 16 MiB and 4 MiB, then pinned_non_blocking.py and pin_training_step.py. With
 # OLD=path/to/a/copy/of/arena_loader's/parent, the 16 MiB bench runs for that code first, in
 # the same call (a same-machine A/B).
@@ -23,8 +24,8 @@ fi
 SITE=/tmp/site
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 export PYTHONPATH=$SITE:$PWD
-timeout 120 python3 -m pytest -p no:cacheprovider -n 0 -q -ra --timeout 60 \
-    tests/test_device_gpu.py 2>&1 | tee "$OUTDIR/gpu_tests.log" | tail -15
+timeout 180 python3 -m pytest -p no:cacheprovider -n 0 -q -ra --timeout 60 \
+    tests/test_device_gpu.py tests/test_device.py tests/test_pin_stage.py 2>&1 | tee "$OUTDIR/gpu_tests.log" | tail -15
 if [ -n "${OLD:-}" ]; then
     echo "== old code ($OLD), 16 MiB"
     PYTHONPATH=$SITE:$PWD/$OLD timeout 150 python3 benchmarks/bench_h2d.py 2>&1 \

@@ -17,10 +17,12 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
 from arena_loader import ArenaLoader, _device
 
 from .datasets import (
+    CountedBatches,
     ImageDataset,
     NestedDataset,
     assert_batches_equal,
     assert_epoch_equal,
+    draws_per_next,
     host_copy,
     host_epoch,
 )
@@ -198,3 +200,20 @@ def test_non_blocking_copies_of_pinned_batches_reach_the_gpu_intact():
     wrong = [i for i, x in kept if not bool((x == torch.arange(
         4 * i, 4 * i + 4, dtype=torch.float32, device=x.device)[:, None]).all())]
     assert wrong == [], f"batches {wrong} reached the GPU with other rows"
+
+
+@pytest.mark.parametrize("stage", [dict(pin_memory=True), dict(device="cuda"),
+                                   dict(pin_memory=True, device="cuda")])
+def test_the_stages_draw_from_the_sampler_as_torch_does_on_a_gpu(stage):
+    """With a real GPU behind the pin and device threads (real page-locking, real copies),
+    after iter() and after each next() the sampler has given exactly as many batches as to
+    torch's DataLoader with pin_memory=True: batches a stage took ahead of next() count
+    against the read-ahead (test_pin_stage and test_device_sim check the same with fakes)."""
+    torch = _torch_cuda()
+    sampler = CountedBatches(12, 2)
+    dataset = ImageDataset(24, shape=(4,))
+    expected = draws_per_next(torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=2, pin_memory=True), sampler, settle_s=0.02)
+    assert expected == [min(4 + k, 12) for k in range(13)]  # torch's prefetch_factor 2 * 2
+    with ArenaLoader(dataset, batch_sampler=sampler, num_workers=2, **stage) as loader:
+        assert draws_per_next(loader, sampler, settle_s=0.02) == expected
