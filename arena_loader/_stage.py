@@ -104,7 +104,14 @@ class HostStage:
                     # Ctrl-C later leaves it for the next next()), not as a thread argument:
                     # Thread keeps its arguments until run() returns, which would hold the
                     # slot all epoch.
-                    self._first = next(self._host)
+                    try:
+                        self._first = next(self._host)
+                    except Exception:
+                        # This next() raises the first batch's error (or the end): the
+                        # consumer has it, as it has a Raised from the thread (its position
+                        # is the loader's; it no longer counts against the read-ahead).
+                        self._received_at(self._position())
+                        raise
                 thread = threading.Thread(target=self._run, daemon=True, name=self.thread_name)
                 with self._cv:
                     if self._closed:
@@ -179,10 +186,13 @@ class HostStage:
     def _received(self, item: Any) -> None:
         """The consumer has ``item``: its position is the loader's (``state_dict()``). The
         same again if the ``next()`` is cut short and repeated."""
-        if item.position is not None:
-            self._follow(item.position)
+        self._received_at(item.position)
+
+    def _received_at(self, position: Any) -> None:
+        if position is not None:
+            self._follow(position)
             if self._lag is not None:
-                self._lag.receive(item.position.yielded)
+                self._lag.receive(position.yielded)
                 self._host.refill()
 
     def _hand_on(self, item: Raised | Ended) -> NoReturn:

@@ -631,3 +631,19 @@ def test_two_threads_next_on_a_device_iterator_hand_out_each_batch_once(gated_ev
         run_in_threads(consume)
         rows = sorted(int(row[0]) for batches in got for batch in batches for row in batch)
         assert rows == sorted(int(dataset[i][0]) for i in range(2, 16))
+
+
+def test_an_error_at_the_first_batch_leaves_the_device_threads_read_ahead_open():
+    """As through the pin thread (test_pin_stage): the first batch, taken by the first next()
+    before the device thread starts, raises; the rest of the epoch still arrives with a
+    window of one batch (the window stayed full of the failed batch, and next() hung)."""
+    dataset = RaisingDataset(24, bad={2})
+    with ArenaLoader(dataset, batch_size=2, sampler=[2, 5, 8, 11, 14, 17], num_workers=1,
+                     prefetch_factor=1, device="cuda") as loader:
+        iterator = iter(loader)
+        with pytest.raises(ValueError, match="sample 2 is corrupt"):
+            next(iterator)
+        rest = [host_copy(batch) for batch in iterator]
+    assert len(rest) == 2
+    for batch, indices in zip(rest, ([8, 11], [14, 17])):
+        assert_batches_equal(batch, np.stack([dataset[i] for i in indices]))

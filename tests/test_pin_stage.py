@@ -7,13 +7,20 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from arena_loader import ArenaLoader, LoaderClosedError, LoaderTimeoutError, WorkerCrashedError
 from tests import resume_driver
 
 from .conftest import run_in_threads, wait_until
-from .datasets import CountedBatches, SuicidalDataset, draws_per_next
+from .datasets import (
+    CountedBatches,
+    RaisingDataset,
+    SuicidalDataset,
+    assert_batches_equal,
+    draws_per_next,
+)
 from .test_device import TensorPairs
 
 pytestmark = pytest.mark.timeout(60)
@@ -347,3 +354,23 @@ def test_ctrl_c_as_the_pin_thread_is_started_leaves_the_iterator_whole(fake_pinn
             labels = [batch[1].tolist() for batch in iterator]
             assert labels == [list(range(i, i + 4)) for i in range(0, 16, 4)]
         del iterator
+
+
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+def test_an_error_at_the_first_batch_leaves_the_pin_threads_read_ahead_open(fake_pinning,
+                                                                            worker_mode):
+    """The first next() takes the first batch itself (the pin thread starts after it): when
+    that batch raises, the consumer has received it, so it no longer counts against the
+    read-ahead. With a window of one batch the epoch went no further: the next next() waited
+    for ever on a batch never sent (found by benchmarks/chaos.py)."""
+    dataset = RaisingDataset(24, bad={2})
+    with ArenaLoader(dataset, batch_size=2, sampler=[2, 5, 8, 11, 14, 17], num_workers=1,
+                     prefetch_factor=1, pin_memory=True, output="torch",
+                     worker_mode=worker_mode) as loader:
+        iterator = iter(loader)
+        with pytest.raises(ValueError, match="sample 2 is corrupt"):
+            next(iterator)
+        rest = [batch.numpy().copy() for batch in iterator]
+    assert len(rest) == 2
+    for batch, indices in zip(rest, ([8, 11], [14, 17])):
+        assert_batches_equal(batch, np.stack([dataset[i] for i in indices]))
