@@ -4,15 +4,28 @@ copy here: torch's CPU build has none). Its Ctrl-C cases are in test_faults' mat
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
 import pytest
 
-from arena_loader import ArenaLoader, LoaderClosedError, LoaderTimeoutError, WorkerCrashedError
+from arena_loader import (
+    ArenaLoader,
+    LoaderClosedError,
+    LoaderTimeoutError,
+    WorkerCrashedError,
+    _thread_start,
+)
 from tests import resume_driver
 
-from .conftest import run_in_threads, wait_until
+from .conftest import (
+    interrupted_in_thread_start,
+    our_slab_mappings,
+    our_threads,
+    run_in_threads,
+    wait_until,
+)
 from .datasets import CountedBatches, SuicidalDataset, draws_per_next
 from .test_device import TensorPairs
 
@@ -347,3 +360,30 @@ def test_ctrl_c_as_the_pin_thread_is_started_leaves_the_iterator_whole(fake_pinn
             labels = [batch[1].tolist() for batch in iterator]
             assert labels == [list(range(i, i + 4)) for i in range(0, 16, 4)]
         del iterator
+
+
+@pytest.mark.parametrize("then", ["next", "close"])
+def test_ctrl_c_as_the_pin_thread_is_made_leaves_no_thread_half_started(fake_pinning, monkeypatch,
+                                                                       then):
+    """A Ctrl-C inside ``Thread.start()`` of the pin thread once threading has entered it in
+    its table of threads being started and before the OS thread is made: that thread stayed
+    in the table for good (in ``threading.enumerate()``), holding the stage and its first
+    batch, so the slab stayed mapped after close() until exit. It is now run, called off (it
+    ends at once); the next next() starts another and the epoch is whole."""
+    monkeypatch.setattr(_thread_start, "BEGIN_WAIT_S", 0.1)  # (it never began)
+    loader = ArenaLoader(TensorPairs(16), batch_size=4, num_workers=2, pin_memory=True)
+    iterator = iter(loader)
+    with interrupted_in_thread_start("arena_loader-pin") as fired, \
+            pytest.raises(KeyboardInterrupt):
+        next(iterator)
+    assert fired
+    if then == "next":
+        labels = [batch[1].tolist() for batch in iterator]
+        assert labels == [list(range(i, i + 4)) for i in range(0, 16, 4)]
+    iterator.close()
+    loader.close()
+    del iterator
+    gc.collect()
+    assert wait_until(lambda: not our_threads(), timeout_s=2), our_threads()
+    assert not our_slab_mappings()
+
