@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ._forksafe import handing_over, interrupts_deferred, register_descriptor
+from ._readable import readable
 from ._slab import remove_names_of
 from ._worker import WorkerSetup, pid_exists, worker_main
 from .errors import DescriptorLimitError, WorkerCrashedError
@@ -31,9 +32,9 @@ FDS_PER_WORKER = 4
 FD_HEADROOM = 16
 
 
-def describe_exit(exitcode: int | None, pid: int | None = None) -> str:
+def describe_exit(exitcode: int | None, running: bool = True) -> str:
     if exitcode is None:
-        if pid is not None and not pid_exists(pid):
+        if not running:
             return ("exited, with its exit status lost (this program ignores SIGCHLD, so "
                     "the kernel reaped it; do not set SIGCHLD to SIG_IGN)")
         return "is still running"
@@ -140,7 +141,7 @@ class WorkerGroup:
                                                   for idx, indices in owed)
                    if owed else " while idle")
         message = (f"DataLoader worker {worker_id} (pid {process.pid}) "
-                   f"{describe_exit(exitcode, process.pid)}{loading}; to see the failing "
+                   f"{describe_exit(exitcode, _running(process))}{loading}; to see the failing "
                    "sample's error, "
                    "load those indices with num_workers=0")
         if exitcode == -signal.SIGBUS:
@@ -183,7 +184,7 @@ class WorkerGroup:
     def _kill_now(self) -> None:
         for process in self._started:
             try:
-                if process.is_alive():
+                if _running(process):
                     process.kill()
                 join_exited([process], JOIN_TIMEOUT_S)
             except (OSError, ValueError, AttributeError):
@@ -196,7 +197,7 @@ class WorkerGroup:
         for process in self._started:
             try:
                 reaped = process.exitcode is not None
-                if not reaped and pid_exists(process.pid):
+                if not reaped and _unreaped(process):
                     continue
                 # A worker killed (SIGKILL, our terminate) while it made a one-off segment
                 # leaves that segment's name behind: only its reaper can remove it.
@@ -215,12 +216,13 @@ class WorkerGroup:
 
     def _shutdown(self, graceful: bool) -> None:
         for escalate in (None, "terminate", "kill") if graceful else ("terminate", "kill"):
-            alive = [p for p in self._started if p.is_alive()]
+            alive = [p for p in self._started if _unreaped(p)]
             if not alive:
                 break
             if escalate is not None:
                 for process in alive:
-                    getattr(process, escalate)()
+                    if _running(process):  # (not one that exited: its pid may be another's)
+                        getattr(process, escalate)()
             join_exited(alive, JOIN_TIMEOUT_S)
         self._close_channels()
 
@@ -231,14 +233,34 @@ def join_exited(processes: list[Any], timeout: float) -> None:
     forked by another thread holds its write end (``WorkerGroup.exited``)."""
     deadline = time.monotonic() + timeout
     for process in processes:
-        while _running(process) and (remaining := deadline - time.monotonic()) > 0:
+        while _unreaped(process) and (remaining := deadline - time.monotonic()) > 0:
             process.join(timeout=min(remaining, EXIT_POLL_S))
 
 
 def _running(process: Any) -> bool:
-    """Not exited by its exit status, and its pid still there: in a program that ignores
-    SIGCHLD the kernel reaps it, the status is lost and ``is_alive()`` stays True."""
-    return process.is_alive() and pid_exists(process.pid)
+    """Not exited by its exit status, nor by its sentinel, and its pid still there: in a
+    program that ignores SIGCHLD the kernel reaps it, the status is lost and ``is_alive()``
+    stays True, and its pid may soon be another process's (which a signal of ours must not
+    reach). The sentinel (a pipe whose only write end the worker held) reads as closed once
+    it exited, whatever holds its pid; the pid is asked only where a child forked by another
+    thread holds that write end too."""
+    return process.is_alive() and not readable(process.sentinel, 0) \
+        and pid_exists(process.pid)
+
+
+def _unreaped(process: Any) -> bool:
+    """Its exit status may still be read: running, or exited and not reaped by the kernel
+    (the sentinel closes a moment before the exit status can be read). With SIGCHLD ignored
+    the kernel reaps it at once: it is no child of ours then, whatever holds its pid."""
+    if not process.is_alive():
+        return False
+    if not readable(process.sentinel, 0) or not hasattr(os, "waitid"):
+        return pid_exists(process.pid)
+    try:  # (WNOWAIT: its status is left for multiprocessing to read)
+        os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
 
 
 def check_descriptor_limit(num_workers: int) -> None:

@@ -305,7 +305,17 @@ class LoaderResume:
         pending = self._loaded()
         if pending is not None:
             return pending  # loaded, and nothing of its epoch handed out: still where it was
-        position = self.position
+        # The consumer's next() (in another thread: no lock of ours on its per-batch path)
+        # may hand a batch out while the state is read: read again until it did not, or the
+        # state held one worker's replica as of one batch and the position as of the next.
+        while True:
+            position = self.position
+            moves = _moves(position)
+            state = self._state_at(loader, position)
+            if self.position is position and _moves(position) == moves:
+                return state
+
+    def _state_at(self, loader: Any, position: EpochPosition | None) -> dict[str, Any]:
         if position is None or position.finished:
             # Between epochs: the next iter() begins the next epoch from the generators'
             # states now, its workers' replicas where this epoch left them.
@@ -354,6 +364,11 @@ class LoaderResume:
                          if state["workers"] is not None else None}
         self._begun = False
         restore_samplers(loader, state["epoch_start"])
+
+
+def _moves(position: EpochPosition | None) -> tuple[int, bool] | None:
+    """What changes as the consumer is handed a batch (or passes an ended worker's mark)."""
+    return None if position is None else (position.next_idx, position.finished)
 
 
 class Resumable:

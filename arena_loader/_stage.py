@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from . import _forksafe
+from . import _forksafe, _thread_start
 from ._inprocess import InProcessIterator
 from ._iterator_length import LoaderLength
 from ._messages import add_note, formatted, fresh_copy
@@ -36,8 +35,6 @@ POLL_S = 0.5
 # one (closing it costs the workers) or runs user code in this process.
 OWNED_JOIN_S = 0.5
 SHARED_JOIN_S = 10.0
-# How long a thread whose start() a Ctrl-C cut short gets to show it began (_begun).
-BEGIN_WAIT_S = 1.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,15 +109,21 @@ class HostStage:
                         # is the loader's; it no longer counts against the read-ahead).
                         self._received_at(self._position())
                         raise
-                thread = threading.Thread(target=self._run, daemon=True, name=self.thread_name)
+                thread = _thread_start.Thread(target=self._run, daemon=True,
+                                              name=self.thread_name)
                 with self._cv:
                     if self._closed:
                         self._first = None
                         raise LoaderClosedError(
                             "this iterator was closed; call iter(loader) for a new one")
                     self._thread = thread
-            if not _begun(thread):  # (a Ctrl-C cut the last start() short before it began)
-                thread.start()
+            if not _thread_start.began(thread):  # (a Ctrl-C before the last start() began it)
+                try:
+                    _thread_start.start(thread)
+                except BaseException:  # (called off: the next start() makes another thread)
+                    if thread.called_off:
+                        self._thread = None
+                    raise
             self._started = True
 
     def _run(self) -> None:
@@ -248,7 +251,7 @@ class HostStage:
             self._closed = self._stop = True
             self._cv.notify_all()
             thread = self._thread
-        if thread is not None and not _begun(thread):
+        if thread is not None and not _thread_start.began(thread):
             thread = None  # a Ctrl-C cut start() short before it began: nothing to stop
         if thread is not None and thread is not threading.current_thread():
             # A multi-process host iterator it owns is closed soon; one that runs user code in
@@ -267,18 +270,6 @@ class HostStage:
     def _before_host_close(self) -> None:
         """Called from ``close()`` while the thread may still be at work: what must finish
         before the host iterator (which may unpin its slab) is closed."""
-
-
-def _begun(thread: threading.Thread) -> bool:
-    """Whether ``thread.start()`` began the thread. A Ctrl-C can cut it short before, or in
-    its wait for the new thread, which then sets its ident in a moment (it stays in
-    ``threading.enumerate()`` from the start's first step): it is given that moment."""
-    deadline = time.monotonic() + BEGIN_WAIT_S
-    while thread.ident is None:
-        if thread not in threading.enumerate() or time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
 
 
 class StagedIterator(LoaderLength):

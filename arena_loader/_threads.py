@@ -20,6 +20,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from . import _thread_start
 from ._forksafe import register_descriptor
 from ._messages import without_tracebacks
 from ._pipeline.order import OrderReader
@@ -81,14 +82,14 @@ class ThreadWorkerGroup:
                     register_descriptor(sock, sock.fileno())
                 self.fd_sockets.append(fd_main)
                 setup = dataclasses.replace(setup, fd_socket=fd_worker)
-                thread = threading.Thread(
+                thread = _thread_start.Thread(
                     target=self._main, args=(setup, ring, task_reader, result_writer),
                     name=f"arena_loader-worker-{setup.worker_id}", daemon=True)
                 self.task_conns.append(task_writer)
                 self.result_conns.append(result_reader)
                 self.threads.append(thread)
                 try:
-                    thread.start()
+                    _thread_start.start(thread)
                 except BaseException:
                     task_reader.close()
                     result_writer.close()

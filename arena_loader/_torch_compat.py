@@ -249,16 +249,17 @@ class UnusedIteratorDraws:
                 generators.append(generator)
         return cls(generators)
 
-    def watch(self, iterator: Any, delivered: Callable[[], int],
+    def watch(self, iterator: Any, delivered: Callable[[], int], lock: Any,
               on_give_back: Callable[[], None] | None = None) -> None:
         """At the end of ``iter(loader)``: when ``iterator`` dies, give the draws back if
-        ``delivered()`` (batches the loader handed out) has not moved and no generator moved.
-        ``on_give_back``: what else must be undone (a persistent iterator made with the
-        returned base seed)."""
+        ``delivered()`` (batches the loader handed out, or a later ``iter()``) has not moved
+        and no generator moved, holding ``lock`` (the loader's ``iter()`` lock: not while
+        another thread's ``iter()`` runs, which keeps them). ``on_give_back``: what else must
+        be undone (a persistent iterator made with the returned base seed)."""
         self._after = [g.get_state() for g in self._generators]
         if all(_equal_states(a, b) for a, b in zip(self._before, self._after)):
             return  # this iter() drew nothing
-        finalizer = weakref.finalize(iterator, self._died, delivered, delivered(),
+        finalizer = weakref.finalize(iterator, self._died, delivered, delivered(), lock,
                                      on_give_back)
         finalizer.atexit = False
 
@@ -269,24 +270,30 @@ class UnusedIteratorDraws:
         while _deferred:
             _deferred.pop(0)()
 
-    def _died(self, delivered: Callable[[], int], delivered_then: int,
+    def _died(self, delivered: Callable[[], int], delivered_then: int, lock: Any,
               on_give_back: Callable[[], None] | None) -> None:
         if _collecting():
-            _deferred.append(lambda: self._give_back(delivered, delivered_then, on_give_back))
+            _deferred.append(lambda: self._give_back(delivered, delivered_then, lock,
+                                                     on_give_back))
         else:
-            self._give_back(delivered, delivered_then, on_give_back)
+            self._give_back(delivered, delivered_then, lock, on_give_back)
 
-    def _give_back(self, delivered: Callable[[], int], delivered_then: int,
+    def _give_back(self, delivered: Callable[[], int], delivered_then: int, lock: Any,
                    on_give_back: Callable[[], None] | None) -> None:
-        if delivered() != delivered_then:
-            return
-        if not all(_equal_states(g.get_state(), after)
-                   for g, after in zip(self._generators, self._after)):
-            return
-        for generator, state in zip(self._generators, self._before):
-            generator.set_state(state)
-        if on_give_back is not None:
-            on_give_back()
+        if not lock.acquire(blocking=False):
+            return  # another thread's iter() runs: it began after this iterator's draws
+        try:
+            if delivered() != delivered_then:
+                return
+            if not all(_equal_states(g.get_state(), after)
+                       for g, after in zip(self._generators, self._after)):
+                return
+            for generator, state in zip(self._generators, self._before):
+                generator.set_state(state)
+            if on_give_back is not None:
+                on_give_back()
+        finally:
+            lock.release()
 
 
 def _equal_states(a: Any, b: Any) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from ._options import LoaderOptions
 from ._output import NUMPY_UNPINNED, tensor_pinner
 from ._pipeline.iterator import MultiProcessIterator
 from ._torch_compat import (
+    UnusedIteratorDraws,
     draw_torch_seed,
     initialized_distributed,
     loaded_torch,
@@ -173,6 +175,18 @@ class LiveIterators:
         self._made = WeakEntries()  # every iterator made, in order (snapshots)
         self.persistent: MultiProcessIterator | None = None
         self._face: weakref.ref | None = None
+        # One iter() at a time (ArenaLoader.__iter__): two at once with persistent workers and
+        # a stage each stopped the other's stage before either began its epoch, so both
+        # stages read the one epoch (a batch twice, each epoch cut short without an error);
+        # an unused iterator's draws are given back holding it, so never in the middle of one.
+        self.lock = threading.RLock()
+        self.begun = 0  # iter() calls past their give-backs: a later one keeps earlier draws
+
+    def settle(self) -> None:
+        """At the start of ``iter()``: the deferred give-backs, then this ``iter()`` counts
+        (an iterator made before it may no longer give its draws back)."""
+        UnusedIteratorDraws.settle()
+        self.begun += 1
 
     def add(self, iterator: Any) -> None:
         self.live.add(iterator)
@@ -210,17 +224,19 @@ class LiveIterators:
         made (its workers were seeded from those draws: it is dropped too). Used: it handed
         out a batch, or ended (``position``, the epoch's: an empty epoch drew as torch's)."""
         if draws is not None:
-            iterators = weakref.ref(self)
+            iterators, begun = weakref.ref(self), self.begun
 
             def drop_persistent() -> None:
                 live = iterators()
                 if live is not None and live.persistent is new_persistent:
                     live.close_persistent()
 
-            def used() -> int:
-                return source.delivered_count() + position.finished
+            def used() -> int:  # (or a later iter() began, which drew after these draws)
+                live = iterators()
+                later = live is not None and live.begun != begun
+                return source.delivered_count() + position.finished + later
 
-            draws.watch(epoch, used,
+            draws.watch(epoch, used, self.lock,
                         drop_persistent if new_persistent is not None else None)
         return epoch
 

@@ -52,6 +52,14 @@ def _check_open(loader: Any, made: Any = None) -> None:
         raise LoaderClosedError(CLOSED)
 
 
+def _checked_length(loader: Any, iterator: Any) -> Any:
+    """torch's warning for an iterable-style dataset yielding more than len() said."""
+    if loader._IterableDataset_len_called is None:
+        return iterator
+    return LengthCheckedIterator(iterator, loader.dataset, loader._IterableDataset_len_called,
+                                 loader.num_workers)
+
+
 class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co]):
     """Iterate over ``dataset`` in batches that workers write straight into shared memory.
 
@@ -180,6 +188,10 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[T_co]:
+        with self._iterators.lock:  # one at a time (LiveIterators.lock)
+            return self._iter()
+
+    def _iter(self) -> Iterator[T_co]:
         _check_open(self)
         if os.getpid() != self._pid:
             self._adopt_after_fork()
@@ -187,7 +199,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         check_no_timeout_in_process(options)  # (before anything is drawn or begun)
         if not self._warned_unsharded:
             self._warned_unsharded = warn_if_every_rank_loads_all(options)
-        UnusedIteratorDraws.settle()  # (an unused iterator's draws given back first)
+        self._iterators.settle()  # (an unused iterator's draws given back first)
         if self._stager is not None and options.persistent_workers:
             # (Before it is looked at: a thread stuck in a slow batch gets it closed.)
             self._stager.detach(self._iterators.persistent)
@@ -221,7 +233,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         elif reuse:  # `persistent` as read above: close() in another thread may drop it
             persistent.reset(plan)  # (its session raises LoaderClosedError once closed)
             _check_open(self)
-            epoch = self._checked_length(self._staged(persistent, False, positions))
+            epoch = _checked_length(self, self._staged(persistent, False, positions))
             return self._iterators.watched(draws, self._source, plan.position, epoch, None)
         else:
             self.check_worker_number_rationality()
@@ -236,16 +248,9 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
                 self._iterators.persistent = iterator
         self._iterators.add(iterator)
         _check_open(self, iterator)  # close() from another thread while it was being made
-        return self._iterators.watched(draws, self._source, plan.position, self._checked_length(
-            self._staged(iterator, not options.persistent_workers, positions)),
+        return self._iterators.watched(draws, self._source, plan.position, _checked_length(
+            self, self._staged(iterator, not options.persistent_workers, positions)),
             iterator if options.persistent_workers else None)
-
-    def _checked_length(self, iterator: Any) -> Any:
-        """torch's warning for an iterable-style dataset yielding more than len() said."""
-        if self._IterableDataset_len_called is None:
-            return iterator
-        return LengthCheckedIterator(iterator, self.dataset, self._IterableDataset_len_called,
-                                     self.num_workers)
 
     @property
     def _stager(self) -> Any:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import linecache
 import os
+import sys
 import threading
 import time
 
@@ -85,6 +87,33 @@ def live_children() -> list[psutil.Process]:
 
 def our_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("arena_loader")]
+
+
+@contextlib.contextmanager
+def interrupted_in_thread_start(name: str):
+    """A KeyboardInterrupt inside ``Thread.start()`` of the first thread named ``name``, where
+    a real Ctrl-C can land once the thread is in threading's table of threads being started
+    (as the table's lock is released) and before the OS thread is made."""
+    fired: list[str] = []
+
+    def local(frame, event, arg):
+        if event == "line" and not fired and "_start_new_thread(" in linecache.getline(
+                frame.f_code.co_filename, frame.f_lineno):
+            fired.append(name)
+            raise KeyboardInterrupt
+        return local
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code is threading.Thread.start.__code__ \
+                and getattr(frame.f_locals.get("self"), "name", None) == name:
+            return local
+        return None
+
+    sys.settrace(tracer)
+    try:
+        yield fired
+    finally:
+        sys.settrace(None)
 
 
 def run_in_threads(target, count: int = 2, timeout_s: float = 20.0) -> None:

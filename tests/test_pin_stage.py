@@ -4,16 +4,29 @@ copy here: torch's CPU build has none). Its Ctrl-C cases are in test_faults' mat
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from arena_loader import ArenaLoader, LoaderClosedError, LoaderTimeoutError, WorkerCrashedError
+from arena_loader import (
+    ArenaLoader,
+    LoaderClosedError,
+    LoaderTimeoutError,
+    WorkerCrashedError,
+    _thread_start,
+)
 from tests import resume_driver
 
-from .conftest import run_in_threads, wait_until
+from .conftest import (
+    interrupted_in_thread_start,
+    our_slab_mappings,
+    our_threads,
+    run_in_threads,
+    wait_until,
+)
 from .datasets import (
     CountedBatches,
     RaisingDataset,
@@ -374,3 +387,75 @@ def test_an_error_at_the_first_batch_leaves_the_pin_threads_read_ahead_open(fake
     assert len(rest) == 2
     for batch, indices in zip(rest, ([8, 11], [14, 17])):
         assert_batches_equal(batch, np.stack([dataset[i] for i in indices]))
+
+
+@pytest.mark.parametrize("then", ["next", "close"])
+def test_ctrl_c_as_the_pin_thread_is_made_leaves_no_thread_half_started(fake_pinning, monkeypatch,
+                                                                       then):
+    """A Ctrl-C inside ``Thread.start()`` of the pin thread once threading has entered it in
+    its table of threads being started and before the OS thread is made: that thread stayed
+    in the table for good (in ``threading.enumerate()``), holding the stage and its first
+    batch, so the slab stayed mapped after close() until exit. It is now run, called off (it
+    ends at once); the next next() starts another and the epoch is whole."""
+    monkeypatch.setattr(_thread_start, "BEGIN_WAIT_S", 0.1)  # (it never began)
+    loader = ArenaLoader(TensorPairs(16), batch_size=4, num_workers=2, pin_memory=True)
+    iterator = iter(loader)
+    with interrupted_in_thread_start("arena_loader-pin") as fired, \
+            pytest.raises(KeyboardInterrupt):
+        next(iterator)
+    assert fired
+    if then == "next":
+        labels = [batch[1].tolist() for batch in iterator]
+        assert labels == [list(range(i, i + 4)) for i in range(0, 16, 4)]
+    iterator.close()
+    loader.close()
+    del iterator
+    gc.collect()
+    assert wait_until(lambda: not our_threads(), timeout_s=2), our_threads()
+    assert not our_slab_mappings()
+
+
+def test_an_unused_iterator_dropped_after_a_later_iter_leaves_the_persistent_workers_on(
+        fake_pinning):
+    """Persistent workers and a pin thread: an iterator dropped unused after a later iter()
+    (no batch handed out; a sequential sampler, so the later iter() drew nothing) gave its
+    draws back and closed the persistent workers it had started, which the later iterator
+    reads: its first next() raised LoaderClosedError. A later iter() keeps the draws."""
+    with ArenaLoader(TensorPairs(16), batch_size=4, num_workers=2, pin_memory=True,
+                     persistent_workers=True) as loader:
+        unused = iter(loader)
+        later = iter(loader)
+        del unused
+        gc.collect()
+        labels = [batch[1].tolist() for batch in later]
+        del later
+    assert labels == [list(range(i, i + 4)) for i in range(0, 16, 4)]
+
+
+def test_two_threads_iterating_a_pinned_loader_with_persistent_workers_at_once(fake_pinning):
+    """Two threads each run ``for batch in loader`` at once, with persistent workers and a
+    pin thread: as when one thread calls iter() twice, the later iter() stops the earlier
+    iterator's stage (its next next() raises LoaderClosedError) and its own epoch is whole.
+    Before, both iter() calls could stop the stage before either made its own: both stages
+    read the one persistent epoch, a batch was handed out twice, and an epoch ended early
+    without an error (11 runs in 12 of a demo)."""
+    epoch = [list(range(i, i + 2)) for i in range(0, 8, 2)]
+    with ArenaLoader(TensorPairs(8), batch_size=2, num_workers=2, pin_memory=True,
+                     persistent_workers=True) as loader:
+        assert [batch[1].tolist() for batch in loader] == epoch  # the workers are up
+        for _ in range(4):
+            together, got = threading.Barrier(2), [[], []]
+
+            def run(k, got=got, together=together):
+                together.wait()
+                try:
+                    for batch in loader:
+                        got[k].append(batch[1].tolist())
+                except LoaderClosedError:
+                    got[k].append("closed")
+
+            run_in_threads(run)
+            for labels in got:  # the whole epoch, or its start cut short by the other iter()
+                assert labels == epoch or (
+                    labels[-1] == "closed" and labels[:-1] == epoch[:len(labels) - 1]), got
+            assert epoch in got, got

@@ -635,3 +635,48 @@ def test_a_state_saved_by_another_thread_as_iter_begins_an_epoch_resumes_it(pers
     assert [b[:, 0].tolist() for b in resumed] == third
     del iterator
     resumed.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_saved_while_another_thread_is_handed_a_batch_resumes_after_it(
+        num_workers, monkeypatch):
+    """state_dict() from a checkpointing thread while next() hands out a batch of an
+    iterable-style dataset: the state held the workers' replicas as of one batch and the
+    position as of the next, so resuming it loaded that batch again. The state is read again
+    until no batch was handed out meanwhile: it resumes after the last batch handed out."""
+    import threading
+
+    from arena_loader._resume_stream import WorkerPosition
+
+    from .datasets import ShardedStream
+
+    def make():
+        return ArenaLoader(ShardedStream(16), batch_size=2, num_workers=num_workers)
+
+    def indices(batches):
+        return [batch["index"].tolist() for batch in batches]
+
+    with make() as loader:
+        whole = indices(loader)
+        iterator = iter(loader)
+        got = indices(next(iterator) for _ in range(2))
+        real, handed = WorkerPosition.as_state, []
+
+        def as_state_while_a_batch_is_handed_out(self):
+            state = real(self)
+            if not handed:  # the consumer's next() runs between two reads of the state
+                handed.append(threading.Thread(
+                    target=lambda: got.extend(indices([next(iterator)]))))
+                handed[0].start()
+                handed[0].join(timeout=10)
+            return state
+
+        monkeypatch.setattr(WorkerPosition, "as_state", as_state_while_a_batch_is_handed_out)
+        state = loader.state_dict()
+        monkeypatch.undo()
+        iterator.close()
+    assert len(got) == 3
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        assert got + indices(resumed) == whole

@@ -15,9 +15,21 @@ import time
 import numpy as np
 import pytest
 
-from arena_loader import ArenaLoader, ArrayDataset, WorkerCrashedError, get_worker_info
+from arena_loader import (
+    ArenaLoader,
+    ArrayDataset,
+    WorkerCrashedError,
+    _thread_start,
+    get_worker_info,
+)
 
-from .conftest import live_children, our_slab_mappings, our_threads
+from .conftest import (
+    interrupted_in_thread_start,
+    live_children,
+    our_shm_mappings,
+    our_slab_mappings,
+    our_threads,
+)
 from .datasets import ImageDataset, ShardedStream, SlowDataset, reference_epoch
 
 pytestmark = pytest.mark.timeout(60)
@@ -72,6 +84,27 @@ def test_thread_workers_are_named_threads_joined_by_close():
     loaders = {name: worker for name, worker in dataset.seen}
     assert loaders == {f"arena_loader-worker-{i}": i for i in range(3)}
     del rest
+
+
+def test_ctrl_c_as_a_thread_worker_is_made_leaves_no_thread_half_started(monkeypatch):
+    """A Ctrl-C inside ``Thread.start()`` of a thread worker at iter(), once threading has
+    entered it in its table of threads being started and before the OS thread is made: that
+    thread stayed in the table for good (in ``threading.enumerate()``), holding its order ring
+    (mapped until exit). It is now run, called off (it ends at once); the next iter() is
+    whole."""
+    monkeypatch.setattr(_thread_start, "BEGIN_WAIT_S", 0.1)  # (it never began)
+    dataset = ImageDataset(8, shape=(2,), dtype=np.int64)
+    loader = ArenaLoader(dataset, batch_size=2, num_workers=2, worker_mode="thread")
+    with interrupted_in_thread_start("arena_loader-worker-1") as fired, \
+            pytest.raises(KeyboardInterrupt):
+        iter(loader)
+    assert fired
+    assert [batch.tolist() for batch in loader] == [
+        [dataset[i].tolist() for i in range(b, b + 2)] for b in range(0, 8, 2)]
+    loader.close()
+    gc.collect()
+    assert not our_threads()
+    assert not our_shm_mappings()
 
 
 def test_thread_workers_leave_the_process_rngs_alone():
