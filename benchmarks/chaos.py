@@ -36,7 +36,8 @@ loader of its own options iterated in turn with this one), ``abandon`` (the iter
 mid-epoch in a reference cycle, freed by ``gc.collect()``), ``dropload`` (a new loader dropped
 mid-epoch while its iterator goes on), ``fork`` (a user ``os.fork()`` mid-epoch: the child
 reads every kept batch and leaves by ``os._exit``) and ``stateend`` (``state_dict()`` after the
-epoch's end, loaded into a new loader).
+epoch's end, loaded into a new loader; after an epoch a worker's crash ended early, the new
+loader must give the rest of that epoch, as torchdata's StatefulDataLoader does).
 
 Checked: every batch's contents match its samples (each sample encodes its index); the batches
 of an epoch are the reference's for their positions (torch's ``randperm`` on the generator's
@@ -714,6 +715,9 @@ class Run:
                 raise FailureError(f"epoch {number}: {why}")
         self.check_worker_seeds(bases, number)
         if action == "stateend":
+            if ended == "fatal":  # a crash ended it early: its state resumes the rest of it
+                done = [g for g in got if g and g[0] != "error"]
+                return self.resume(loader, loader.state_dict(), refs, done, number), True
             return self.resume_at_end(loader, number), True
         if action == "close":
             loader.close()  # (the thread's may have come after the epoch's end)
