@@ -13,6 +13,8 @@
 #       --implementation cp --platform manylinux2014_x86_64 -d .whl posix_ipc
 #   (optional A/B) mkdir -p .whl/old && git archive <rev> arena_loader | tar -x -C .whl/old
 #   run (carry [".whl"]): bash benchmarks/gpu_check.sh, or OLD=.whl/old bash benchmarks/gpu_check.sh
+#   (optional) cp ../shared/reference/floor.py .whl/ and FLOOR=.whl/floor.py: floor.py on the
+#   machine's 16 cores at the end (docs/benchmarks.md, nineteenth session: 0.71x there)
 # About 4 minutes on an H100 (its start not counted).
 set -u
 export PYTHONUNBUFFERED=1
@@ -23,6 +25,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 SITE=/tmp/site
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+uname -a  # (the tool's machines have run on Firecracker and on gVisor: system calls cost more)
 export PYTHONPATH=$SITE:$PWD
 timeout 180 python3 -m pytest -p no:cacheprovider -n 0 -q -ra --timeout 60 \
     tests/test_device_gpu.py tests/test_device.py tests/test_pin_stage.py 2>&1 | tee "$OUTDIR/gpu_tests.log" | tail -15
@@ -40,3 +43,7 @@ echo "== pin_memory batches under late non_blocking copies"
 timeout 60 python3 benchmarks/pinned_non_blocking.py 2>&1 | tee "$OUTDIR/pinned.log"
 echo "== a training loop fed with pin_memory batches"
 timeout 150 python3 benchmarks/pin_training_step.py 2>&1 | tee "$OUTDIR/pin_step.log"
+if [ -n "${FLOOR:-}" ]; then  # FLOOR=path/to/a/copy/of/shared/reference/floor.py (carried)
+    echo "== floor.py on this machine's cores"
+    (cd /tmp && timeout 150 python3 "$OLDPWD/$FLOOR" --rounds 3 2>&1 | tail -3)
+fi
