@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import warnings
 import weakref
 
@@ -647,3 +648,19 @@ def test_an_error_at_the_first_batch_leaves_the_device_threads_read_ahead_open()
     assert len(rest) == 2
     for batch, indices in zip(rest, ([8, 11], [14, 17])):
         assert_batches_equal(batch, np.stack([dataset[i] for i in indices]))
+
+
+def test_a_training_step_longer_than_timeout_is_no_timeout_through_the_device_thread():
+    """As through the pin thread (test_pin_stage): with a window of one batch the device
+    thread's wait for the next host batch is for the consumer's step, which raised
+    LoaderTimeoutError once longer than ``timeout``."""
+    dataset = ImageDataset(8)
+    with ArenaLoader(dataset, batch_size=2, num_workers=1, prefetch_factor=1, device="cuda",
+                     timeout=0.2) as loader:
+        iterator = iter(loader)
+        got = [host_copy(next(iterator))]
+        time.sleep(0.5)  # the training step
+        got += [host_copy(batch) for batch in iterator]
+    assert len(got) == 4
+    for start, batch in zip(range(0, 8, 2), got):
+        assert_batches_equal(batch, np.stack([dataset[i] for i in range(start, start + 2)]))

@@ -459,3 +459,19 @@ def test_two_threads_iterating_a_pinned_loader_with_persistent_workers_at_once(f
                 assert labels == epoch or (
                     labels[-1] == "closed" and labels[:-1] == epoch[:len(labels) - 1]), got
             assert epoch in got, got
+
+
+def test_a_training_step_longer_than_timeout_is_no_timeout_through_the_pin_thread(
+        fake_pinning):
+    """The pin thread waits for the next host batch while the consumer's step runs; with a
+    window of one batch nothing is sent until the consumer receives the batch the thread
+    took, so that wait is for the consumer, not for a worker. torch's pin thread waits with
+    no timeout (its next() times only its own wait): a step longer than ``timeout`` raised
+    LoaderTimeoutError naming no batch."""
+    with ArenaLoader(TensorPairs(8), batch_size=2, num_workers=1, prefetch_factor=1,
+                     pin_memory=True, timeout=0.2) as loader:
+        iterator = iter(loader)
+        got = [next(iterator)[1].tolist()]
+        time.sleep(0.5)  # the training step
+        got += [batch[1].tolist() for batch in iterator]
+    assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]

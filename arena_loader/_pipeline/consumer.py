@@ -133,6 +133,10 @@ class Consumer:
                 if starved and collected:
                     raise session.source.limit_error(arena)
                 wait_s = POLL_S
+                if deadline is not None and session.window.held_by_stage(order):
+                    # (The stage's thread waits while its consumer's step runs: torch's pin
+                    # thread waits with no timeout, its next() counts only its own wait.)
+                    deadline = time.monotonic() + timeout
                 if deadline is not None:
                     wait_s = min(wait_s, deadline - time.monotonic())
                     if wait_s <= 0:

@@ -66,6 +66,12 @@ class Window:
         return (len(order.in_flight) + len(order.done)
                 + (lag.count() if lag is not None else 0)) < self.size
 
+    def held_by_stage(self, order: Reorderer) -> bool:
+        """Nothing in flight, and the batches a stage took fill the window: a wait now is for
+        the stage's consumer to receive one, not for a worker."""
+        lag = self.lag
+        return lag is not None and not order.in_flight and lag.count() >= self.size
+
     def publish(self, feed: Feed, order: Reorderer, crew: Crew, arena: Arena | None,
                 source: ArenaSource, reconcile: Callable[[], int], taking: bool) -> bool:
         """Send the drawn batches the window allows; True when the next needs a draw.
