@@ -40,6 +40,7 @@ from .datasets import (
     host_copy,
     host_epoch,
 )
+from .test_pin_stage import ctrl_c_at_each_line_after_the_first_error
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -664,3 +665,17 @@ def test_a_training_step_longer_than_timeout_is_no_timeout_through_the_device_th
     assert len(got) == 4
     for start, batch in zip(range(0, 8, 2), got):
         assert_batches_equal(batch, np.stack([dataset[i] for i in range(start, start + 2)]))
+
+
+@pytest.mark.timeout(40)
+def test_ctrl_c_as_the_first_batchs_error_leaves_the_device_next_losing_nothing():
+    """As through the pin thread (test_pin_stage): a Ctrl-C at each line run once the first
+    batch, taken before the device thread starts, raised: the error once, and the epoch
+    goes on (an interrupt as it was counted as received lost it, and the next next() hung
+    with a window of one batch)."""
+    dataset = RaisingDataset(8, bad={0})
+    with ArenaLoader(dataset, batch_size=2, sampler=[0, 1, 2, 3, 4, 5], num_workers=1,
+                     prefetch_factor=1, device="cuda", persistent_workers=True) as loader:
+        ctrl_c_at_each_line_after_the_first_error(
+            loader, lambda batch: int(host_copy(batch)[0, 0, 0, 0]),
+            [int(dataset[i][0, 0, 0]) for i in (2, 4)], first=2, step=3)  # (pin: 1, 4, ...)

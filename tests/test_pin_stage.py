@@ -5,6 +5,8 @@ copy here: torch's CPU build has none). Its Ctrl-C cases are in test_faults' mat
 from __future__ import annotations
 
 import gc
+import linecache
+import sys
 import threading
 import time
 
@@ -35,6 +37,7 @@ from .datasets import (
     draws_per_next,
 )
 from .test_device import TensorPairs
+from .test_faults import _InterruptAt
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -475,3 +478,68 @@ def test_a_training_step_longer_than_timeout_is_no_timeout_through_the_pin_threa
         time.sleep(0.5)  # the training step
         got += [batch[1].tolist() for batch in iterator]
     assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+class _InterruptAfterError(_InterruptAt):
+    """KeyboardInterrupt at the k-th line of arena_loader code that the main thread runs
+    once a ``ValueError`` (the batch's error) was raised in it. Not at an ``except`` line:
+    matching and binding the exception makes no call, where CPython handles a signal."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.seen = False
+
+    def __call__(self, frame, event, arg):
+        if event == "exception" and isinstance(arg[1], ValueError) \
+                and threading.current_thread() is threading.main_thread():
+            self.seen = True
+        if event == "line" and (not self.seen or linecache.getline(
+                frame.f_code.co_filename, frame.f_lineno).lstrip().startswith("except ")):
+            return self
+        return super().__call__(frame, event, arg)
+
+
+@pytest.mark.timeout(40)
+def test_ctrl_c_as_the_first_batchs_error_leaves_next_loses_neither_it_nor_the_epoch(
+        fake_pinning):
+    """The first next() takes the first batch itself (before the pin thread starts): a
+    Ctrl-C at each line run once that batch raised. The error is raised once, by this
+    next() or the next one, and the epoch goes on. Before: an interrupt as the error was
+    being counted as received lost it, and with a window of one batch that batch stayed
+    counted against the read-ahead, so the next next() waited for ever."""
+    dataset = RaisingDataset(8, bad={0})
+    with ArenaLoader(dataset, batch_size=2, sampler=[0, 1, 2, 3, 4, 5], num_workers=1,
+                     prefetch_factor=1, pin_memory=True, output="torch",
+                     persistent_workers=True) as loader:
+        ctrl_c_at_each_line_after_the_first_error(
+            loader, lambda batch: int(batch[0, 0, 0, 0]),
+            [int(dataset[i][0, 0, 0]) for i in (2, 4)], step=3)  # (the device test: 2, 5, ...)
+
+
+def ctrl_c_at_each_line_after_the_first_error(loader, first_value, rest, first: int = 1,
+                                              step: int = 1) -> None:
+    """Epochs of ``loader`` (with persistent workers), the k-th interrupted at the k-th line
+    run from its first batch's ``ValueError`` to the end of the next ``next()`` that returns
+    a batch, until one is not: each yields that error once, then the batches whose
+    ``first_value`` are ``rest``. k = ``first``, then every ``step``-th line."""
+    k, interrupts = first - step, 1
+    while interrupts:
+        k += step
+        iterator, got, interrupts = iter(loader), [], 0
+        tracer = _InterruptAfterError(k)
+        while True:
+            sys.settrace(tracer)
+            try:
+                got.append(first_value(next(iterator)))
+                tracer.armed = False  # (up to the end of the first next() after the error)
+            except KeyboardInterrupt:
+                interrupts += 1
+            except ValueError as error:
+                got.append(str(error).splitlines()[-1])
+            except StopIteration:
+                break
+            finally:
+                sys.settrace(None)
+        assert got == ["ValueError: sample 0 is corrupt", *rest], (k, interrupts)
+        del iterator
+        gc.collect()  # (not in a traced next(): an interrupt in a finalizer is swallowed)
