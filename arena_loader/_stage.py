@@ -259,6 +259,8 @@ class HostStage:
             self._closed = self._stop = True
             self._cv.notify_all()
             thread = self._thread
+        if self._lag is not None:
+            self._lag.stop()  # (a thread waiting for the room its consumer makes stops too)
         if thread is not None and not _thread_start.began(thread):
             thread = None  # a Ctrl-C cut start() short before it began: nothing to stop
         if thread is not None and thread is not threading.current_thread():

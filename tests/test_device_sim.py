@@ -39,8 +39,13 @@ from .datasets import (
     draws_per_next,
     host_copy,
     host_epoch,
+    reference_epoch,
 )
-from .test_pin_stage import ctrl_c_at_each_line_after_the_first_error
+from .test_pin_stage import (
+    ctrl_c_at_each_line_after_the_first_error,
+    host_idle,
+    loader_worker_pids,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -679,3 +684,20 @@ def test_ctrl_c_as_the_first_batchs_error_leaves_the_device_next_losing_nothing(
         ctrl_c_at_each_line_after_the_first_error(
             loader, lambda batch: int(host_copy(batch)[0, 0, 0, 0]),
             [int(dataset[i][0, 0, 0]) for i in (2, 4)], first=2, step=3)  # (pin: 1, 4, ...)
+
+
+def test_an_epoch_abandoned_while_the_device_thread_waits_for_room_keeps_its_workers():
+    """As through the pin thread (test_pin_stage): the device thread, a batch ahead with a
+    window of one, waits for room its consumer makes; iter() stops that wait, and the next
+    epoch runs on the same persistent workers (the thread outlasted its 10 s join, and the
+    persistent iterator was closed under it)."""
+    dataset = ImageDataset(8)
+    with ArenaLoader(dataset, batch_size=2, num_workers=1, prefetch_factor=1, device="cuda",
+                     persistent_workers=True) as loader:
+        abandoned = iter(loader)
+        next(abandoned)
+        pids = loader_worker_pids(loader)
+        assert wait_until(lambda: host_idle(loader), timeout_s=5)
+        time.sleep(0.05)  # (the thread, having taken batch 1, now waits for room)
+        assert_epoch_equal(loader, reference_epoch(dataset, 2, False))
+        assert loader_worker_pids(loader) == pids
