@@ -77,6 +77,7 @@ class HostStage:
         self._thread: threading.Thread | None = None
         self._started = False  # start() returned: the thread began
         self._first: Any = None
+        self._first_error: Exception | None = None  # what the first batch raised, if it did
         # What the thread holds ahead of the consumer counts against the host's read-ahead,
         # as torch's pin thread's does: the host refills as the consumer receives each batch.
         self._lag = host.follow_stage() if positions is not None else None
@@ -96,19 +97,24 @@ class HostStage:
         with self._starting:
             thread = self._thread
             if thread is None:
-                if self._first is None:
+                if self._first is None and self._first_error is None:
                     # Kept in an attribute (stored once next() returns, in the same line: a
                     # Ctrl-C later leaves it for the next next()), not as a thread argument:
                     # Thread keeps its arguments until run() returns, which would hold the
                     # slot all epoch.
+                    # Its error kept on the handler's line: no call comes before it (a
+                    # Ctrl-C is handled at a call), so none can lose it.
                     try:
                         self._first = next(self._host)
-                    except Exception:
-                        # This next() raises the first batch's error (or the end): the
-                        # consumer has it, as it has a Raised from the thread (its position
-                        # is the loader's; it no longer counts against the read-ahead).
-                        self._received_at(self._position())
-                        raise
+                    except Exception as exc: self._first_error = exc  # noqa: E701
+                if self._first_error is not None:
+                    # The first batch's error (or the end) goes to the thread as its first
+                    # result, and next() raises it as one the thread handed on: counted as
+                    # received (no longer against the read-ahead) in a next() that a Ctrl-C
+                    # may repeat. (Raised in this frame, an interrupt before it was counted
+                    # lost it, and kept the window full.) Made again if cut short here.
+                    self._first = self._result_of(self._first_error)
+                    self._first_error = None
                 thread = _thread_start.Thread(target=self._run, daemon=True,
                                               name=self.thread_name)
                 with self._cv:
@@ -142,15 +148,19 @@ class HostStage:
         it); None when stopping."""
         try:
             item = next(self._host)
-        except StopIteration:
-            return Ended(self._position())
         except BaseException as exc:
-            if self._stop:
+            if self._stop and not isinstance(exc, StopIteration):
                 return None
-            return Raised(exc, bool(getattr(self._host, "broken", False)), self._position())
+            return self._result_of(exc)
         if self._stop:
             return None
         return item
+
+    def _result_of(self, error: BaseException) -> Raised | Ended:
+        """What the consumer gets for a host ``next()`` that raised ``error``."""
+        if isinstance(error, StopIteration):
+            return Ended(self._position())
+        return Raised(error, bool(getattr(self._host, "broken", False)), self._position())
 
     def _position(self) -> Any:
         """The host's epoch position now, for the result of the batch it just gave (None:
@@ -189,9 +199,7 @@ class HostStage:
     def _received(self, item: Any) -> None:
         """The consumer has ``item``: its position is the loader's (``state_dict()``). The
         same again if the ``next()`` is cut short and repeated."""
-        self._received_at(item.position)
-
-    def _received_at(self, position: Any) -> None:
+        position = item.position
         if position is not None:
             self._follow(position)
             if self._lag is not None:
@@ -251,6 +259,8 @@ class HostStage:
             self._closed = self._stop = True
             self._cv.notify_all()
             thread = self._thread
+        if self._lag is not None:
+            self._lag.stop()  # (a thread waiting for the room its consumer makes stops too)
         if thread is not None and not _thread_start.began(thread):
             thread = None  # a Ctrl-C cut start() short before it began: nothing to stop
         if thread is not None and thread is not threading.current_thread():

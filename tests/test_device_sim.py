@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import warnings
 import weakref
 
@@ -38,6 +39,12 @@ from .datasets import (
     draws_per_next,
     host_copy,
     host_epoch,
+    reference_epoch,
+)
+from .test_pin_stage import (
+    ctrl_c_at_each_line_after_the_first_error,
+    host_idle,
+    loader_worker_pids,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -647,3 +654,50 @@ def test_an_error_at_the_first_batch_leaves_the_device_threads_read_ahead_open()
     assert len(rest) == 2
     for batch, indices in zip(rest, ([8, 11], [14, 17])):
         assert_batches_equal(batch, np.stack([dataset[i] for i in indices]))
+
+
+def test_a_training_step_longer_than_timeout_is_no_timeout_through_the_device_thread():
+    """As through the pin thread (test_pin_stage): with a window of one batch the device
+    thread's wait for the next host batch is for the consumer's step, which raised
+    LoaderTimeoutError once longer than ``timeout``."""
+    dataset = ImageDataset(8)
+    with ArenaLoader(dataset, batch_size=2, num_workers=1, prefetch_factor=1, device="cuda",
+                     timeout=0.2) as loader:
+        iterator = iter(loader)
+        got = [host_copy(next(iterator))]
+        time.sleep(0.5)  # the training step
+        got += [host_copy(batch) for batch in iterator]
+    assert len(got) == 4
+    for start, batch in zip(range(0, 8, 2), got):
+        assert_batches_equal(batch, np.stack([dataset[i] for i in range(start, start + 2)]))
+
+
+@pytest.mark.timeout(40)
+def test_ctrl_c_as_the_first_batchs_error_leaves_the_device_next_losing_nothing():
+    """As through the pin thread (test_pin_stage): a Ctrl-C at each line run once the first
+    batch, taken before the device thread starts, raised: the error once, and the epoch
+    goes on (an interrupt as it was counted as received lost it, and the next next() hung
+    with a window of one batch)."""
+    dataset = RaisingDataset(8, bad={0})
+    with ArenaLoader(dataset, batch_size=2, sampler=[0, 1, 2, 3, 4, 5], num_workers=1,
+                     prefetch_factor=1, device="cuda", persistent_workers=True) as loader:
+        ctrl_c_at_each_line_after_the_first_error(
+            loader, lambda batch: int(host_copy(batch)[0, 0, 0, 0]),
+            [int(dataset[i][0, 0, 0]) for i in (2, 4)], first=2, step=3)  # (pin: 1, 4, ...)
+
+
+def test_an_epoch_abandoned_while_the_device_thread_waits_for_room_keeps_its_workers():
+    """As through the pin thread (test_pin_stage): the device thread, a batch ahead with a
+    window of one, waits for room its consumer makes; iter() stops that wait, and the next
+    epoch runs on the same persistent workers (the thread outlasted its 10 s join, and the
+    persistent iterator was closed under it)."""
+    dataset = ImageDataset(8)
+    with ArenaLoader(dataset, batch_size=2, num_workers=1, prefetch_factor=1, device="cuda",
+                     persistent_workers=True) as loader:
+        abandoned = iter(loader)
+        next(abandoned)
+        pids = loader_worker_pids(loader)
+        assert wait_until(lambda: host_idle(loader), timeout_s=5)
+        time.sleep(0.05)  # (the thread, having taken batch 1, now waits for room)
+        assert_epoch_equal(loader, reference_epoch(dataset, 2, False))
+        assert loader_worker_pids(loader) == pids

@@ -5,6 +5,8 @@ copy here: torch's CPU build has none). Its Ctrl-C cases are in test_faults' mat
 from __future__ import annotations
 
 import gc
+import linecache
+import sys
 import threading
 import time
 
@@ -35,6 +37,7 @@ from .datasets import (
     draws_per_next,
 )
 from .test_device import TensorPairs
+from .test_faults import _InterruptAt
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -459,3 +462,113 @@ def test_two_threads_iterating_a_pinned_loader_with_persistent_workers_at_once(f
                 assert labels == epoch or (
                     labels[-1] == "closed" and labels[:-1] == epoch[:len(labels) - 1]), got
             assert epoch in got, got
+
+
+def test_a_training_step_longer_than_timeout_is_no_timeout_through_the_pin_thread(
+        fake_pinning):
+    """The pin thread waits for the next host batch while the consumer's step runs; with a
+    window of one batch nothing is sent until the consumer receives the batch the thread
+    took, so that wait is for the consumer, not for a worker. torch's pin thread waits with
+    no timeout (its next() times only its own wait): a step longer than ``timeout`` raised
+    LoaderTimeoutError naming no batch."""
+    with ArenaLoader(TensorPairs(8), batch_size=2, num_workers=1, prefetch_factor=1,
+                     pin_memory=True, timeout=0.2) as loader:
+        iterator = iter(loader)
+        got = [next(iterator)[1].tolist()]
+        time.sleep(0.5)  # the training step
+        got += [batch[1].tolist() for batch in iterator]
+    assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+class _InterruptAfterError(_InterruptAt):
+    """KeyboardInterrupt at the k-th line of arena_loader code that the main thread runs
+    once a ``ValueError`` (the batch's error) was raised in it. Not at an ``except`` line:
+    matching and binding the exception makes no call, where CPython handles a signal."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.seen = False
+
+    def __call__(self, frame, event, arg):
+        if event == "exception" and isinstance(arg[1], ValueError) \
+                and threading.current_thread() is threading.main_thread():
+            self.seen = True
+        if event == "line" and (not self.seen or linecache.getline(
+                frame.f_code.co_filename, frame.f_lineno).lstrip().startswith("except ")):
+            return self
+        return super().__call__(frame, event, arg)
+
+
+@pytest.mark.timeout(40)
+def test_ctrl_c_as_the_first_batchs_error_leaves_next_loses_neither_it_nor_the_epoch(
+        fake_pinning):
+    """The first next() takes the first batch itself (before the pin thread starts): a
+    Ctrl-C at each line run once that batch raised. The error is raised once, by this
+    next() or the next one, and the epoch goes on. Before: an interrupt as the error was
+    being counted as received lost it, and with a window of one batch that batch stayed
+    counted against the read-ahead, so the next next() waited for ever."""
+    dataset = RaisingDataset(8, bad={0})
+    with ArenaLoader(dataset, batch_size=2, sampler=[0, 1, 2, 3, 4, 5], num_workers=1,
+                     prefetch_factor=1, pin_memory=True, output="torch",
+                     persistent_workers=True) as loader:
+        ctrl_c_at_each_line_after_the_first_error(
+            loader, lambda batch: int(batch[0, 0, 0, 0]),
+            [int(dataset[i][0, 0, 0]) for i in (2, 4)], step=3)  # (the device test: 2, 5, ...)
+
+
+def ctrl_c_at_each_line_after_the_first_error(loader, first_value, rest, first: int = 1,
+                                              step: int = 1) -> None:
+    """Epochs of ``loader`` (with persistent workers), the k-th interrupted at the k-th line
+    run from its first batch's ``ValueError`` to the end of the next ``next()`` that returns
+    a batch, until one is not: each yields that error once, then the batches whose
+    ``first_value`` are ``rest``. k = ``first``, then every ``step``-th line."""
+    k, interrupts = first - step, 1
+    while interrupts:
+        k += step
+        iterator, got, interrupts = iter(loader), [], 0
+        tracer = _InterruptAfterError(k)
+        while True:
+            sys.settrace(tracer)
+            try:
+                got.append(first_value(next(iterator)))
+                tracer.armed = False  # (up to the end of the first next() after the error)
+            except KeyboardInterrupt:
+                interrupts += 1
+            except ValueError as error:
+                got.append(str(error).splitlines()[-1])
+            except StopIteration:
+                break
+            finally:
+                sys.settrace(None)
+        assert got == ["ValueError: sample 0 is corrupt", *rest], (k, interrupts)
+        del iterator
+        gc.collect()  # (not in a traced next(): an interrupt in a finalizer is swallowed)
+
+
+def loader_worker_pids(loader) -> set[int]:
+    return {pid for iterator in loader.snapshot().iterators for pid in iterator.worker_pids}
+
+
+def host_idle(loader) -> bool:
+    """No batch in flight or ready: a stage one batch ahead waits for room in the window."""
+    return all(not iterator.in_flight and not iterator.ready
+               for iterator in loader.snapshot().iterators)
+
+
+def test_an_epoch_abandoned_while_the_pin_thread_waits_for_room_keeps_its_workers(
+        fake_pinning):
+    """With a window of one batch the pin thread, a batch ahead, waits in the host iterator
+    for the room only its consumer's next next() makes. The epoch abandoned there, iter()
+    stops that wait at once and the next epoch runs on the same persistent workers. Before:
+    the thread never saw the stop, iter() waited out the 10 s join and closed the persistent
+    iterator under it (new workers); a dropped non-persistent epoch waited out 0.5 s."""
+    with ArenaLoader(TensorPairs(8), batch_size=2, num_workers=1, prefetch_factor=1,
+                     pin_memory=True, persistent_workers=True) as loader:
+        abandoned = iter(loader)
+        next(abandoned)
+        pids = loader_worker_pids(loader)
+        assert wait_until(lambda: host_idle(loader), timeout_s=5)
+        time.sleep(0.05)  # (the thread, having taken batch 1, now waits for room)
+        labels = [batch[1].tolist() for batch in loader]
+        assert loader_worker_pids(loader) == pids
+    assert labels == [[0, 1], [2, 3], [4, 5], [6, 7]]

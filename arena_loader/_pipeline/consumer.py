@@ -15,6 +15,7 @@ from .._messages import fresh_copy
 from ..errors import LoaderTimeoutError, forked_iterator_error
 from .handout import timeout_message
 from .phase import POLL_S, Phase
+from .window import StageStoppedError
 
 if TYPE_CHECKING:
     from .session import Session
@@ -129,10 +130,18 @@ class Consumer:
                             [feed.sampler_error], True, None)
                         return False
                     raise StopIteration
-                starved = session.window.starved(order, feed, arena, session.source)
+                window = session.window
+                starved = window.starved(order, feed, arena, session.source)
                 if starved and collected:
                     raise session.source.limit_error(arena)
                 wait_s = POLL_S
+                if window.held_by_stage(order):
+                    if window.lag.stopped:  # (no consumer will make room)
+                        raise StageStoppedError()
+                    if deadline is not None:
+                        # (The stage's thread waits while its consumer's step runs: torch's
+                        # pin thread waits with no timeout, its next() times only its own.)
+                        deadline = time.monotonic() + timeout
                 if deadline is not None:
                     wait_s = min(wait_s, deadline - time.monotonic())
                     if wait_s <= 0:
@@ -142,7 +151,6 @@ class Consumer:
                 gc.collect()  # views in reference cycles give their slots back
                 collected = True
                 continue
-            window = session.window
             if not feed.exhausted and window.has_room(order):
                 session.fill_window()  # a slot freed since, or a draw left pending
                 if feed.exhausted:  # (the last iterator ended: the epoch may end now, with

@@ -61,7 +61,7 @@ class TopUp:
         # (Before the stage can refill: from now on every fill of this session is locked.)
         session.fill_window = self.fill_locked
         with session.lock:
-            lag = session.window.lag = StageLag(session.handout)
+            lag = session.window.lag = StageLag(session.handout, session.waker)
         return lag
 
     def refill(self) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from .._arena import Arena, ArenaSource
 from .._messages import NO_SLOT
+from .._pool import Waker
 from .crew import Crew
 from .feed import NO_PENDING, Feed
 from .handout import Handout
@@ -29,17 +30,30 @@ class WorkerGoneError(Exception):
         self.worker = worker
 
 
+class StageStoppedError(Exception):
+    """The stage's thread waited for room that only its consumer makes, and the stage was
+    closed (an epoch abandoned): its ``next()`` of the host ends."""
+
+
 class StageLag:
     """Batches this iterator handed to a stage (the pin or device thread) that the stage's
     consumer has not received yet. They count against the window as the batches torch's pin
     thread holds count against torch's (its main thread sends the next indices only as it
     receives a batch), so the sampler is drawn no further ahead than torch's."""
 
-    __slots__ = ("_handout", "received")
+    __slots__ = ("_handout", "_waker", "received", "stopped")
 
-    def __init__(self, handout: Handout):
+    def __init__(self, handout: Handout, waker: Waker):
         self._handout = handout  # its position moves as each batch is handed out
+        self._waker = waker
         self.received = handout.position.yielded  # where the consumer is
+        self.stopped = False  # the stage closed: no consumer will receive
+
+    def stop(self) -> None:
+        """The stage is closing: its thread's wait for room in the window ends now
+        (``StageStoppedError``), as its wait for a batch in flight would."""
+        self.stopped = True
+        self._waker.wake()
 
     def count(self) -> int:
         handout = self._handout  # (a batch taken and not yet handed over is the stage's)
@@ -65,6 +79,12 @@ class Window:
         lag = self.lag
         return (len(order.in_flight) + len(order.done)
                 + (lag.count() if lag is not None else 0)) < self.size
+
+    def held_by_stage(self, order: Reorderer) -> bool:
+        """Nothing in flight, and the batches a stage took fill the window: a wait now is for
+        the stage's consumer to receive one, not for a worker."""
+        lag = self.lag
+        return lag is not None and not order.in_flight and lag.count() >= self.size
 
     def publish(self, feed: Feed, order: Reorderer, crew: Crew, arena: Arena | None,
                 source: ArenaSource, reconcile: Callable[[], int], taking: bool) -> bool:
