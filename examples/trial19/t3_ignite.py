@@ -9,6 +9,9 @@ leftovers. Cases:
   re-iterates within an epoch);
 * ``terminate_epoch`` after 2 batches of epoch 2, and ``interrupt`` after 7 iterations then
   ``run()`` again (ignite keeps the iterator and resumes it);
+* ``evaluator``: an evaluator Engine runs over the same loader at each ``EPOCH_COMPLETED``
+  of the trainer (whose iterator is still open then: ignite stops at ``epoch_length``
+  without asking for more), with ``epoch_length`` 5 and 3;
 * ``resume``: ``state_dict()`` after an interrupted run (epoch 1 done), a new Engine,
   ``load_state_dict``, ``run(loader)`` to 3 epochs;
 * ``deterministic``: ignite's ``DeterministicEngine`` (reseeds torch's global RNG each epoch;
@@ -74,6 +77,11 @@ def scenario(kind: str, loader_cls, options, extra, generator, dataset_cls) -> d
             t.engine.run(loader, max_epochs=3)
         elif kind.startswith("epoch_length"):
             t.engine.run(loader, max_epochs=3, epoch_length=int(kind.split("=")[1]))
+        elif kind.startswith("evaluator"):  # an evaluator over the same loader each epoch
+            evaluator = Engine(lambda e, b: t.batches.append(("eval", describe(b))))
+            t.engine.add_event_handler(Events.EPOCH_COMPLETED, lambda e: evaluator.run(loader))
+            length = kind.partition("=")[2]
+            t.engine.run(loader, max_epochs=3, epoch_length=int(length) if length else None)
         elif kind == "terminate_epoch":
             t.engine.add_event_handler(Events.ITERATION_COMPLETED(once=7),
                                        lambda e: e.terminate_epoch())
@@ -146,7 +154,8 @@ def checkpointed(options, extra, generator, cut: int) -> dict:
     return {"whole": whole, "resumed": got}
 
 
-KINDS = ("whole", "epoch_length=3", "epoch_length=7", "terminate_epoch", "interrupt", "resume")
+KINDS = ("whole", "epoch_length=3", "epoch_length=7", "terminate_epoch", "interrupt", "resume",
+         "evaluator", "evaluator-epoch_length=3")
 
 
 def main() -> None:
