@@ -6,15 +6,14 @@ This module only wires parts together; see docs/design.md for how they fit.
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
-from ._arena import CLOSED, ArenaSource
+from ._arena import CLOSED
 from ._distributed import EpochSetter, warn_if_every_rank_loads_all
 from ._inprocess import InProcessIterator
 from ._options import LoaderOptions, is_iterable_dataset
-from ._pin_stage import BatchPinner
+from ._pickling import Picklable
 from ._pipeline.iterator import MultiProcessIterator
 from ._resume import LoaderResume, Resumable
 from ._sample_threads import warn_thread_unsafe
@@ -31,12 +30,10 @@ from ._torch_compat import (
 )
 from ._wiring import (
     EpochSeeds,
-    LiveIterators,
     close_all,
     default_samplers,
     epoch_batches,
     make_filler,
-    open_gpu_options,
 )
 from .errors import LoaderClosedError, LoaderForkedError
 from .snapshot import LoaderSnapshot
@@ -60,7 +57,7 @@ def _checked_length(loader: Any, iterator: Any) -> Any:
                                  loader.num_workers)
 
 
-class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co]):
+class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Picklable, Generic[T_co]):
     """Iterate over ``dataset`` in batches that workers write straight into shared memory.
 
     The options are ``torch.utils.data.DataLoader``'s, with the same defaults and meanings
@@ -116,12 +113,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         )
         if worker_threads > 1:
             warn_thread_unsafe(dataset, worker_threads)
-        self._pinner, self._device, self._pin_batch, self._unpinned = open_gpu_options(
-            self.options)
-        # With workers, a thread pins each batch while the training step runs, as torch's
-        # pin thread does; without, next() pins it, as torch's single-process iterator does.
-        self._pinning = BatchPinner(self._pin_batch) if (
-            self._pin_batch is not None and num_workers > 0) else None
+        self._open_gpu_parts()
         # The attributes torch's DataLoader exposes, read-only by convention, with torch's
         # values: a batch_sampler takes over batch_size and drop_last, prefetch_factor is 2
         # by default with workers, a start method name reads as its context.
@@ -163,18 +155,9 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
         self._resume = LoaderResume(self._seeds)
         self._filler = make_filler(self._datapipe or dataset, self.options, self.sampler,
                                    self.batch_sampler, batch_size, drop_last)
-        # With a device the stage counts the batches you hold (not the slot it copies from).
-        on_device = self._device is not None
-        self._source = ArenaSource(self.slots, pinner=self._pinner, lease_only=on_device,
-                                   output=output,
-                                   pin_batch=None if self._pinning else self._pin_batch,
-                                   held_batch_limit=None if on_device else held_batch_limit)
-        self._iterators = LiveIterators()
         self._closed = False
         self._warned_unsharded = False  # torch.distributed with the default sampler: once
-        self._pid = os.getpid()
-        self._finalizer = weakref.finalize(self, close_all, self._source, self._iterators.live,
-                                           self._pid)
+        self._open_process_parts()
         self.check_worker_number_rationality()
 
     def __len__(self) -> int:
@@ -272,12 +255,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Generic[T_co])
                 f"created in process {self._pid} and CUDA does not survive fork; create the "
                 "loader in this process, or start the process with the 'spawn' method")
         self._finalizer.detach()  # the copy of the parent's: it must not run here
-        self._source = ArenaSource(self.slots, output=self.output,
-                                   held_batch_limit=self.held_batch_limit)
-        self._iterators = LiveIterators()
-        self._pid = os.getpid()
-        self._finalizer = weakref.finalize(self, close_all, self._source, self._iterators.live,
-                                           self._pid)
+        self._open_process_parts()
 
     def snapshot(self) -> LoaderSnapshot:
         """A read-only picture of this loader now: its slab and each slot's state, the

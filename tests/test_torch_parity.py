@@ -594,3 +594,35 @@ def test_worker_seed_equals_torchs_for_the_same_torch_generator():
     their_seeds = {int(b["worker"][0]): int(b["seed"][0]) for b in theirs}
     ours = probe_epochs(1, generator=torch.Generator().manual_seed(9))[0]
     assert {s["worker"]: int(s["seed"]) for s in ours} == their_seeds
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("how", "num_workers", "persistent"), [
+    ("deepcopy", 0, False), ("pickle", 1, False), ("deepcopy", 1, True)])
+def test_a_loader_deep_copies_and_pickles_as_torchs_does(how, num_workers, persistent):
+    """torch's DataLoader pickles its ``__dict__``: the dataset, samplers and generator as
+    they are now (``copy.deepcopy``, ``mp.spawn(fn, args=(loader,))``, a spawn Pool). Ours
+    raised TypeError (an RLock; a local function). The copy gives the epochs torch's copy
+    gives, from a slab of its own, and leaves the original's order as torch's leaves it.
+    torch refuses a loader whose persistent workers run: those copy before any epoch."""
+    import copy
+    import pickle
+
+    clone = copy.deepcopy if how == "deepcopy" else (lambda x: pickle.loads(pickle.dumps(x)))
+
+    def epochs(loader_cls):
+        torch.manual_seed(0)
+        loader = loader_cls(DATA, batch_size=3, shuffle=True, num_workers=num_workers,
+                            persistent_workers=persistent,
+                            generator=torch.Generator().manual_seed(5))
+        seen = [] if persistent else [[np.asarray(b).tolist() for b in loader]]
+        twin = clone(loader)
+        for one in (twin, loader, twin):
+            seen.append([np.asarray(b).tolist() for b in one])
+        if loader_cls is ArenaLoader:
+            assert twin.snapshot().slab_address != loader.snapshot().slab_address
+            twin.close()
+            loader.close()
+        return seen
+
+    assert epochs(ArenaLoader) == epochs(tud.DataLoader)
