@@ -259,7 +259,10 @@ def test_each_case_runs_apart_and_leaves_nothing_to_the_next():
         parent_mb = proportional_bytes(os.getpid()) / 1e6
         for figures in (first, second):
             assert figures["strays"] == []
-            assert figures["peak_added_mb"] >= 64 * 2**20 / 1e6 * 0.95
+            # (Proportional counts: the case's share of library pages falls while other
+            # processes map them too, e.g. a test beside it starting torch: 61.7 of the 67.1
+            # MB read once in a full run; a case whose memory went uncounted reads ~0.)
+            assert figures["peak_added_mb"] >= 64 * 2**20 / 1e6 * 0.85
             assert figures["peak_memory_mb"] >= parent_mb * 0.9 + 64  # the parent counted
         # The second case starts where the first did, not 64 MB higher.
         assert abs(second["peak_memory_mb"] - first["peak_memory_mb"]) < 32
