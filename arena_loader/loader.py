@@ -171,13 +171,14 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Picklable, Gen
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[T_co]:
+        _check_open(self)
+        if os.getpid() != self._pid:  # (before the lock: the parent's, which a thread of the
+            self._adopt_after_fork()  # parent inside iter() at the fork holds here for good)
         with self._iterators.lock:  # one at a time (LiveIterators.lock)
             return self._iter()
 
     def _iter(self) -> Iterator[T_co]:
         _check_open(self)
-        if os.getpid() != self._pid:
-            self._adopt_after_fork()
         options = self.options
         check_no_timeout_in_process(options)  # (before anything is drawn or begun)
         if not self._warned_unsharded:

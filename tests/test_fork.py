@@ -195,6 +195,56 @@ def test_loader_used_in_a_forked_child_starts_its_own_arena_and_workers(via, num
     loader.close()
 
 
+class _GatedSampler:
+    """A sampler whose first ``iter()`` (the parent's) waits for ``release``: a thread in
+    ``iter(loader)`` stays there while the test forks. A child's copy has been called once."""
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        self.calls += 1
+        if self.calls == 1:
+            self.entered.set()
+            self.release.wait(CHILD_TIMEOUT_S)
+        return iter(range(self.n))
+
+
+def test_a_loader_used_in_a_child_forked_while_another_thread_is_in_its_iter():
+    """The one-iter()-at-a-time lock, held at the fork by another thread of the parent, is
+    held for good in the child: the child's iter() makes its own loader parts before taking
+    it, and loads its epoch (as torch's DataLoader does) instead of waiting for ever."""
+    sampler = _GatedSampler(8)
+    loader = ArenaLoader(FullDataset(8), batch_size=4, sampler=sampler, num_workers=2)
+    parents = []
+    thread = threading.Thread(
+        target=lambda: parents.append([np.array(b).tolist() for b in loader]))
+    thread.start()
+    results = FORK.SimpleQueue()
+    try:
+        assert sampler.entered.wait(CHILD_TIMEOUT_S)
+        child = FORK.Process(target=lambda: results.put(
+            [np.array(b).tolist() for b in loader]))
+        child.start()
+        child.join(5)
+        hung = child.is_alive()
+        if hung:
+            child.kill()
+            child.join()
+    finally:
+        sampler.release.set()
+        thread.join(CHILD_TIMEOUT_S)
+        loader.close()
+    reference = [expected_batch(range(0, 4)).tolist(), expected_batch(range(4, 8)).tolist()]
+    assert not hung, "the child's iter(loader) waited for the parent's lock"
+    assert child.exitcode == 0 and results.get() == reference
+    assert parents == [reference]
+
+
 def _run_and_report(function, results) -> None:
     try:
         results.put(("ok", function()))
