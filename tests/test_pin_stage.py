@@ -480,6 +480,28 @@ def test_a_training_step_longer_than_timeout_is_no_timeout_through_the_pin_threa
     assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
+def test_a_slow_batch_there_before_next_asks_is_no_timeout_through_the_pin_thread(
+        fake_pinning):
+    """A batch that takes longer than ``timeout`` but is there before the consumer asks for
+    it (it came during the training step): torch's next() times only its own wait, and so
+    does ours without the pin thread. The pin thread's wait for it was timed from when the
+    thread began waiting (during the step), so next() raised LoaderTimeoutError."""
+
+    class Slow(TensorPairs):
+        def __getitem__(self, index):
+            if index == 4:
+                time.sleep(0.3)
+            return super().__getitem__(index)
+
+    with ArenaLoader(Slow(8), batch_size=2, num_workers=1, pin_memory=True,
+                     timeout=0.15) as loader:
+        iterator = iter(loader)
+        got = [next(iterator)[1].tolist()]
+        time.sleep(0.6)  # the training step: batch 2 comes during it
+        got += [batch[1].tolist() for batch in iterator]
+    assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
 class _InterruptAfterError(_InterruptAt):
     """KeyboardInterrupt at the k-th line of arena_loader code that the main thread runs
     once a ``ValueError`` (the batch's error) was raised in it. Not at an ``except`` line:
