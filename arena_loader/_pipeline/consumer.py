@@ -137,9 +137,10 @@ class Consumer:
                 wait_s = POLL_S
                 lag = window.lag
                 if lag is not None:
-                    if lag.stopped and window.held_by_stage(order):
-                        raise StageStoppedError()  # (no consumer will make room)
-                    if deadline is not None:  # (timed as the stage's consumer waits: asked_at)
+                    if lag.stopped:  # (no consumer will make room, nor ask: timed as is)
+                        if window.held_by_stage(order):
+                            raise StageStoppedError()
+                    elif deadline is not None:  # (timed as the stage's consumer waits)
                         asked = lag.asked_at
                         deadline = (time.monotonic() if asked is None else asked) + timeout
                 if deadline is not None:
