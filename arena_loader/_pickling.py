@@ -8,7 +8,8 @@ device stage, and the resume bookkeeping's lock. Those are left out and made ane
 copy is loaded, as ``ArenaLoader._adopt_after_fork`` does for a forked child: the copy is an
 independent loader over copies of the same dataset and samplers, with its own slab and
 workers (torch's copy, likewise, has no iterator; torch refuses to pickle a loader whose
-persistent workers run, ours leaves them with the original).
+persistent workers run, ours leaves them with the original). A state ``load_state_dict()``
+left for the next ``iter()`` goes along and is loaded again, as torchdata's copy keeps it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ._wiring import LiveIterators, close_all, open_gpu_options
 # Made anew where a copy is loaded (_resume from the copied seeds); the rest is copied.
 _PROCESS_BOUND = ("_pinner", "_device", "_pin_batch", "_unpinned", "_pinning", "_source",
                   "_iterators", "_pid", "_finalizer", "_resume")
+_LOADED = "_loaded_state"  # (in the pickled state only: the state load_state_dict() left)
 
 
 class Picklable:
@@ -60,12 +62,20 @@ class Picklable:
         state = dict(self.__dict__)
         for name in _PROCESS_BOUND:
             state.pop(name, None)
+        # A loaded state that the next iter() would resume goes along, as torchdata's
+        # StatefulDataLoader's (its next_iter_state): the copy resumes it too.
+        with self._resume.lock:
+            state[_LOADED] = self._resume.loaded()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        loaded = state.pop(_LOADED, None)
         self.__dict__.update(state)
         with warnings.catch_warnings():  # (the constructor gave its warnings once)
             warnings.simplefilter("ignore")
             self._open_gpu_parts()
         self._resume = LoaderResume(self._seeds)
         self._open_process_parts()
+        if loaded is not None:
+            self.load_state_dict(loaded)

@@ -194,7 +194,7 @@ class LoaderResume:
     def begin_epoch(self, loader: Any) -> EpochPlan:
         """At the start of ``iter(loader)``, before any draw: a loaded state's generators and
         samplers restored (its epoch is replayed), else their state now recorded."""
-        pending = self._loaded()
+        pending = self.loaded()
         if pending is None:
             self.epoch += 1
             self._start = epoch_start(loader, self._seeds)
@@ -239,7 +239,7 @@ class LoaderResume:
         self.drew_seed, self._base_seed = True, seed
         return seed
 
-    def _loaded(self) -> dict[str, Any] | None:
+    def loaded(self) -> dict[str, Any] | None:
         """The loaded state, until its epoch hands out a batch (or ends): an ``iter()`` cut
         short by Ctrl-C, or an iterator dropped unused (Lightning probes a loader so), leaves
         it to the next ``iter()``, which replays it (the generators restored again)."""
@@ -302,7 +302,7 @@ class LoaderResume:
     # -- state_dict() / load_state_dict() -------------------------------------------------
 
     def state_dict(self, loader: Any) -> dict[str, Any]:
-        pending = self._loaded()
+        pending = self.loaded()
         if pending is not None:
             return pending  # loaded, and nothing of its epoch handed out: still where it was
         # The consumer's next() (in another thread: no lock of ours on its per-batch path)

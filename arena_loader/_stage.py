@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -199,11 +200,13 @@ class HostStage:
     def _received(self, item: Any) -> None:
         """The consumer has ``item``: its position is the loader's (``state_dict()``). The
         same again if the ``next()`` is cut short and repeated."""
-        position = item.position
+        position, lag = item.position, self._lag
+        if lag is not None:
+            lag.asked_at = None  # (its next() waits no more: the host's timeout stops)
         if position is not None:
             self._follow(position)
-            if self._lag is not None:
-                self._lag.receive(position.yielded)
+            if lag is not None:
+                lag.receive(position.yielded)
                 self._host.refill()
 
     def _hand_on(self, item: Raised | Ended) -> NoReturn:
@@ -298,6 +301,8 @@ class StagedIterator(LoaderLength):
         if _forksafe.generation() != self._generation:  # its thread is the parent's
             raise forked_iterator_error(self._pid)
         stage = self._stage
+        if stage._lag is not None:  # the host's timeout runs from here (StageLag.asked_at)
+            stage._lag.asked_at = time.monotonic()
         if stage.awaits_first:
             stage.start()  # with the host's first batch, taken in this thread
         return stage.next_batch()  # type: ignore[attr-defined]

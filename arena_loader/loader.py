@@ -6,6 +6,7 @@ This module only wires parts together; see docs/design.md for how they fit.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -171,13 +172,14 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Picklable, Gen
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[T_co]:
+        _check_open(self)
+        if os.getpid() != self._pid:  # (before the lock: the parent's, which a thread of the
+            self._adopt_after_fork()  # parent inside iter() at the fork holds here for good)
         with self._iterators.lock:  # one at a time (LiveIterators.lock)
             return self._iter()
 
     def _iter(self) -> Iterator[T_co]:
         _check_open(self)
-        if os.getpid() != self._pid:
-            self._adopt_after_fork()
         options = self.options
         check_no_timeout_in_process(options)  # (before anything is drawn or begun)
         if not self._warned_unsharded:
@@ -255,6 +257,8 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Picklable, Gen
                 f"created in process {self._pid} and CUDA does not survive fork; create the "
                 "loader in this process, or start the process with the 'spawn' method")
         self._finalizer.detach()  # the copy of the parent's: it must not run here
+        # (A thread of the parent in state_dict() or iter() at the fork held it: for good here.)
+        self._resume.lock = threading.RLock()
         self._open_process_parts()
 
     def snapshot(self) -> LoaderSnapshot:

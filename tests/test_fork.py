@@ -195,6 +195,70 @@ def test_loader_used_in_a_forked_child_starts_its_own_arena_and_workers(via, num
     loader.close()
 
 
+class _GatedSampler:
+    """A stateful sampler whose first call of ``gate`` (the parent's) waits for ``release``:
+    a thread in ``iter(loader)`` or ``state_dict()`` stays there while the test forks. A
+    child's copy has been called already."""
+
+    def __init__(self, n: int, gate: str):
+        self.n, self.gate, self.calls = n, gate, 0
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def _called(self, name: str) -> None:
+        if name == self.gate:
+            self.calls += 1
+            if self.calls == 1:
+                self.entered.set()
+                self.release.wait(CHILD_TIMEOUT_S)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        self._called("__iter__")
+        return iter(range(self.n))
+
+    def state_dict(self) -> dict:
+        self._called("state_dict")
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+@pytest.mark.parametrize("gate", ["__iter__", "state_dict"])
+def test_a_loader_used_in_a_child_forked_while_another_thread_holds_its_locks(gate):
+    """The one-iter()-at-a-time lock and the resume lock, held at the fork by another thread
+    of the parent (in ``iter(loader)``, in ``state_dict()``), are held for good in the
+    child: the child's iter() makes its own loader parts and locks before taking them, and
+    loads its epoch (as torch's DataLoader does) instead of waiting for ever."""
+    sampler = _GatedSampler(8, gate)
+    loader = ArenaLoader(FullDataset(8), batch_size=4, sampler=sampler, num_workers=2)
+    parents = []
+    thread = threading.Thread(target=lambda: parents.append(
+        [np.array(b).tolist() for b in loader] if gate == "__iter__" else loader.state_dict()))
+    thread.start()
+    results = FORK.SimpleQueue()
+    try:
+        assert sampler.entered.wait(CHILD_TIMEOUT_S)
+        child = FORK.Process(target=lambda: results.put(
+            [np.array(b).tolist() for b in loader]))
+        child.start()
+        child.join(5)
+        hung = child.is_alive()
+        if hung:
+            child.kill()
+            child.join()
+    finally:
+        sampler.release.set()
+        thread.join(CHILD_TIMEOUT_S)
+        loader.close()
+    reference = [expected_batch(range(0, 4)).tolist(), expected_batch(range(4, 8)).tolist()]
+    assert not hung, "the child's iter(loader) waited for a lock the parent's thread held"
+    assert child.exitcode == 0 and results.get() == reference
+    assert len(parents) == 1 and (gate != "__iter__" or parents[0] == reference)
+
+
 def _run_and_report(function, results) -> None:
     try:
         results.put(("ok", function()))

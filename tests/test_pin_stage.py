@@ -194,19 +194,26 @@ def test_an_error_while_pinning_is_that_batchs_and_the_epoch_goes_on(fake_pinnin
     assert got == [list(range(i, i + 4)) for i in (0, 4, 12, 16, 20)]
 
 
+class SlowAt(TensorPairs):
+    """``TensorPairs`` whose sample ``slow`` takes ``seconds``."""
+
+    def __init__(self, n: int, slow: int, seconds: float):
+        super().__init__(n)
+        self.slow, self.seconds = slow, seconds
+
+    def __getitem__(self, index):
+        if index == self.slow:
+            time.sleep(self.seconds)
+        return super().__getitem__(index)
+
+
 def test_timeout_and_a_dead_worker_are_raised_by_next_through_the_pin_thread(fake_pinning):
     """The host iterator's errors reach next() as without the pin thread: a timeout is a
     LoaderTimeoutError naming the batch; a killed worker a WorkerCrashedError, raised again
     by every later next(); after close(), next() is a LoaderClosedError."""
     import torch
 
-    class Slow(TensorPairs):
-        def __getitem__(self, index):
-            if index == 9:
-                time.sleep(3)
-            return super().__getitem__(index)
-
-    with ArenaLoader(Slow(16), batch_size=4, num_workers=2, pin_memory=True,
+    with ArenaLoader(SlowAt(16, 9, 3), batch_size=4, num_workers=2, pin_memory=True,
                      timeout=0.5) as loader:
         iterator = iter(loader)
         assert next(iterator)[1].tolist() == [0, 1, 2, 3]
@@ -476,6 +483,21 @@ def test_a_training_step_longer_than_timeout_is_no_timeout_through_the_pin_threa
         iterator = iter(loader)
         got = [next(iterator)[1].tolist()]
         time.sleep(0.5)  # the training step
+        got += [batch[1].tolist() for batch in iterator]
+    assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_a_slow_batch_there_before_next_asks_is_no_timeout_through_the_pin_thread(
+        fake_pinning):
+    """A batch that takes longer than ``timeout`` but is there before the consumer asks for
+    it (it came during the training step): torch's next() times only its own wait, and so
+    does ours without the pin thread. The pin thread's wait for it was timed from when the
+    thread began waiting (during the step), so next() raised LoaderTimeoutError."""
+    with ArenaLoader(SlowAt(8, 4, 0.3), batch_size=2, num_workers=1, pin_memory=True,
+                     timeout=0.15) as loader:
+        iterator = iter(loader)
+        got = [next(iterator)[1].tolist()]
+        time.sleep(0.6)  # the training step: batch 2 comes during it
         got += [batch[1].tolist() for batch in iterator]
     assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]
 

@@ -210,6 +210,40 @@ def test_persistent_workers_resumed_between_epochs_start_the_next_epoch_whole():
     assert sorted(i for batch in uninterrupted for i in batch) == list(range(8))
 
 
+@pytest.mark.parametrize(("how", "num_workers"), [("deepcopy", 0), ("pickle", 1)])
+def test_a_copy_of_a_loader_after_load_state_dict_resumes_as_torchdatas_does(how,
+                                                                             num_workers):
+    """A loader copied (``copy.deepcopy``; pickled, as ``mp.spawn`` does) after
+    ``load_state_dict()`` and before its next ``iter()``: torchdata's StatefulDataLoader's
+    copy keeps the loaded state (its ``next_iter_state``) and resumes it, and so does ours
+    now. The copy started the epoch afresh: the state was left out with the resume
+    bookkeeping (process-bound) and not loaded again."""
+    import copy
+
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    clone = copy.deepcopy if how == "deepcopy" else (lambda x: pickle.loads(pickle.dumps(x)))
+    dataset = [np.int64(i) for i in range(12)]
+
+    def copy_resumed(loader_class: type) -> list:
+        def make():
+            return loader_class(dataset, batch_size=2, num_workers=num_workers)
+
+        loader = make()
+        iterator = iter(loader)
+        next(iterator), next(iterator)
+        state = loader.state_dict()
+        del iterator
+        loader = make()
+        loader.load_state_dict(state)
+        twin = clone(loader)
+        return [[np.asarray(b).tolist() for b in one] for one in (twin, loader, twin)]
+
+    rest = [[4, 5], [6, 7], [8, 9], [10, 11]]
+    whole = [[0, 1], [2, 3], *rest]
+    assert copy_resumed(stateful.StatefulDataLoader) == [rest, rest, whole]
+    assert copy_resumed(ArenaLoader) == [rest, rest, whole]
+
+
 def test_matches_torchdata_stateful_dataloader():
     """Code written for torchdata's StatefulDataLoader switches by one import: the same
     calls, stopped and resumed at the same batch, give the same batches, for the rest of the

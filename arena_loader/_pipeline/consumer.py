@@ -135,13 +135,14 @@ class Consumer:
                 if starved and collected:
                     raise session.source.limit_error(arena)
                 wait_s = POLL_S
-                if window.held_by_stage(order):
-                    if window.lag.stopped:  # (no consumer will make room)
-                        raise StageStoppedError()
-                    if deadline is not None:
-                        # (The stage's thread waits while its consumer's step runs: torch's
-                        # pin thread waits with no timeout, its next() times only its own.)
-                        deadline = time.monotonic() + timeout
+                lag = window.lag
+                if lag is not None:
+                    if lag.stopped:  # (no consumer will make room, nor ask: timed as is)
+                        if window.held_by_stage(order):
+                            raise StageStoppedError()
+                    elif deadline is not None:  # (timed as the stage's consumer waits)
+                        asked = lag.asked_at
+                        deadline = (time.monotonic() if asked is None else asked) + timeout
                 if deadline is not None:
                     wait_s = min(wait_s, deadline - time.monotonic())
                     if wait_s <= 0:

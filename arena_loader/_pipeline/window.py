@@ -41,13 +41,17 @@ class StageLag:
     thread holds count against torch's (its main thread sends the next indices only as it
     receives a batch), so the sampler is drawn no further ahead than torch's."""
 
-    __slots__ = ("_handout", "_waker", "received", "stopped")
+    __slots__ = ("_handout", "_waker", "asked_at", "received", "stopped")
 
     def __init__(self, handout: Handout, waker: Waker):
         self._handout = handout  # its position moves as each batch is handed out
         self._waker = waker
         self.received = handout.position.yielded  # where the consumer is
         self.stopped = False  # the stage closed: no consumer will receive
+        # When the consumer's next() began (None: it is not in one). The stage's thread waits
+        # on the host with no timeout of its own, as torch's pin thread does: the host's
+        # timeout runs only while the consumer waits, as torch's next() times its own wait.
+        self.asked_at: float | None = None
 
     def stop(self) -> None:
         """The stage is closing: its thread's wait for room in the window ends now
