@@ -28,6 +28,7 @@ from ._resume_stream import (
     SamplerStates,
     StreamResume,
     WorkerPosition,
+    drawn_epochs,
     is_stateful,
 )
 from .samplers import is_torch_generator, may_draw_globally, numpy_stream, seeded_by_epoch
@@ -200,7 +201,8 @@ class LoaderResume:
             self._start = epoch_start(loader, self._seeds)
             return EpochPlan(position=self._new_position(loader, None), first_idx=0)
         restore_generators(loader, self._seeds, pending["epoch_start"])
-        self.epoch, self._start = pending["epoch"], pending["epoch_start"]
+        self.epoch = pending["epoch"]
+        self._start = drawn_epochs(_samplers(loader), pending["epoch_start"])
         position = self._new_position(loader, pending)
         self._begun = True
         at = pending.get("samplers_at")  # their state as of the last batch received

@@ -252,3 +252,15 @@ class EpochPlan:
     resumed: bool = False  # made by load_state_dict(): replays an interrupted epoch
     skip: int = 0  # batches of the order to draw and drop (first_idx, unless the samplers
     # were given their state as of the last batch received: they go on from there)
+
+
+def drawn_epochs(samplers: Any, start: dict[str, Any]) -> dict[str, Any]:
+    """A loaded epoch's start as ``iter()`` draws it: a ``set_epoch`` sampler's epoch now (a
+    state taken at an epoch's end holds the last one; a later ``set_epoch`` has the last word),
+    so a state taken later in this epoch resumes this epoch's order. ``samplers``: (role,
+    sampler) pairs."""
+    from .samplers import seeded_by_epoch
+
+    epochs = {role: {"epoch": sampler.epoch} for role, sampler in samplers
+              if seeded_by_epoch(sampler)}
+    return dict(start, samplers={**start["samplers"], **epochs})

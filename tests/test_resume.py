@@ -714,3 +714,37 @@ def test_a_state_saved_while_another_thread_is_handed_a_batch_resumes_after_it(
     with make() as resumed:
         resumed.load_state_dict(state)
         assert got + indices(resumed) == whole
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_saved_in_the_epoch_after_a_loaded_end_of_epoch_state_resumes_that_epoch(
+        num_workers):
+    """A loader made from a state saved at an epoch's end, then ``set_epoch(1)`` (a
+    DistributedSampler's next epoch) and a batch: a state saved now resumes epoch 1's order.
+    It recorded the loaded state's sampler epoch (0), so the resume gave epoch 0's batches
+    (found by benchmarks/chaos.py --seed 1910)."""
+    from torch.utils.data import DistributedSampler
+
+    def make():
+        sampler = DistributedSampler(range(16), num_replicas=1, rank=0, shuffle=True, seed=5)
+        return ArenaLoader(np.arange(16), batch_size=4, sampler=sampler,
+                           num_workers=num_workers)
+
+    twin = DistributedSampler(range(16), num_replicas=1, rank=0, shuffle=True, seed=5)
+    twin.set_epoch(1)
+    epoch1 = list(twin)
+    with make() as first:
+        first.set_epoch(0)
+        list(first)
+        end_of_epoch0 = first.state_dict()
+    with make() as second:
+        second.load_state_dict(end_of_epoch0)
+        second.set_epoch(1)
+        iterator = iter(second)
+        assert next(iterator).tolist() == epoch1[:4]
+        mid_epoch1 = second.state_dict()
+        del iterator
+    with make() as third:
+        third.load_state_dict(mid_epoch1)
+        assert [batch.tolist() for batch in third] == [epoch1[4:8], epoch1[8:12], epoch1[12:]]
