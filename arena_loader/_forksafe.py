@@ -90,6 +90,29 @@ _generation = 0
 
 def generation() -> int:
     return _generation
+
+
+class ProcessLock:
+    """A re-entrant lock of the process that takes it: a forked child's first ``with`` makes
+    it a new one. (A lock that another thread of the parent held at the fork is held for good
+    in the child, where that thread does not exist: its state_dict(), load_state_dict() or
+    copy of the loader waited for ever.)"""
+
+    __slots__ = ("_generation", "_lock")
+
+    def __init__(self) -> None:
+        self._lock, self._generation = threading.RLock(), _generation
+
+    def __enter__(self) -> threading.RLock:
+        if self._generation != _generation:
+            self._lock, self._generation = threading.RLock(), _generation
+        lock = self._lock
+        lock.acquire()
+        return lock
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
 # Per thread (two threads may fork at once; only the forking thread survives in the child),
 # set between the before-fork and after-fork hooks: (pinned owners, pipe read fd, write fd).
 _forking = threading.local()

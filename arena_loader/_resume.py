@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import base64
 import sys
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from ._forksafe import ProcessLock
 from ._resume_stream import (
     DrawnStates,
     EpochPlan,
@@ -187,7 +187,7 @@ class LoaderResume:
         # epoch's draws are made: a state taken by another thread in between (the epoch's
         # start recorded, its base seed not yet) held the last epoch's seed, and resuming it
         # raised ValueError. (Re-entrant: user code iter() runs may call state_dict().)
-        self.lock = threading.RLock()
+        self.lock = ProcessLock()  # (a forked child's is its own)
         self._drawn: SamplerStates | None = None  # position samplers' states per batch drawn
 
     # -- iter() ------------------------------------------------------------------------------

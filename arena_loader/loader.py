@@ -6,7 +6,6 @@ This module only wires parts together; see docs/design.md for how they fit.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -257,8 +256,6 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Picklable, Gen
                 f"created in process {self._pid} and CUDA does not survive fork; create the "
                 "loader in this process, or start the process with the 'spawn' method")
         self._finalizer.detach()  # the copy of the parent's: it must not run here
-        # (A thread of the parent in state_dict() or iter() at the fork held it: for good here.)
-        self._resume.lock = threading.RLock()
         self._open_process_parts()
 
     def snapshot(self) -> LoaderSnapshot:

@@ -4,6 +4,7 @@ hangs; OS limits are clear errors (docs/reliability.md, "Fork and OS limits").""
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import gc
 import json
@@ -226,12 +227,25 @@ class _GatedSampler:
         pass
 
 
-@pytest.mark.parametrize("gate", ["__iter__", "state_dict"])
-def test_a_loader_used_in_a_child_forked_while_another_thread_holds_its_locks(gate):
+def _child_use(loader, first: str) -> list:
+    """What the child does with the parent's loader: ``first``, then a whole epoch."""
+    if first == "state_dict":
+        assert loader.state_dict()["batches_yielded"] == 0
+    elif first == "load_state_dict":
+        loader.load_state_dict({})
+    elif first == "copy":  # (__getstate__ reads the loaded state under the lock)
+        loader = copy.copy(loader)
+    return [np.array(b).tolist() for b in loader]
+
+
+@pytest.mark.parametrize("gate, first", [
+    ("__iter__", "iter"), ("state_dict", "iter"), ("state_dict", "state_dict"),
+    ("state_dict", "load_state_dict"), ("state_dict", "copy")])
+def test_a_loader_used_in_a_child_forked_while_another_thread_holds_its_locks(gate, first):
     """The one-iter()-at-a-time lock and the resume lock, held at the fork by another thread
     of the parent (in ``iter(loader)``, in ``state_dict()``), are held for good in the
-    child: the child's iter() makes its own loader parts and locks before taking them, and
-    loads its epoch (as torch's DataLoader does) instead of waiting for ever."""
+    child: the child's iter(), state_dict(), load_state_dict() and copies take locks of its
+    own, and it loads its epoch (as torch's DataLoader does) instead of waiting for ever."""
     sampler = _GatedSampler(8, gate)
     loader = ArenaLoader(FullDataset(8), batch_size=4, sampler=sampler, num_workers=2)
     parents = []
@@ -241,8 +255,7 @@ def test_a_loader_used_in_a_child_forked_while_another_thread_holds_its_locks(ga
     results = FORK.SimpleQueue()
     try:
         assert sampler.entered.wait(CHILD_TIMEOUT_S)
-        child = FORK.Process(target=lambda: results.put(
-            [np.array(b).tolist() for b in loader]))
+        child = FORK.Process(target=lambda: results.put(_child_use(loader, first)))
         child.start()
         child.join(5)
         hung = child.is_alive()
@@ -254,7 +267,7 @@ def test_a_loader_used_in_a_child_forked_while_another_thread_holds_its_locks(ga
         thread.join(CHILD_TIMEOUT_S)
         loader.close()
     reference = [expected_batch(range(0, 4)).tolist(), expected_batch(range(4, 8)).tolist()]
-    assert not hung, "the child's iter(loader) waited for a lock the parent's thread held"
+    assert not hung, f"the child's {first}() waited for a lock the parent's thread held"
     assert child.exitcode == 0 and results.get() == reference
     assert len(parents) == 1 and (gate != "__iter__" or parents[0] == reference)
 
