@@ -300,12 +300,17 @@ class StagedIterator(LoaderLength):
     def __next__(self) -> Any:
         if _forksafe.generation() != self._generation:  # its thread is the parent's
             raise forked_iterator_error(self._pid)
-        stage = self._stage
-        if stage._lag is not None:  # the host's timeout runs from here (StageLag.asked_at)
-            stage._lag.asked_at = time.monotonic()
-        if stage.awaits_first:
-            stage.start()  # with the host's first batch, taken in this thread
-        return stage.next_batch()  # type: ignore[attr-defined]
+        stage, lag = self._stage, self._stage._lag
+        try:
+            if lag is not None:  # the host's timeout runs from here (StageLag.asked_at)
+                lag.asked_at = time.monotonic()
+            if stage.awaits_first:
+                stage.start()  # with the host's first batch, taken in this thread
+            return stage.next_batch()  # type: ignore[attr-defined]
+        except KeyboardInterrupt:  # nobody waits now: nothing is timed until the next next()
+            if lag is not None:  # (a batch or an error ends the wait in _received)
+                lag.asked_at = None
+            raise
 
     def close(self) -> None:
         self._stage.close()  # (not the finalizer, which runs once: see HostStage.close)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gc
 import linecache
+import os
+import signal
 import sys
 import threading
 import time
@@ -498,6 +500,43 @@ def test_a_slow_batch_there_before_next_asks_is_no_timeout_through_the_pin_threa
         iterator = iter(loader)
         got = [next(iterator)[1].tolist()]
         time.sleep(0.6)  # the training step: batch 2 comes during it
+        got += [batch[1].tolist() for batch in iterator]
+    assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+class WaitsForFile(TensorPairs):
+    """``TensorPairs`` whose sample ``slow`` waits until the file ``gate`` exists."""
+
+    def __init__(self, n: int, slow: int, gate: str):
+        super().__init__(n)
+        self.slow, self.gate = slow, gate
+
+    def __getitem__(self, index):
+        if index == self.slow:
+            deadline = time.monotonic() + 20
+            while not os.path.exists(self.gate) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return super().__getitem__(index)
+
+
+def test_a_next_cut_short_by_ctrl_c_times_no_wait_after_it_through_the_pin_thread(
+        fake_pinning, tmp_path):
+    """Ctrl-C in a next() waiting for a slow batch; the user is away for longer than
+    ``timeout`` (saving a checkpoint), then asks again and the batch comes at once. torch's
+    next() times only its own wait, so it hands the batch over; the pin thread went on
+    timing its wait from the interrupted next() and raised LoaderTimeoutError."""
+    gate = str(tmp_path / "go")
+    with ArenaLoader(WaitsForFile(8, 2, gate), batch_size=2, num_workers=1, pin_memory=True,
+                     timeout=0.3) as loader:
+        iterator = iter(loader)
+        got = [next(iterator)[1].tolist()]
+        interrupt = threading.Timer(0.1, signal.pthread_kill,
+                                    (threading.main_thread().ident, signal.SIGINT))
+        interrupt.start()
+        with pytest.raises(KeyboardInterrupt):
+            next(iterator)
+        time.sleep(0.6)  # away, longer than timeout; nobody waits for the batch meanwhile
+        open(gate, "w").close()
         got += [batch[1].tolist() for batch in iterator]
     assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
