@@ -205,8 +205,11 @@ class SlowAt(TensorPairs):
 
     def __getitem__(self, index):
         if index == self.slow:
-            time.sleep(self.seconds)
+            self.wait()
         return super().__getitem__(index)
+
+    def wait(self) -> None:
+        time.sleep(self.seconds)
 
 
 def test_timeout_and_a_dead_worker_are_raised_by_next_through_the_pin_thread(fake_pinning):
@@ -504,19 +507,17 @@ def test_a_slow_batch_there_before_next_asks_is_no_timeout_through_the_pin_threa
     assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
-class WaitsForFile(TensorPairs):
+class WaitsForFile(SlowAt):
     """``TensorPairs`` whose sample ``slow`` waits until the file ``gate`` exists."""
 
     def __init__(self, n: int, slow: int, gate: str):
-        super().__init__(n)
-        self.slow, self.gate = slow, gate
+        super().__init__(n, slow, 0)
+        self.gate = gate
 
-    def __getitem__(self, index):
-        if index == self.slow:
-            deadline = time.monotonic() + 20
-            while not os.path.exists(self.gate) and time.monotonic() < deadline:
-                time.sleep(0.01)
-        return super().__getitem__(index)
+    def wait(self) -> None:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def test_a_next_cut_short_by_ctrl_c_times_no_wait_after_it_through_the_pin_thread(
