@@ -294,8 +294,10 @@ class ArenaSource:
             f"your code holds {held} batches from this ArenaLoader (every one of its "
             f"{self.slots} slots is in use), so new batches go to extra shared memory, which "
             "grows while they are held and is freed when they are dropped. To keep memory "
-            "flat, keep copies of what you need (np.array(x), x.clone(), x.item()); to get an "
-            "error instead, pass held_batch_limit=N", UserWarning,
+            "flat, keep copies of what you need (np.array(x), x.clone(), x.item()); where a "
+            "training framework holds them (gradient accumulation keeps a step's batches), "
+            f"pass slots= more than {self.slots} (the batches held at once plus the "
+            "read-ahead); to get an error instead, pass held_batch_limit=N", UserWarning,
             stacklevel=4)
 
     def acquire_or_overflow(self, arena: Arena) -> int | None:

@@ -260,6 +260,7 @@ def test_keeping_every_batch_works_warns_once_and_memory_returns(num_workers):
         assert len(held_warnings) == 1, [str(w.message) for w in caught]
         assert "np.array" in str(held_warnings[0].message)
         assert "held_batch_limit" in str(held_warnings[0].message)
+        assert f"pass slots= more than {loader.slots}" in str(held_warnings[0].message)
         assert np.concatenate(kept).tolist() == list(range(256))
         assert loader.snapshot().held_batches >= 60
         peak = _shm_mapped_bytes()
