@@ -686,11 +686,18 @@ def test_ctrl_c_as_the_first_batchs_error_leaves_the_device_next_losing_nothing(
             [int(dataset[i][0, 0, 0]) for i in (2, 4)], first=2, step=3)  # (pin: 1, 4, ...)
 
 
-def test_an_epoch_abandoned_while_the_device_thread_waits_for_room_keeps_its_workers():
+def test_an_epoch_abandoned_while_the_device_thread_waits_for_room_keeps_its_workers(
+        monkeypatch):
     """As through the pin thread (test_pin_stage): the device thread, a batch ahead with a
     window of one, waits for room its consumer makes; iter() stops that wait, and the next
     epoch runs on the same persistent workers (the thread outlasted its 10 s join, and the
-    persistent iterator was closed under it)."""
+    persistent iterator was closed under it). The stop must wake the wait (the host's poll
+    made longer than the join here)."""
+    from arena_loader import _stage
+    from arena_loader._pipeline import consumer
+
+    monkeypatch.setattr(consumer, "POLL_S", 30.0)
+    monkeypatch.setattr(_stage, "SHARED_JOIN_S", 2.0)
     dataset = ImageDataset(8)
     with ArenaLoader(dataset, batch_size=2, num_workers=1, prefetch_factor=1, device="cuda",
                      persistent_workers=True) as loader:

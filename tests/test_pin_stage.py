@@ -578,12 +578,19 @@ def host_idle(loader) -> bool:
 
 
 def test_an_epoch_abandoned_while_the_pin_thread_waits_for_room_keeps_its_workers(
-        fake_pinning):
+        fake_pinning, monkeypatch):
     """With a window of one batch the pin thread, a batch ahead, waits in the host iterator
     for the room only its consumer's next next() makes. The epoch abandoned there, iter()
     stops that wait at once and the next epoch runs on the same persistent workers. Before:
     the thread never saw the stop, iter() waited out the 10 s join and closed the persistent
-    iterator under it (new workers); a dropped non-persistent epoch waited out 0.5 s."""
+    iterator under it (new workers); a dropped non-persistent epoch waited out 0.5 s. The
+    host's poll is made longer than the join here: the stop must wake the wait, not be seen
+    at the wait's next poll."""
+    from arena_loader import _stage
+    from arena_loader._pipeline import consumer
+
+    monkeypatch.setattr(consumer, "POLL_S", 30.0)
+    monkeypatch.setattr(_stage, "SHARED_JOIN_S", 2.0)
     with ArenaLoader(TensorPairs(8), batch_size=2, num_workers=1, prefetch_factor=1,
                      pin_memory=True, persistent_workers=True) as loader:
         abandoned = iter(loader)
