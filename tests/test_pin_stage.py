@@ -24,6 +24,7 @@ from tests import resume_driver
 
 from .conftest import (
     interrupted_in_thread_start,
+    live_children,
     our_slab_mappings,
     our_threads,
     run_in_threads,
@@ -601,3 +602,90 @@ def test_an_epoch_abandoned_while_the_pin_thread_waits_for_room_keeps_its_worker
         labels = [batch[1].tolist() for batch in loader]
         assert loader_worker_pids(loader) == pids
     assert labels == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_iter_gives_a_persistent_epochs_pin_thread_its_long_join(fake_pinning, monkeypatch):
+    """iter() stops the pin thread still reading the last persistent epoch, waiting for a
+    slow batch in flight: it gets SHARED_JOIN_S to finish that batch (closing the persistent
+    iterator under it would cost the workers), not the short join of a host the stage owns
+    (made shorter than the batch here)."""
+    from arena_loader import _stage
+
+    monkeypatch.setattr(_stage, "OWNED_JOIN_S", 0.01)
+    with ArenaLoader(SlowAt(8, 2, 0.15), batch_size=2, num_workers=1, pin_memory=True,
+                     persistent_workers=True) as loader:
+        abandoned = iter(loader)
+        next(abandoned)  # the pin thread now waits for batch 1 (slow)
+        pids = loader_worker_pids(loader)
+        labels = [batch[1].tolist() for batch in loader]
+        assert loader_worker_pids(loader) == pids
+    assert labels == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_close_of_a_pinned_iterator_still_held_stops_its_workers(fake_pinning):
+    """close() of a non-persistent iterator through the pin thread closes the host iterator
+    it owns, whether or not the thread was still at work: its workers stop now, not when
+    the iterator is collected."""
+    with ArenaLoader(TensorPairs(16), batch_size=2, num_workers=2,
+                     pin_memory=True) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        assert wait_until(lambda: len(fake_pinning) >= 2 * 4)  # the thread waits for room
+        iterator.close()
+        assert wait_until(lambda: not live_children()), live_children()
+        with pytest.raises(LoaderClosedError):
+            next(iterator)
+
+
+def test_next_after_a_pinned_epoch_ended_raises_stop_iteration_again(fake_pinning):
+    """As torch's iterator (and ours without the pin thread): once the epoch ended, every
+    next() raises StopIteration, not LoaderClosedError."""
+    with ArenaLoader(TensorPairs(4), batch_size=2, num_workers=1, pin_memory=True) as loader:
+        iterator = iter(loader)
+        assert len(list(iterator)) == 2
+        for _ in range(2):
+            with pytest.raises(StopIteration):
+                next(iterator)
+
+
+def test_each_timeout_through_the_pin_thread_is_timed_from_its_own_next(fake_pinning):
+    """After a LoaderTimeoutError, next() waits again for ``timeout`` and then gets the slow
+    batch, as without the pin thread. The thread loads nothing more until the consumer has
+    seen an error: went on at once, its next wait was timed from the next() that had timed
+    out already, and the next next() raised a second LoaderTimeoutError at once."""
+    with ArenaLoader(SlowAt(8, 2, 0.3), batch_size=2, num_workers=1, pin_memory=True,
+                     timeout=0.1) as loader:
+        iterator, got, waits = iter(loader), [], []
+        while True:
+            began = time.monotonic()
+            try:
+                got.append(next(iterator)[1].tolist())
+            except LoaderTimeoutError:
+                waits.append(time.monotonic() - began)
+            except StopIteration:
+                break
+    assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert waits and min(waits) >= 0.09, waits
+
+
+def test_the_first_batch_keeps_no_slot_once_the_consumer_dropped_it(fake_pinning):
+    """The first next() takes the first batch from the host itself and starts the pin thread
+    with it: the stage keeps no reference to it once pinned, so its slot comes back when the
+    consumer drops the pinned copy, as every later batch's."""
+    with ArenaLoader(TensorPairs(16), batch_size=2, num_workers=1, pin_memory=True) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        next(iterator)
+        assert wait_until(lambda: loader.snapshot().held_batches == 0), loader.snapshot()
+
+
+def test_the_pin_thread_keeps_at_most_two_pinned_batches_ahead(fake_pinning):
+    """The pin thread's queue holds PIN_PREFETCH = 2 pinned batches (and it holds one more it
+    waits to queue), however large the read-ahead: page-locked memory stays bounded."""
+    with ArenaLoader(TensorPairs(32), batch_size=2, num_workers=2, prefetch_factor=4,
+                     pin_memory=True) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        assert wait_until(lambda: len(fake_pinning) >= 2 * 4)  # 2 tensors a batch
+        assert not wait_until(lambda: len(fake_pinning) > 2 * 4, timeout_s=0.2)
+        assert len(list(iterator)) == 15
