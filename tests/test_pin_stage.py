@@ -689,3 +689,18 @@ def test_the_pin_thread_keeps_at_most_two_pinned_batches_ahead(fake_pinning):
         assert wait_until(lambda: len(fake_pinning) >= 2 * 4)  # 2 tensors a batch
         assert not wait_until(lambda: len(fake_pinning) > 2 * 4, timeout_s=0.2)
         assert len(list(iterator)) == 15
+
+
+def test_a_pinned_loader_with_persistent_workers_pickles_after_an_epoch(fake_pinning):
+    """Pickled after an epoch (``mp.spawn(fn, args=(loader,))``), a pin_memory loader with
+    persistent workers leaves its pin leg behind with its workers (the leg references the
+    staged iterator): the copy pins in a thread of its own and gives the same epoch."""
+    import pickle
+
+    with ArenaLoader(TensorPairs(8), batch_size=2, num_workers=1, pin_memory=True,
+                     persistent_workers=True) as loader:
+        first = [batch[1].tolist() for batch in loader]
+        with pickle.loads(pickle.dumps(loader)) as twin:
+            assert [batch[1].tolist() for batch in twin] == first
+        assert [batch[1].tolist() for batch in loader] == first
+    assert len(fake_pinning) == 2 * 4 * 3
