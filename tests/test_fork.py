@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import pickle
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -922,17 +923,25 @@ def _another_thread_forks_as_a_worker_starts():
             armed.clear()
 
 
-def test_a_dead_worker_is_seen_while_another_threads_child_holds_its_pipes():
+@pytest.mark.parametrize("sigchld", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored"])
+def test_a_dead_worker_is_seen_while_another_threads_child_holds_its_pipes(sigchld):
     """A worker killed while a child that another thread forked as the worker started is
     alive: that child holds the write ends of the worker's exit sentinel and result pipe, so
     neither showed the death. next() waited for as long as the child lived (here, until
     `timeout`: LoaderTimeoutError, "which is still running"), where torch's DataLoader raises
-    at once. The worker's exit status is read now: WorkerCrashedError."""
+    at once. The worker's exit status is read now: WorkerCrashedError. With SIGCHLD ignored
+    (the kernel reaps the worker: no exit status, and is_alive() stays True) its pid is
+    asked."""
     loader = ArenaLoader(SuicidalDataset(8, fatal_index=0), batch_size=2, num_workers=1,
                          multiprocessing_context="fork", timeout=20)
     with _another_thread_forks_as_a_worker_starts() as children:
-        with pytest.raises(WorkerCrashedError, match="was killed by SIGKILL"):
-            next(iter(loader))
+        previous = signal.signal(signal.SIGCHLD, sigchld)
+        try:
+            with pytest.raises(WorkerCrashedError, match="was killed by SIGKILL"
+                               if sigchld == signal.SIG_DFL else "exit status lost"):
+                next(iter(loader))
+        finally:
+            signal.signal(signal.SIGCHLD, previous)  # (the child is reaped by its waitpid)
         assert len(children) == 1
     loader.close()
 
