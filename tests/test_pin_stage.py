@@ -704,3 +704,22 @@ def test_a_pinned_loader_with_persistent_workers_pickles_after_an_epoch(fake_pin
             assert [batch[1].tolist() for batch in twin] == first
         assert [batch[1].tolist() for batch in loader] == first
     assert len(fake_pinning) == 2 * 4 * 3
+
+
+def test_a_state_saved_at_a_pinned_epochs_end_resumes_at_the_next_epoch(fake_pinning):
+    """state_dict() once a pin_memory epoch ended (the position the pin thread carried with
+    the epoch's end): a loader loading it starts at the next epoch, as without the thread,
+    not with the rest of the ended one (nothing)."""
+    import torch
+
+    def make():
+        return ArenaLoader(TensorPairs(8), batch_size=2, shuffle=True, num_workers=1,
+                           pin_memory=True, generator=torch.Generator().manual_seed(3))
+
+    with make() as loader:
+        assert len(list(loader)) == 4
+        state = loader.state_dict()
+        second = [batch[1].tolist() for batch in loader]
+    with make() as loader:
+        loader.load_state_dict(state)
+        assert [batch[1].tolist() for batch in loader] == second
