@@ -723,3 +723,19 @@ def test_a_state_saved_at_a_pinned_epochs_end_resumes_at_the_next_epoch(fake_pin
     with make() as loader:
         loader.load_state_dict(state)
         assert [batch[1].tolist() for batch in loader] == second
+
+
+def test_the_pin_threads_last_result_queued_as_a_wait_of_next_times_out_is_taken(
+        fake_pinning, monkeypatch):
+    """next()'s wait for the pin thread can time out as the thread's notify crosses it (a
+    Condition's wait then says it timed out), and the thread, its last result queued (the
+    epoch's end), can end before next() looks: next() takes that result. Before: it took
+    the ended thread for one that died without a word and raised RuntimeError ("the
+    arena_loader-pin thread stopped unexpectedly"). Every wait times out here (no poll)."""
+    from arena_loader import _stage
+
+    monkeypatch.setattr(_stage, "POLL_S", 0.0)
+    with ArenaLoader(TensorPairs(4), batch_size=2, num_workers=1, pin_memory=True,
+                     persistent_workers=True) as loader:
+        for _ in range(5):
+            assert [batch[1].tolist() for batch in loader] == [[0, 1], [2, 3]]
