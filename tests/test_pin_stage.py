@@ -739,3 +739,19 @@ def test_the_pin_threads_last_result_queued_as_a_wait_of_next_times_out_is_taken
                      persistent_workers=True) as loader:
         for _ in range(5):
             assert [batch[1].tolist() for batch in loader] == [[0, 1], [2, 3]]
+
+
+def test_an_epoch_whose_window_the_pin_thread_fills_ends_without_a_poll(fake_pinning,
+                                                                        monkeypatch):
+    """With a window of one batch, the pin thread waits in the host, nothing in flight, for
+    the room its consumer makes; the consumer's next() that receives the epoch's last batch
+    finds nothing more to send and wakes that wait, so the epoch ends at once (the host's
+    poll, made 20 s long here, would end it at the poll)."""
+    from arena_loader._pipeline import consumer
+
+    monkeypatch.setattr(consumer, "POLL_S", 20.0)
+    with ArenaLoader(TensorPairs(4), batch_size=2, num_workers=1, prefetch_factor=1,
+                     pin_memory=True) as loader:
+        start = time.monotonic()
+        assert [batch[1].tolist() for batch in loader] == [[0, 1], [2, 3]]
+        assert time.monotonic() - start < 10.0
