@@ -243,12 +243,13 @@ class HostStage:
     def _wait_more(self) -> Ended | None:
         """With ``_cv`` held and nothing queued: wait a while. ``Ended`` once the epoch was
         finished and the stage closed; LoaderClosedError if closed before; RuntimeError if
-        the thread died without a word."""
+        the thread died without a word. (A wait can time out as the thread's notify crosses
+        it, and the thread can end before this looks: its last result is queued then.)"""
         if self._closed:
             if self._finished:
                 return Ended()
             raise LoaderClosedError("this iterator was closed; call iter(loader) for a new one")
-        if not self._cv.wait(POLL_S) and not self._thread.is_alive():
+        if not self._cv.wait(POLL_S) and not self._ready and not self._thread.is_alive():
             raise RuntimeError(f"the {self.thread_name} thread stopped unexpectedly")
         return None
 

@@ -686,11 +686,18 @@ def test_ctrl_c_as_the_first_batchs_error_leaves_the_device_next_losing_nothing(
             [int(dataset[i][0, 0, 0]) for i in (2, 4)], first=2, step=3)  # (pin: 1, 4, ...)
 
 
-def test_an_epoch_abandoned_while_the_device_thread_waits_for_room_keeps_its_workers():
+def test_an_epoch_abandoned_while_the_device_thread_waits_for_room_keeps_its_workers(
+        monkeypatch):
     """As through the pin thread (test_pin_stage): the device thread, a batch ahead with a
     window of one, waits for room its consumer makes; iter() stops that wait, and the next
     epoch runs on the same persistent workers (the thread outlasted its 10 s join, and the
-    persistent iterator was closed under it)."""
+    persistent iterator was closed under it). The stop must wake the wait (the host's poll
+    made longer than the join here)."""
+    from arena_loader import _stage
+    from arena_loader._pipeline import consumer
+
+    monkeypatch.setattr(consumer, "POLL_S", 30.0)
+    monkeypatch.setattr(_stage, "SHARED_JOIN_S", 2.0)
     dataset = ImageDataset(8)
     with ArenaLoader(dataset, batch_size=2, num_workers=1, prefetch_factor=1, device="cuda",
                      persistent_workers=True) as loader:
@@ -701,3 +708,36 @@ def test_an_epoch_abandoned_while_the_device_thread_waits_for_room_keeps_its_wor
         time.sleep(0.05)  # (the thread, having taken batch 1, now waits for room)
         assert_epoch_equal(loader, reference_epoch(dataset, 2, False))
         assert loader_worker_pids(loader) == pids
+
+
+@pytest.mark.filterwarnings("ignore:pin_memory=True. page-locking:UserWarning")
+def test_a_staging_buffer_is_refilled_only_once_the_copy_from_it_completed(gated_events,
+                                                                          monkeypatch):
+    """Without page-locking, pin_memory stages each batch into one of two pinned buffers
+    while the copy from the other may still run: a buffer is staged into again only once the
+    copy that read it has completed (waited for by the device thread), or that copy reads
+    the next batch's bytes on a GPU (here each copy's source is checked against the copies
+    completed so far)."""
+    gated_events.gated = False  # (copies complete at once: only the waits are counted)
+    completed, sources, early = [0], [], []
+    synchronize = GatedEvent.synchronize
+
+    def counted(event):
+        synchronize(event)
+        completed[0] += event.is_copy
+
+    def copy_to_buffer(buffer, source, stream, real=device_cuda.copy_to_buffer):
+        address = source.__array_interface__["data"][0]
+        last = max((k for k, seen in enumerate(sources) if seen == address), default=None)
+        if last is not None and last >= completed[0]:  # copy `last` may still read it
+            early.append((len(sources), last))
+        sources.append(address)
+        real(buffer, source, stream)
+
+    monkeypatch.setattr(GatedEvent, "synchronize", counted)
+    monkeypatch.setattr(device_cuda, "copy_to_buffer", copy_to_buffer)
+    dataset = ImageDataset(12, shape=(4, 4))
+    with ArenaLoader(dataset, batch_size=2, device="cuda", pin_memory=True) as loader:
+        assert_epoch_equal(loader, reference_epoch(dataset, 2, False))
+    assert early == []
+    assert len(sources) == 6 and len(set(sources)) == 2

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import pickle
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -935,17 +936,75 @@ def _another_thread_forks_as_a_worker_starts():
             armed.clear()
 
 
-def test_a_dead_worker_is_seen_while_another_threads_child_holds_its_pipes():
+def test_a_batch_another_thread_drops_during_a_fork_keeps_its_slot_until_the_child_copied_it(
+        monkeypatch):
+    """A batch held at a fork and dropped by another thread while the child has not yet
+    copied it (here the child's copy starts 0.3 s late): its slot stays leased until the
+    child says it has its copy, so no worker refills it under the copy."""
+    real = _forksafe._make_private
+
+    def late(start: int, end: int) -> None:
+        time.sleep(0.3)
+        real(start, end)
+
+    monkeypatch.setattr(_forksafe, "_make_private", late)  # (the child's copy of the module)
+    with ArenaLoader(FullDataset(8), batch_size=2) as loader:
+        iterator = iter(loader)
+        holder, held = [next(iterator)], []
+
+        def drop_as_the_child_copies() -> None:
+            assert wait_until(live_children, timeout_s=5)  # (the child, forked now)
+            holder.clear()
+            gc.collect()
+            held.append(loader.snapshot().held_batches)
+
+        thread = threading.Thread(target=drop_as_the_child_copies)
+        thread.start()
+        with _forked_child():
+            thread.join(timeout=10)
+        assert held == [1]
+        assert loader.snapshot().held_batches == 0
+
+
+def test_a_child_forked_after_the_workers_holds_no_shared_memory_descriptor_of_the_loader():
+    """The slab's and order ring's descriptors are handed over to the fork-started worker
+    being forked, and to no later child of the same thread (os.fork, a fork Pool): there they
+    point at /dev/null, so the child keeps none of the loader's shared memory alive. (A
+    batch is held: the fork returns once the child's at-fork hook is done.)"""
+    loader = ArenaLoader(FullDataset(8), batch_size=2, num_workers=1,
+                         multiprocessing_context="fork")
+    iterator = iter(loader)
+    batch = next(iterator)
+    with _forked_child() as pid:
+        held = []
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                held.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    del batch
+    iterator.close()
+    loader.close()
+    assert not [target for target in held if target.startswith(f"{SHM_DIR}/{NAME_PREFIX}")]
+
+
+@pytest.mark.parametrize("sigchld", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored"])
+def test_a_dead_worker_is_seen_while_another_threads_child_holds_its_pipes(sigchld):
     """A worker killed while a child that another thread forked as the worker started is
     alive: that child holds the write ends of the worker's exit sentinel and result pipe, so
     neither showed the death. next() waited for as long as the child lived (here, until
     `timeout`: LoaderTimeoutError, "which is still running"), where torch's DataLoader raises
-    at once. The worker's exit status is read now: WorkerCrashedError."""
+    at once. The worker's exit status is read now: WorkerCrashedError. With SIGCHLD ignored
+    (the kernel reaps the worker: no exit status, and is_alive() stays True) its pid is
+    asked."""
     loader = ArenaLoader(SuicidalDataset(8, fatal_index=0), batch_size=2, num_workers=1,
                          multiprocessing_context="fork", timeout=20)
     with _another_thread_forks_as_a_worker_starts() as children:
-        with pytest.raises(WorkerCrashedError, match="was killed by SIGKILL"):
-            next(iter(loader))
+        previous = signal.signal(signal.SIGCHLD, sigchld)
+        try:
+            with pytest.raises(WorkerCrashedError, match="was killed by SIGKILL"
+                               if sigchld == signal.SIG_DFL else "exit status lost"):
+                next(iter(loader))
+        finally:
+            signal.signal(signal.SIGCHLD, previous)  # (the child is reaped by its waitpid)
         assert len(children) == 1
     loader.close()
 

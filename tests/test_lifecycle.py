@@ -668,3 +668,26 @@ def test_an_epoch_end_interrupted_while_giving_the_slab_back_is_finished_later(m
     del iterator
     gc.collect()
     assert not our_slab_mappings()
+
+
+def test_iter_interrupted_after_its_workers_started_stops_them_at_once():
+    """A Ctrl-C as iter() sends the first window (here raised by the batch sampler's second
+    draw), after the workers started: they are stopped before the interrupt leaves iter(),
+    not when the half-made iterator is collected, which the interrupt's traceback (kept by
+    ``except ... as``, a notebook's ``sys.last_traceback``) delays."""
+
+    class InterruptedAtTheSecondDraw:
+        def __iter__(self):
+            yield [0, 1]
+            raise KeyboardInterrupt
+
+        def __len__(self):
+            return 2
+
+    loader = ArenaLoader(ImageDataset(4), batch_sampler=InterruptedAtTheSecondDraw(),
+                         num_workers=2)
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        iter(loader)
+    assert interrupted.value.__traceback__ is not None  # (it holds the iterator's frame)
+    assert not live_children()
+    loader.close()

@@ -26,6 +26,7 @@ from tests import resume_driver
 
 from .conftest import (
     interrupted_in_thread_start,
+    live_children,
     our_slab_mappings,
     our_threads,
     run_in_threads,
@@ -618,12 +619,19 @@ def host_idle(loader) -> bool:
 
 
 def test_an_epoch_abandoned_while_the_pin_thread_waits_for_room_keeps_its_workers(
-        fake_pinning):
+        fake_pinning, monkeypatch):
     """With a window of one batch the pin thread, a batch ahead, waits in the host iterator
     for the room only its consumer's next next() makes. The epoch abandoned there, iter()
     stops that wait at once and the next epoch runs on the same persistent workers. Before:
     the thread never saw the stop, iter() waited out the 10 s join and closed the persistent
-    iterator under it (new workers); a dropped non-persistent epoch waited out 0.5 s."""
+    iterator under it (new workers); a dropped non-persistent epoch waited out 0.5 s. The
+    host's poll is made longer than the join here: the stop must wake the wait, not be seen
+    at the wait's next poll."""
+    from arena_loader import _stage
+    from arena_loader._pipeline import consumer
+
+    monkeypatch.setattr(consumer, "POLL_S", 30.0)
+    monkeypatch.setattr(_stage, "SHARED_JOIN_S", 2.0)
     with ArenaLoader(TensorPairs(8), batch_size=2, num_workers=1, prefetch_factor=1,
                      pin_memory=True, persistent_workers=True) as loader:
         abandoned = iter(loader)
@@ -634,3 +642,156 @@ def test_an_epoch_abandoned_while_the_pin_thread_waits_for_room_keeps_its_worker
         labels = [batch[1].tolist() for batch in loader]
         assert loader_worker_pids(loader) == pids
     assert labels == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_iter_gives_a_persistent_epochs_pin_thread_its_long_join(fake_pinning, monkeypatch):
+    """iter() stops the pin thread still reading the last persistent epoch, waiting for a
+    slow batch in flight: it gets SHARED_JOIN_S to finish that batch (closing the persistent
+    iterator under it would cost the workers), not the short join of a host the stage owns
+    (made shorter than the batch here)."""
+    from arena_loader import _stage
+
+    monkeypatch.setattr(_stage, "OWNED_JOIN_S", 0.01)
+    with ArenaLoader(SlowAt(8, 2, 0.15), batch_size=2, num_workers=1, pin_memory=True,
+                     persistent_workers=True) as loader:
+        abandoned = iter(loader)
+        next(abandoned)  # the pin thread now waits for batch 1 (slow)
+        pids = loader_worker_pids(loader)
+        labels = [batch[1].tolist() for batch in loader]
+        assert loader_worker_pids(loader) == pids
+    assert labels == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_close_of_a_pinned_iterator_still_held_stops_its_workers(fake_pinning):
+    """close() of a non-persistent iterator through the pin thread closes the host iterator
+    it owns, whether or not the thread was still at work: its workers stop now, not when
+    the iterator is collected."""
+    with ArenaLoader(TensorPairs(16), batch_size=2, num_workers=2,
+                     pin_memory=True) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        assert wait_until(lambda: len(fake_pinning) >= 2 * 4)  # the thread waits for room
+        iterator.close()
+        assert wait_until(lambda: not live_children()), live_children()
+        with pytest.raises(LoaderClosedError):
+            next(iterator)
+
+
+def test_next_after_a_pinned_epoch_ended_raises_stop_iteration_again(fake_pinning):
+    """As torch's iterator (and ours without the pin thread): once the epoch ended, every
+    next() raises StopIteration, not LoaderClosedError."""
+    with ArenaLoader(TensorPairs(4), batch_size=2, num_workers=1, pin_memory=True) as loader:
+        iterator = iter(loader)
+        assert len(list(iterator)) == 2
+        for _ in range(2):
+            with pytest.raises(StopIteration):
+                next(iterator)
+
+
+def test_each_timeout_through_the_pin_thread_is_timed_from_its_own_next(fake_pinning):
+    """After a LoaderTimeoutError, next() waits again for ``timeout`` and then gets the slow
+    batch, as without the pin thread. The thread loads nothing more until the consumer has
+    seen an error: went on at once, its next wait was timed from the next() that had timed
+    out already, and the next next() raised a second LoaderTimeoutError at once."""
+    with ArenaLoader(SlowAt(8, 2, 0.3), batch_size=2, num_workers=1, pin_memory=True,
+                     timeout=0.1) as loader:
+        iterator, got, waits = iter(loader), [], []
+        while True:
+            began = time.monotonic()
+            try:
+                got.append(next(iterator)[1].tolist())
+            except LoaderTimeoutError:
+                waits.append(time.monotonic() - began)
+            except StopIteration:
+                break
+    assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert waits and min(waits) >= 0.09, waits
+
+
+def test_the_first_batch_keeps_no_slot_once_the_consumer_dropped_it(fake_pinning):
+    """The first next() takes the first batch from the host itself and starts the pin thread
+    with it: the stage keeps no reference to it once pinned, so its slot comes back when the
+    consumer drops the pinned copy, as every later batch's."""
+    with ArenaLoader(TensorPairs(16), batch_size=2, num_workers=1, pin_memory=True) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        next(iterator)
+        assert wait_until(lambda: loader.snapshot().held_batches == 0), loader.snapshot()
+
+
+def test_the_pin_thread_keeps_at_most_two_pinned_batches_ahead(fake_pinning):
+    """The pin thread's queue holds PIN_PREFETCH = 2 pinned batches (and it holds one more it
+    waits to queue), however large the read-ahead: page-locked memory stays bounded."""
+    with ArenaLoader(TensorPairs(32), batch_size=2, num_workers=2, prefetch_factor=4,
+                     pin_memory=True) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        assert wait_until(lambda: len(fake_pinning) >= 2 * 4)  # 2 tensors a batch
+        assert not wait_until(lambda: len(fake_pinning) > 2 * 4, timeout_s=0.2)
+        assert len(list(iterator)) == 15
+
+
+def test_a_pinned_loader_with_persistent_workers_pickles_after_an_epoch(fake_pinning):
+    """Pickled after an epoch (``mp.spawn(fn, args=(loader,))``), a pin_memory loader with
+    persistent workers leaves its pin leg behind with its workers (the leg references the
+    staged iterator): the copy pins in a thread of its own and gives the same epoch."""
+    import pickle
+
+    with ArenaLoader(TensorPairs(8), batch_size=2, num_workers=1, pin_memory=True,
+                     persistent_workers=True) as loader:
+        first = [batch[1].tolist() for batch in loader]
+        with pickle.loads(pickle.dumps(loader)) as twin:
+            assert [batch[1].tolist() for batch in twin] == first
+        assert [batch[1].tolist() for batch in loader] == first
+    assert len(fake_pinning) == 2 * 4 * 3
+
+
+def test_a_state_saved_at_a_pinned_epochs_end_resumes_at_the_next_epoch(fake_pinning):
+    """state_dict() once a pin_memory epoch ended (the position the pin thread carried with
+    the epoch's end): a loader loading it starts at the next epoch, as without the thread,
+    not with the rest of the ended one (nothing)."""
+    import torch
+
+    def make():
+        return ArenaLoader(TensorPairs(8), batch_size=2, shuffle=True, num_workers=1,
+                           pin_memory=True, generator=torch.Generator().manual_seed(3))
+
+    with make() as loader:
+        assert len(list(loader)) == 4
+        state = loader.state_dict()
+        second = [batch[1].tolist() for batch in loader]
+    with make() as loader:
+        loader.load_state_dict(state)
+        assert [batch[1].tolist() for batch in loader] == second
+
+
+def test_the_pin_threads_last_result_queued_as_a_wait_of_next_times_out_is_taken(
+        fake_pinning, monkeypatch):
+    """next()'s wait for the pin thread can time out as the thread's notify crosses it (a
+    Condition's wait then says it timed out), and the thread, its last result queued (the
+    epoch's end), can end before next() looks: next() takes that result. Before: it took
+    the ended thread for one that died without a word and raised RuntimeError ("the
+    arena_loader-pin thread stopped unexpectedly"). Every wait times out here (no poll)."""
+    from arena_loader import _stage
+
+    monkeypatch.setattr(_stage, "POLL_S", 0.0)
+    with ArenaLoader(TensorPairs(4), batch_size=2, num_workers=1, pin_memory=True,
+                     persistent_workers=True) as loader:
+        for _ in range(5):
+            assert [batch[1].tolist() for batch in loader] == [[0, 1], [2, 3]]
+
+
+def test_an_epoch_whose_window_the_pin_thread_fills_ends_without_a_poll(fake_pinning,
+                                                                        monkeypatch):
+    """With a window of one batch, the pin thread waits in the host, nothing in flight, for
+    the room its consumer makes; the consumer's next() that receives the epoch's last batch
+    finds nothing more to send and wakes that wait, so the epoch ends at once (the host's
+    poll, made 20 s long here, would end it at the poll)."""
+    from arena_loader._pipeline import consumer
+
+    monkeypatch.setattr(consumer, "POLL_S", 20.0)
+    with ArenaLoader(TensorPairs(4), batch_size=2, num_workers=1, prefetch_factor=1,
+                     pin_memory=True) as loader:
+        start = time.monotonic()
+        assert [batch[1].tolist() for batch in loader] == [[0, 1], [2, 3]]
+        assert time.monotonic() - start < 10.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import random
 import subprocess
 import sys
 import time
@@ -452,11 +453,13 @@ class _SelfCountingStatefulSampler:
     def __iter__(self):
         if self.resume_at is None:
             self.epoch, self.yielded = self.epoch + 1, 0
-        self.resume_at = None
-        order = np.random.default_rng(self.epoch).permutation(self.size).tolist()
+        order, self.resume_at = self._order(), None
         for index in order[self.yielded:]:
             self.yielded += 1
             yield index
+
+    def _order(self) -> list:
+        return np.random.default_rng(self.epoch).permutation(self.size).tolist()
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "yielded": self.yielded}
@@ -748,3 +751,46 @@ def test_a_state_saved_in_the_epoch_after_a_loaded_end_of_epoch_state_resumes_th
     with make() as third:
         third.load_state_dict(mid_epoch1)
         assert [batch.tolist() for batch in third] == [epoch1[4:8], epoch1[8:12], epoch1[12:]]
+
+
+class _OwnOrderSampler(_SelfCountingStatefulSampler):
+    """The same, with each epoch's order from randomness of its own, unseeded: only its
+    state (which holds the order) says what it gives next."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.order, self._rng = None, random.Random()  # (from the OS: another every run)
+
+    def _order(self) -> list:
+        if self.resume_at is None:
+            self.order = self._rng.sample(range(self.size), self.size)
+        return self.order
+
+    def state_dict(self) -> dict:
+        return dict(super().state_dict(), order=self.order)
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.order = state["order"]
+
+
+@pytest.mark.timeout(60)
+def test_a_sampler_with_its_own_order_resumes_from_its_state_as_of_the_last_batch_received(
+        fake_pinning):
+    """Workers draw ahead of the consumer; the sampler's state as of the last batch the
+    consumer received is what state_dict() saves (an order that no replay can make again
+    resumes only so), not dropped when the next batch is drawn: through the pin thread, the
+    consumer's next() moves the position first and then draws."""
+    def make():
+        return ArenaLoader(list(range(12)), sampler=_OwnOrderSampler(12), batch_size=2,
+                           num_workers=2, pin_memory=True, output="torch")
+
+    with make() as loader:
+        iterator = iter(loader)
+        head = [next(iterator) for _ in range(2)]
+        state = pickle.loads(pickle.dumps(loader.state_dict()))
+        rest = [np.asarray(b).tolist() for b in iterator]
+    assert len(head) == 2 and len(rest) == 4
+    with make() as loader:
+        loader.load_state_dict(state)
+        assert [np.asarray(b).tolist() for b in loader] == rest
