@@ -284,9 +284,7 @@ class ArenaSource:
 
     def note_overflow(self, arena: Arena | None) -> None:
         """A batch goes to a segment because every slot is held: warn, once per loader."""
-        if self._warned:
-            return
-        held = self.held(arena)
+        held = 0 if self._warned else self.held(arena)
         if held < 2:
             return
         self._warned = True
@@ -296,9 +294,8 @@ class ArenaSource:
             "grows while they are held and is freed when they are dropped. To keep memory "
             "flat, keep copies of what you need (np.array(x), x.clone(), x.item()); where a "
             "training framework holds them (gradient accumulation keeps a step's batches), "
-            f"pass slots= more than {self.slots} (the batches held at once plus the "
-            "read-ahead); to get an error instead, pass held_batch_limit=N", UserWarning,
-            stacklevel=4)
+            f"pass slots= more than {self.slots} (the batches held at once plus the read-"
+            "ahead); to get an error instead, pass held_batch_limit=N", UserWarning, stacklevel=4)
 
     def acquire_or_overflow(self, arena: Arena) -> int | None:
         """num_workers=0: a free slot, or None: the batch goes to a segment (no garbage
