@@ -3,6 +3,7 @@ batches, and the CLI writes a JSON with every loader and metric, a table and a c
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import json
@@ -270,6 +271,10 @@ def test_a_failed_case_leaves_no_process_behind(tmp_path, monkeypatch):
     the case's own process exits (its orphan would outlive the bench)."""
     pid_file = tmp_path / "pid"
     monkeypatch.setenv("ARENA_TEST_PID_FILE", str(pid_file))
+    # The stray sleeps 60 s: the 5 s a closed loader's workers are given to exit would only
+    # be waited out before the kill this test is about.
+    monkeypatch.setattr(harness, "stray_processes",
+                        functools.partial(harness.stray_processes, wait_s=0.2))
     try:
         with pytest.raises(RuntimeError, match="failed after starting a worker"):
             measure_apart(_fails_after_starting_a_process, Budget(min_seconds=0.0))
