@@ -9,6 +9,7 @@ import pickle
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -32,15 +33,16 @@ REPO = Path(__file__).resolve().parent.parent
 SEED = 20240611
 
 
-@pytest.fixture(scope="module")
-def resumed_runs(tmp_path_factory) -> dict:
-    """For every configuration: its uninterrupted run, its runs stopped after 0, 2, a middle
-    (iterable: 3) or the last batch of the first epoch (state taken after its end), and
-    each stop's state resumed in a fresh interpreter. One interpreter resumes every
-    configuration's states (its start, importing torch, took most of each configuration's
-    time); a configuration's error is its test's."""
-    runs: dict = {}
-    for name in CONFIGS:
+@pytest.mark.timeout(150)
+def test_resumed_run_equals_uninterrupted_run(tmp_path):
+    """Every configuration (resume_driver.CONFIGS), stopped after 0, 2, a middle (iterable:
+    3) or the last batch of the first epoch (state taken after its end), then resumed in a
+    fresh interpreter: the batches (samples, worker, worker seed) equal an uninterrupted
+    run's. One interpreter resumes every configuration's states, each configuration's apart
+    (its start, importing torch, was most of the time when each had its own); every
+    configuration is checked, and the failure names each one that differs."""
+    runs, failures = {}, []
+    for name in sorted(CONFIGS):
         try:
             torch.manual_seed(SEED)
             whole = resume_driver.run_whole(name)
@@ -50,37 +52,26 @@ def resumed_runs(tmp_path_factory) -> dict:
             for stop_after in stops:
                 torch.manual_seed(SEED)
                 head, state = resume_driver.run_and_stop(name, stop_after)
+                assert head == whole[:len(head)], f"stopped after {stop_after}: the run differs"
                 heads.append(head)
                 states.append(state)
             runs[name] = (whole, stops, heads, states)
-        except Exception as exc:
-            runs[name] = exc
-    tmp_path = tmp_path_factory.mktemp("resume")
+        except Exception:
+            failures.append(f"{name}: {traceback.format_exc()}")
     states_path, out_path = tmp_path / "states.pkl", tmp_path / "resumed.pkl"
-    states_path.write_bytes(pickle.dumps({name: run[3] for name, run in runs.items()
-                                          if not isinstance(run, Exception)}))
+    states_path.write_bytes(pickle.dumps({name: run[3] for name, run in runs.items()}))
     subprocess.run([sys.executable, "-m", "tests.resume_driver", str(states_path),
                     str(out_path)], cwd=REPO, check=True, timeout=120)
     resumed = pickle.loads(out_path.read_bytes())
-    return {name: run if isinstance(run, Exception) else (*run[:3], resumed[name])
-            for name, run in runs.items()}
-
-
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_resumed_run_equals_uninterrupted_run(name, resumed_runs):
-    """Stopped after 0, a middle, the last batch, or the epoch's end, then resumed in a fresh
-    interpreter: the batches (samples, worker, worker seed) equal an uninterrupted run's."""
-    run = resumed_runs[name]
-    if isinstance(run, Exception):
-        raise run
-    whole, stops, heads, tails = run
-    for stop_after, head in zip(stops, heads):
-        assert head == whole[:len(head)], f"stopped after {stop_after}: the run itself differs"
-    assert not isinstance(tails, str), f"{name}: resuming raised\n{tails}"
-    for stop_after, head, tail in zip(stops, heads, tails, strict=True):
-        assert head + tail == whole, (f"{name}, stopped after {stop_after} batches: "
-                                      f"resumed {tail} instead of {whole[len(head):]}")
+    for name, (whole, stops, heads, _) in runs.items():
+        if isinstance(resumed[name], str):
+            failures.append(f"{name}: resuming raised {resumed[name]}")
+            continue
+        for stop_after, head, tail in zip(stops, heads, resumed[name], strict=True):
+            if head + tail != whole:
+                failures.append(f"{name}, stopped after {stop_after} batches: resumed {tail} "
+                                f"instead of {whole[len(head):]}")
+    assert not failures, "\n".join(failures)
 
 
 class CountingDataset(resume_driver.WhoLoads):
