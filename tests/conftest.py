@@ -31,11 +31,13 @@ def pytest_addoption(parser):
                      help="also run tests marked slow (soak and speed runs)")
 
 
-# The suite's longest tests (2 to 17 s each on the 2-core machine), longest first: they run
-# before the others. pytest-xdist (--dist loadgroup, pyproject) hands out one test at a time,
-# in this order, to whichever process is free, so the suite ends on short tests and neither
-# process waits long for the other's last one. A name no longer here only runs in its
-# place; update the list from a run's --durations.
+# The suite's longest tests (2 to 17 s each on the 2-core machine), longest first. They run
+# spread over the first four fifths of the suite, none in its last fifth: pytest-xdist
+# (--dist loadgroup, pyproject) hands out one test at a time to whichever process is free,
+# so the suite ends on short tests and neither process waits long for the other's last one.
+# Spread, not all first: two of them at once (each several processes busy) would leave the
+# short tests, many of which wait, to run side by side later with cores idle. A name no
+# longer here only runs in its place; update the list from a run's --durations.
 LONGEST_FIRST = (
     "test_bench.py::test_bench_cli_quick_writes_every_loader_and_metric",
     "test_device.py::test_device_leg_passes_under_the_simulator",
@@ -68,9 +70,16 @@ LONGEST_FIRST = (
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    # (stable: the rest keep their order, a test's parametrizations stay together)
-    items.sort(key=lambda item: rank.get(
-        item.nodeid.partition("[")[0].rpartition("/")[2], len(rank)))
+
+    def name(item):
+        return item.nodeid.partition("[")[0].rpartition("/")[2]
+
+    longest = sorted((item for item in items if name(item) in rank), key=lambda i: rank[name(i)])
+    rest = [item for item in items if name(item) not in rank]
+    gap = len(rest) * 4 // 5 / max(1, len(longest))
+    items[:] = rest
+    for k, item in reversed(list(enumerate(longest))):  # (from the back: indices hold)
+        items.insert(round(k * gap), item)
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow: pass --runslow to run it")
