@@ -400,6 +400,10 @@ def main(argv: list[str]) -> int:
     if mode == "soak":
         from .soak import run_soak
 
+        # The modules' objects out of the collector (as conftest does): the collection before
+        # each epoch's measurement walks only what the loaders made (0.017 -> 0.004 s).
+        gc.collect()
+        gc.freeze()
         print(json.dumps(run_soak(int(argv[1]))), flush=True)
         return 0
     raise SystemExit(f"usage: python -m tests.fault_driver matrix|soak ..., got {argv!r}")

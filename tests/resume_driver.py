@@ -1,10 +1,12 @@
 """The runs tests/test_resume.py compares: loaders built from a named configuration, run
 whole or stopped after k batches (state saved), and resumed in a fresh interpreter:
 
-    python -m tests.resume_driver CONFIG STATES_PICKLE OUT_PICKLE
+    python -m tests.resume_driver STATES_PICKLE OUT_PICKLE
 
-resumes each state of STATES_PICKLE (a list) for the rest of its epoch and one more, torch's
-global RNG scrambled before each, and writes the batches of each resume to OUT_PICKLE.
+resumes each state of STATES_PICKLE (a dict: configuration name -> list of states) for the
+rest of its epoch and one more, torch's global RNG scrambled before each, and writes the
+batches of each resume to OUT_PICKLE (name -> list), or for a configuration whose resume
+raised, the traceback.
 Each batch is a list of (sample index, worker id, worker seed) rows: equal batches mean the
 same samples, loaded by the same worker, seeded alike."""
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import pickle
 import sys
 import time
+import traceback
 from typing import Any
 
 import numpy as np
@@ -152,13 +155,18 @@ def resume(name: str, state: dict, epochs: int = EPOCHS) -> list:
                 for b in _epoch(loader, epoch)]
 
 
-def main(name: str, states_path: str, out_path: str) -> None:
+def main(states_path: str, out_path: str) -> None:
     with open(states_path, "rb") as file:
         states = pickle.load(file)
-    resumed = []
-    for scramble, state in enumerate(states):
-        torch.manual_seed(1000 + scramble)  # nothing may depend on this process's RNG
-        resumed.append(resume(name, state))
+    resumed: dict[str, Any] = {}
+    for name, its_states in states.items():
+        try:
+            resumed[name] = []
+            for scramble, state in enumerate(its_states):
+                torch.manual_seed(1000 + scramble)  # nothing may depend on this process's RNG
+                resumed[name].append(resume(name, state))
+        except Exception:  # the configuration's test fails with it; the others go on
+            resumed[name] = traceback.format_exc()
     with open(out_path, "wb") as file:
         pickle.dump(resumed, file)
 

@@ -569,7 +569,7 @@ def test_ctrl_c_at_any_line_of_next_iter_and_close_loses_nothing(num_workers, pe
     under numba's CUDA simulator."""
     _in_fresh_interpreter(
         f"_ctrl_c_matrix({num_workers}, {persistent}, {threads}, {pin}, {device!r})", 140,
-        simulator=device is not None)
+        simulator=device is not None, torch=pin)
 
 
 @pytest.mark.timeout(90)
@@ -580,7 +580,7 @@ def test_ctrl_c_in_iter_after_load_state_dict_keeps_the_resumed_epoch(name, step
     iterator finally made yields the rest of the saved epoch, then the next epoch, loaded by
     the same workers with the same seeds as the uninterrupted run (the loaded state was
     dropped once iter() had drawn the workers' seed: a second iter() began a new epoch)."""
-    _in_fresh_interpreter(f"_ctrl_c_in_resumed_iter({name!r}, {step})", 80)
+    _in_fresh_interpreter(f"_ctrl_c_in_resumed_iter({name!r}, {step})", 80, torch=True)
 
 
 def _ctrl_c_in_resumed_iter(name, step):
@@ -642,14 +642,21 @@ def _ctrl_c_during_worker_fork(persistent):
     assert not live_children()
 
 
-def _in_fresh_interpreter(call: str, timeout_s: float, simulator: bool = False) -> None:
+def _in_fresh_interpreter(call: str, timeout_s: float, simulator: bool = False,
+                          torch: bool = False) -> None:
     """Run ``call`` (a function of this module) in a new interpreter; it must return.
-    ``simulator``: under numba's CUDA simulator."""
+    ``simulator``: under numba's CUDA simulator. ``torch``: ``call`` imports torch. What is
+    imported by then (numba's simulator, torch) is frozen out of the collector, as conftest
+    does for the tests: a matrix's gc.collect() after each epoch or k then walks only what
+    the loaders made, not torch's objects (~0.2 s a collection: most of a matrix's time)."""
     import subprocess
 
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"} if simulator else None
+    imports = "".join(f"import {name}; " for name, used in (("numba.cuda", simulator),
+                                                           ("torch", torch)) if used)
     result = subprocess.run(
-        [sys.executable, "-c", f"import tests.test_faults as t; t.{call}; print('matrix ok')"],
+        [sys.executable, "-c", f"import gc, tests.test_faults as t; {imports}gc.collect(); "
+                               f"gc.freeze(); t.{call}; print('matrix ok')"],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         capture_output=True, text=True, timeout=timeout_s, env=env)
     assert result.returncode == 0 and "matrix ok" in result.stdout, result.stderr[-3000:]
@@ -777,7 +784,7 @@ def test_ctrl_c_at_any_line_of_a_staged_next_loses_nothing(persistent, pin, devi
     Fresh interpreter."""
     _in_fresh_interpreter(
         f"_ctrl_c_staged_matrix({persistent}, {pin}, {device!r}, {step})", 160,
-        simulator=device is not None)
+        simulator=device is not None, torch=pin)
 
 
 def _ctrl_c_staged_matrix(persistent, pin, device, step):

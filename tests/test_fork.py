@@ -449,6 +449,10 @@ class DescriptorReport:
 INHERITED_FROM_HARNESS = tuple(int(fd.split()[0]) for fd in _inheritable_fds())
 
 
+def _loader_inheritable_fds() -> list[str]:
+    return [fd for fd in _inheritable_fds() if int(fd.split()[0]) not in INHERITED_FROM_HARNESS]
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 def test_every_loader_descriptor_is_close_on_exec_and_workers_hold_no_other_slab(context):
     """In the main process and in every worker, no descriptor the loader opened survives an
@@ -468,14 +472,16 @@ def test_every_loader_descriptor_is_close_on_exec_and_workers_hold_no_other_slab
         assert other_slab not in report["mapped_slabs"]
         assert len(report["order_ring_fds"]) == 1  # its loader's ring (the mmap's duplicate)
     # A later epoch's workers start with the slab sized (by the first epoch's first batch):
-    # each holds exactly its mapping's duplicate descriptor.
-    for report in [json.loads(str(b["report"])) for b in loader]:
-        assert [fd.split()[0] for fd in report["slab_fds"]] == report["mapped_slabs"]
+    # each holds exactly its mapping's duplicate descriptor. While they run, and after the
+    # epoch, the main process holds no inheritable descriptor of the loader's either.
     iterator = iter(loader)
-    next(iterator)
-    assert [fd for fd in _inheritable_fds()
-            if int(fd.split()[0]) not in INHERITED_FROM_HARNESS] == []
-    iterator.close()
+    later = [json.loads(str(next(iterator)["report"]))]
+    assert _loader_inheritable_fds() == []
+    later += [json.loads(str(b["report"])) for b in iterator]
+    assert _loader_inheritable_fds() == []
+    assert len(later) == 4
+    for report in later:
+        assert [fd.split()[0] for fd in report["slab_fds"]] == report["mapped_slabs"]
     loader.close()
     other.close()
     del held
