@@ -7,7 +7,9 @@ torch's DataLoader against ArenaLoader:
 - ``passed``: the parent builds one loader per rank (``DistributedSampler(num_replicas=2,
   rank=r)``) and passes both to every rank, each takes its own;
 - ``passed-used``: the same, after the parent has iterated each loader for one epoch;
-- ``shared``: one loader without a sampler passed to both ranks (each trains on all of it).
+- ``shared``: one loader without a sampler passed to both ranks (each trains on all of it);
+- ``passed-pipe``: one loader over a sharded ``IterDataPipe`` built in the parent (no
+  process group there) passed to both ranks, which shard it by their rank at ``iter()``.
 
 num_workers 0 / 2 / 2 persistent. Per rank: batches, losses, final weights, the warnings the
 loader gave, leftovers in the rank after the loader is dropped, and in the parent afterwards.
@@ -26,9 +28,11 @@ import sys
 import tempfile
 import warnings
 
+import torch
 import torch.multiprocessing as mp
 from common import (
     ONLY,
+    N,
     Tally,
     Tensors,
     init,
@@ -39,6 +43,7 @@ from common import (
     sampler_class,
     train,
 )
+from torch.utils.data.datapipes.iter import IterableWrapper
 
 CONFIGS = {"nw0": dict(num_workers=0), "nw2": dict(num_workers=2),
            "nw2-persist": dict(num_workers=2, persistent_workers=True)}
@@ -64,7 +69,7 @@ def rank_fn(rank: int, port: int, how: str, pickled: bytes, out: str) -> None:
                 kind, sampler_kind, dataset, options = payload
                 sampler = sampler_class(sampler_kind)(dataset, shuffle=True, seed=3)
                 loader = loader_class(kind)(dataset, batch_size=4, sampler=sampler, **options)
-            elif how == "shared":
+            elif how in ("shared", "passed-pipe"):
                 loader, sampler = payload, None
             else:
                 loader = payload[rank]
@@ -90,6 +95,10 @@ def run(how: str, kind: str, sampler_kind: str, options: dict) -> list:
         payload = (kind, sampler_kind, dataset, options)
     elif how == "shared":
         payload = loader_class(kind)(dataset, batch_size=4, **options)
+    elif how == "passed-pipe":
+        torch.manual_seed(5)
+        pipe = IterableWrapper(range(N)).shuffle().sharding_filter().map(dataset.__getitem__)
+        payload = loader_class(kind)(pipe, batch_size=4, shuffle=True, **options)
     else:
         payload = [loader_class(kind)(dataset, batch_size=4, **options,
                                       sampler=sampler_class(sampler_kind)(
@@ -117,8 +126,9 @@ def run(how: str, kind: str, sampler_kind: str, options: dict) -> list:
 
 def main() -> None:
     tally = Tally()
-    for how in ("build", "passed", "passed-used", "shared"):
-        for sampler_kind in (("torch", "ours") if how != "shared" else ("none",)):
+    for how in ("build", "passed", "passed-used", "shared", "passed-pipe"):
+        for sampler_kind in (("torch", "ours") if how.startswith(("build", "passed"))
+                             and how != "passed-pipe" else ("none",)):
             for config, options in CONFIGS.items():
                 if how != "build" and config == "nw2":
                     continue  # (for time: 30 s a case, most of it starting processes)
