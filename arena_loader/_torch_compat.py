@@ -1,6 +1,7 @@
 """The parts of torch's DataLoader behaviour that involve torch objects or torch's wording:
-DataPipe sharding and shuffling, torch's seed draws (and giving them back for an iterator that
-was never used), torch's two warnings, and the one private attribute torch's own tests use.
+DataPipe detection and the rank a DataPipe is sharded by (``_datapipe`` shards it), torch's
+seed draws (and giving them back for an iterator that was never used), torch's two warnings,
+and the one private attribute torch's own tests use.
 
 torch is never imported here: each function looks at ``sys.modules`` and only acts on what
 the program already loaded (a DataPipe or a ``torch.Generator`` cannot exist without it).
@@ -8,18 +9,14 @@ the program already loaded (a DataPipe or a ``torch.Generator`` cannot exist wit
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import gc
-import multiprocessing
 import os
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
-
-from .worker_info import get_worker_info
 
 
 def loaded_torch() -> Any:
@@ -54,49 +51,6 @@ def distributed_settings() -> tuple[int, int]:
     torch's DataLoader shards DataPipes by."""
     dist = initialized_distributed()
     return (dist.get_world_size(), dist.get_rank()) if dist is not None else (1, 0)
-
-
-class ShardedDataPipe:
-    """An ``IterDataPipe`` that, when iterated, seeds its ``shuffle()`` steps and applies its
-    ``sharding_filter()`` the way torch's DataLoader does: in a worker, shard ``id *
-    world_size + rank`` of ``num_workers * world_size``; in the main process (``num_workers=0``),
-    shard ``rank`` of ``world_size``. Every worker seeds shuffling with the same epoch seed,
-    so the shards are disjoint parts of one shuffled order.
-
-    The seed lives in a shared-memory cell that workers inherit: the main process sets it at
-    each ``iter(loader)`` before any task of that epoch is sent, so persistent workers shuffle
-    each epoch with its new seed, as torch's do after its ``_ResumeIteration`` message.
-    """
-
-    def __init__(self, pipe: Any, world_size: int, rank: int) -> None:
-        data = sys.modules["torch.utils.data"]
-        wrapper = getattr(getattr(data, "datapipes", None), "datapipe", None)
-        wrapper = getattr(wrapper, "_IterDataPipeSerializationWrapper", None)
-        # torch's wrapper pickles the pipe with dill where a lambda needs it (spawn workers);
-        # it is private, and torch has no public way to pickle a DataPipe as its workers do.
-        self.pipe = wrapper(pipe) if wrapper is not None else pipe
-        self.world_size = world_size
-        self.rank = rank
-        self._seed = multiprocessing.RawValue(ctypes.c_int64, 0)
-
-    def start_epoch(self, seed: int) -> None:
-        """Main process, at ``iter(loader)``: the seed this epoch's shuffling uses."""
-        self._seed.value = seed
-
-    def __iter__(self) -> Iterator[Any]:
-        torch = sys.modules["torch"]  # loaded: unpickling or forking the pipe imported it
-        from torch.utils.data import graph_settings
-
-        shared_rng = torch.Generator()
-        shared_rng.manual_seed(self._seed.value)
-        graph_settings.apply_random_seed(self.pipe, shared_rng)
-        info = get_worker_info()
-        if info is None:
-            graph_settings.apply_sharding(self.pipe, self.world_size, self.rank)
-        else:
-            graph_settings.apply_sharding(self.pipe, info.num_workers * self.world_size,
-                                          info.id * self.world_size + self.rank)
-        return iter(self.pipe)
 
 
 def iterable_length(samples: int, batch_size: int | None, drop_last: bool) -> int:

@@ -74,6 +74,7 @@ class EpochSeeds:
     def __init__(self, generator: Any):
         self._generator = generator
         self._group: Any = None  # torch.distributed group sharing the DataPipe seed
+        self._world: Any = None  # the default group it was made under
         if is_torch_generator(generator) or isinstance(generator, np.random.Generator) \
                 or (generator is None and loaded_torch() is not None):
             self._rng = None
@@ -102,12 +103,19 @@ class EpochSeeds:
         dist = initialized_distributed()
         if dist is not None:
             torch = loaded_torch()
-            if self._group is None:
+            if self._group is None or self._world is not dist.group.WORLD:
+                # Anew under a new default group (destroy_process_group(), then
+                # init_process_group()): the old group went with its world.
                 self._group = dist.new_group(backend="gloo")
+                self._world = dist.group.WORLD
             shared = torch.tensor(seed, dtype=torch.int64)
             dist.broadcast(shared, src=0, group=self._group)
             seed = int(shared.item())
         return seed
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A group belongs to its process (and does not pickle): a loader's copy makes its own.
+        return {**self.__dict__, "_group": None, "_world": None}
 
 
 def epoch_batches(options: LoaderOptions, sampler: Any, batch_sampler: Any,

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from ._arena import CLOSED
+from ._datapipe import ShardedDataPipe
 from ._distributed import EpochSetter, warn_if_every_rank_loads_all
 from ._inprocess import InProcessIterator
 from ._options import LoaderOptions, is_iterable_dataset
@@ -19,7 +20,6 @@ from ._resume import LoaderResume, Resumable
 from ._sample_threads import warn_thread_unsafe
 from ._torch_compat import (
     LengthCheckedIterator,
-    ShardedDataPipe,
     TorchIteratorAttribute,
     UnusedIteratorDraws,
     check_no_timeout_in_process,
@@ -199,7 +199,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Picklable, Gen
             # Random draws in torch's order: the DataPipe seed, the workers' base seed (for a new
             # iterator only), then the sampler's own at its first index.
             if self._datapipe is not None:
-                self._datapipe.start_epoch(self._seeds.datapipe_seed())
+                self._datapipe.start_epoch(self._seeds.datapipe_seed(), *distributed_settings())
             persistent = self._iterators.persistent
             reuse = (options.num_workers > 0 and options.persistent_workers
                      and persistent is not None and not persistent.broken)

@@ -19,8 +19,14 @@ RANK_SCRIPT = textwrap.dedent("""
     import torch.distributed as dist
     from arena_loader import ArenaLoader
     from arena_loader.samplers import DistributedSampler
+    from torch.utils.data.datapipes.iter import IterableWrapper
 
+    # Made before the process group, as in a script that builds its data first: torch's
+    # DataLoader shards a DataPipe by the rank at iter(), not at construction.
+    early = ArenaLoader(IterableWrapper(range(12)).sharding_filter(), batch_size=3)
     dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR/PORT from the environment
+    piped = [int(i) for batch in early for i in batch]
+    early.close()
     dataset = np.arange(50, dtype=np.int64)
     sampler = DistributedSampler(dataset, shuffle=True, seed=7)  # replicas, rank: from dist
     epochs = []
@@ -42,7 +48,7 @@ RANK_SCRIPT = textwrap.dedent("""
     dist.destroy_process_group()
     print(json.dumps({"rank": sampler.rank, "replicas": sampler.num_replicas,
                       "epochs": epochs, "gathered": gathered, "whole": whole,
-                      "unsharded": unsharded, "sharded": sharded}))
+                      "unsharded": unsharded, "sharded": sharded, "piped": piped}))
 """)
 
 
@@ -52,26 +58,33 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_gloo_ranks_split_the_dataset_and_set_epoch_reshuffles():
-    """Each rank takes num_replicas/rank from the initialised process group; their index sets
-    are disjoint and cover the dataset (50 = 2 x 25, no padding), and set_epoch changes the
-    order while both ranks agree on the permutation. A loader with its default sampler (what
-    Lightning cannot replace in an ArenaLoader) warns that every rank loads everything."""
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    """RANK_SCRIPT's results from two gloo ranks (one run for the tests below)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": "2"}
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
+    processes = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT],
+                                  env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for r in range(2)]
     results = []
     try:
-        for process in ranks:
+        for process in processes:
             out, err = process.communicate(timeout=90)
             assert process.returncode == 0, err
             results.append(json.loads(out.strip().splitlines()[-1]))
     finally:
-        for process in ranks:
+        for process in processes:
             process.kill()
             process.wait()
+    return results
+
+
+def test_two_gloo_ranks_split_the_dataset_and_set_epoch_reshuffles(ranks):
+    """Each rank takes num_replicas/rank from the initialised process group; their index sets
+    are disjoint and cover the dataset (50 = 2 x 25, no padding), and set_epoch changes the
+    order while both ranks agree on the permutation. A loader with its default sampler (what
+    Lightning cannot replace in an ArenaLoader) warns that every rank loads everything."""
+    results = ranks
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["replicas"] == 2 for r in results)
     assert results[0]["gathered"] == results[1]["gathered"] == [r["epochs"] for r in results]
@@ -86,6 +99,14 @@ def test_two_gloo_ranks_split_the_dataset_and_set_epoch_reshuffles():
         assert len(r["unsharded"]) == 1 and "torch.distributed runs 2 ranks" in r["unsharded"][0]
         assert "sampler=arena_loader.DistributedSampler(dataset" in r["unsharded"][0]
         assert r["sharded"] == []
+
+
+def test_a_datapipe_loader_made_before_init_process_group_shards_by_rank_at_iter(ranks):
+    """A loader over a sharded DataPipe made before ``init_process_group`` (or in the parent
+    of ``mp.spawn``): torch's DataLoader reads the world size and rank at each ``iter()``, so
+    each rank gets its half. Ours read them at construction (1 rank): every rank loaded all
+    12 items."""
+    assert [r["piped"] for r in ranks] == [list(range(0, 12, 2)), list(range(1, 12, 2))]
 
 
 def test_loader_set_epoch_reaches_the_batch_sampler_the_sampler_or_the_dataset():
@@ -147,3 +168,44 @@ def test_loader_set_epoch_reaches_the_batch_sampler_the_sampler_or_the_dataset()
     assert (batches.epochs, indices.epochs, data.epochs) == ([4], [5], [])
     ArenaLoader(data, batch_size=2).set_epoch(6)
     assert data.epochs == [6]
+
+
+def test_a_datapipe_loader_outlives_its_process_group_and_copies_like_torchs():
+    """A DataPipe loader's epoch seed is broadcast over a gloo group of its own. Ours made
+    that group once: after ``destroy_process_group()`` and a new ``init_process_group()``
+    its next ``iter()`` raised ValueError ("not initialized in the world group map"), and a
+    copy of the loader (``copy.deepcopy``) raised TypeError (a ProcessGroup does not
+    pickle). torch's DataLoader makes a group per iterator: both work, in torch's order."""
+    import copy
+
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    from arena_loader import ArenaLoader
+
+    def group():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    def epochs(cls):
+        group()
+        torch.manual_seed(0)
+        loader = twin = cls(IterableWrapper(range(6)).shuffle().sharding_filter(),
+                            batch_size=2, shuffle=True)
+        try:
+            seen = [[int(i) for b in loader for i in b]]
+            twin = copy.deepcopy(loader)
+            dist.destroy_process_group()
+            group()
+            for one in (loader, twin):
+                seen.append([int(i) for b in one for i in b])
+        finally:
+            dist.destroy_process_group()
+            if cls is ArenaLoader:
+                twin.close()
+                loader.close()
+        return seen
+
+    ours = epochs(ArenaLoader)
+    assert ours == epochs(torch.utils.data.DataLoader)
+    assert all(sorted(epoch) == list(range(6)) for epoch in ours)

@@ -426,6 +426,35 @@ def test_datapipe_shuffler_is_seeded_per_epoch_like_torch(num_workers, persisten
     assert ours[1:] == theirs[1:]
 
 
+@pytest.mark.timeout(60)
+def test_a_datapipe_loader_deep_copies_and_pickles_as_torchs_does():
+    """A loader over a shuffled, sharded DataPipe, copied after an epoch (``copy.deepcopy``,
+    ``pickle``, as torch's pickles its ``__dict__``): ours raised TypeError ("cannot pickle
+    'mmap.mmap' object", the shared cell its workers read each epoch's seed from). The copy
+    and the original then give torch's epochs, each from its own seed cell."""
+    import copy
+    import pickle
+
+    def epochs(cls, clone):
+        torch.manual_seed(0)
+        loader = twin = cls(shuffled_pipe(), batch_size=5, shuffle=True)
+        try:
+            seen = [[int(i) for b in loader for i in b]]
+            twin = clone(loader)
+            for one in (twin, loader, twin):
+                seen.append([int(i) for b in one for i in b])
+        finally:
+            if cls is ArenaLoader:
+                twin.close()
+                loader.close()
+        return seen
+
+    for clone in (copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x))):
+        ours = epochs(ArenaLoader, clone)
+        assert ours == epochs(tud.DataLoader, clone)
+        assert all(sorted(epoch) == list(range(30)) for epoch in ours)
+
+
 # ---------------------------------------------------------------------------------------------
 # Order under PyTorch Lightning: its iter(loader) probe leaves no trace.
 
