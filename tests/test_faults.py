@@ -364,6 +364,36 @@ def test_crashed_iterator_is_collected_once_dropped():
         assert len(os.listdir("/proc/self/fd")) == fds
 
 
+class UnpicklableThirdBatch:
+    """Batches of two indices; the third holds a lock, which does not pickle."""
+
+    def __iter__(self):
+        yield [0, 1]
+        yield [2, 3]
+        yield [4, threading.Lock()]
+
+    def __len__(self):
+        return 3
+
+
+def test_an_iterator_failed_by_indices_that_do_not_pickle_is_collected_once_dropped():
+    """The pickling error, kept to raise at every later next(), is kept without its traceback:
+    its frames held the iterator (and the session's finalizer holds the error), so a dropped
+    iterator lived on, and so did the view of the last batch handed out, its slot leased."""
+    dataset = ImageDataset(8, shape=(2,), dtype=np.float32)
+    with ArenaLoader(dataset, batch_sampler=UnpicklableThirdBatch(), num_workers=1,
+                     prefetch_factor=1, slots=3) as loader:
+        for _ in range(2):  # the second epoch's batches are in the slab the first sized
+            iterator = iter(loader)
+            with pytest.raises(TypeError, match="pickle"):
+                for batch in iterator:
+                    del batch
+            del iterator
+            gc.collect()
+            snapshot = loader.snapshot()
+            assert snapshot.iterators == () and snapshot.free_slots == loader.slots, snapshot
+
+
 
 def test_interrupt_while_handing_out_a_batch_gives_its_slot_back(monkeypatch):
     """Ctrl-C landing after a batch is taken but before it is handed over: KeyboardInterrupt
