@@ -395,6 +395,41 @@ def test_an_iterator_failed_by_indices_that_do_not_pickle_is_collected_once_drop
 
 
 
+def test_ctrl_c_as_a_batch_is_sent_gives_its_slot_back_at_once(monkeypatch):
+    """A Ctrl-C as a batch's entry is published (the ring not taking it): the slot taken for
+    it is free again at once, not left assigned to nobody until no slot is free; the batch
+    goes out at the next next(), and the epoch is whole."""
+    from arena_loader._pipeline.crew import Crew
+    from arena_loader._pipeline.order import EntryKind
+
+    publish = Crew.publish
+    armed = []
+
+    def interrupted_once(self, worker, kind, *args, **kwargs):
+        if armed and kind is not EntryKind.ATTACH:
+            armed.clear()
+            raise KeyboardInterrupt
+        return publish(self, worker, kind, *args, **kwargs)
+
+    monkeypatch.setattr(Crew, "publish", interrupted_once)
+    dataset = ImageDataset(8, shape=(2,), dtype=np.float32)
+    with ArenaLoader(dataset, batch_size=2, num_workers=1, prefetch_factor=1,
+                     slots=3) as loader:
+        expected = reference_epoch(dataset, 2, False)
+        assert sum(1 for _ in loader) == 4  # sizes the slab: the next epoch is in its slots
+        iterator = iter(loader)
+        got = [np.array(next(iterator))]
+        armed.append(True)
+        with pytest.raises(KeyboardInterrupt):
+            got.append(np.array(next(iterator)))
+        snapshot = loader.snapshot()
+        assert snapshot.slot_states.count("assigned") == len(snapshot.iterators[0].in_flight), \
+            snapshot
+        got += [np.array(batch) for batch in iterator]
+        assert len(got) == len(expected)
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+
+
 def test_interrupt_while_handing_out_a_batch_gives_its_slot_back(monkeypatch):
     """Ctrl-C landing after a batch is taken but before it is handed over: KeyboardInterrupt
     reaches the caller, the batch is handed out by the next next() (not lost), and every slot
