@@ -430,6 +430,40 @@ def test_ctrl_c_as_a_batch_is_sent_gives_its_slot_back_at_once(monkeypatch):
         assert all(np.array_equal(a, b) for a, b in zip(got, expected))
 
 
+def test_a_slot_left_assigned_by_a_ctrl_c_as_it_was_taken_is_used_again_at_once(monkeypatch):
+    """num_workers=0: a Ctrl-C right after a slot was taken, before next() recorded it,
+    leaves the slot assigned to nobody; the next next() finds no free slot, recovers that
+    one and loads into it (not into a one-off segment with the slab's slot held idle)."""
+    from arena_loader._pool import SlotPool
+
+    acquire = SlotPool.acquire
+    armed = []
+
+    def taken_then_interrupted(self, *args, **kwargs):
+        slot = acquire(self, *args, **kwargs)
+        if armed and slot is not None:
+            armed.clear()
+            raise KeyboardInterrupt
+        return slot
+
+    monkeypatch.setattr(SlotPool, "acquire", taken_then_interrupted)
+    dataset = ImageDataset(6, shape=(2,), dtype=np.float32)
+    with ArenaLoader(dataset, batch_size=2, num_workers=0, slots=1) as loader:
+        expected = reference_epoch(dataset, 2, False)
+        iterator = iter(loader)
+        got = [np.array(next(iterator))]  # sizes the slab
+        armed.append(True)
+        with pytest.raises(KeyboardInterrupt):
+            next(iterator)
+        batch = next(iterator)
+        assert loader.snapshot().held_segments == 0  # in the slot, which it recovered
+        got.append(np.array(batch))
+        del batch
+        got += [np.array(batch) for batch in iterator]
+        assert len(got) == len(expected)
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+
+
 def test_interrupt_while_handing_out_a_batch_gives_its_slot_back(monkeypatch):
     """Ctrl-C landing after a batch is taken but before it is handed over: KeyboardInterrupt
     reaches the caller, the batch is handed out by the next next() (not lost), and every slot
