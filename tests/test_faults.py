@@ -364,6 +364,105 @@ def test_crashed_iterator_is_collected_once_dropped():
         assert len(os.listdir("/proc/self/fd")) == fds
 
 
+class UnpicklableThirdBatch:
+    """Batches of two indices; the third holds a lock, which does not pickle."""
+
+    def __iter__(self):
+        yield [0, 1]
+        yield [2, 3]
+        yield [4, threading.Lock()]
+
+    def __len__(self):
+        return 3
+
+
+def test_an_iterator_failed_by_indices_that_do_not_pickle_is_collected_once_dropped():
+    """The pickling error, kept to raise at every later next(), is kept without its traceback:
+    its frames held the iterator (and the session's finalizer holds the error), so a dropped
+    iterator lived on, and so did the view of the last batch handed out, its slot leased."""
+    dataset = ImageDataset(8, shape=(2,), dtype=np.float32)
+    with ArenaLoader(dataset, batch_sampler=UnpicklableThirdBatch(), num_workers=1,
+                     prefetch_factor=1, slots=3) as loader:
+        for _ in range(2):  # the second epoch's batches are in the slab the first sized
+            iterator = iter(loader)
+            with pytest.raises(TypeError, match="pickle"):
+                for batch in iterator:
+                    del batch
+            del iterator
+            gc.collect()
+            snapshot = loader.snapshot()
+            assert snapshot.iterators == () and snapshot.free_slots == loader.slots, snapshot
+
+
+
+def test_ctrl_c_as_a_batch_is_sent_gives_its_slot_back_at_once(monkeypatch):
+    """A Ctrl-C as a batch's entry is published (the ring not taking it): the slot taken for
+    it is free again at once, not left assigned to nobody until no slot is free; the batch
+    goes out at the next next(), and the epoch is whole."""
+    from arena_loader._pipeline.crew import Crew
+    from arena_loader._pipeline.order import EntryKind
+
+    publish = Crew.publish
+    armed = []
+
+    def interrupted_once(self, worker, kind, *args, **kwargs):
+        if armed and kind is not EntryKind.ATTACH:
+            armed.clear()
+            raise KeyboardInterrupt
+        return publish(self, worker, kind, *args, **kwargs)
+
+    monkeypatch.setattr(Crew, "publish", interrupted_once)
+    dataset = ImageDataset(8, shape=(2,), dtype=np.float32)
+    with ArenaLoader(dataset, batch_size=2, num_workers=1, prefetch_factor=1,
+                     slots=3) as loader:
+        expected = reference_epoch(dataset, 2, False)
+        assert sum(1 for _ in loader) == 4  # sizes the slab: the next epoch is in its slots
+        iterator = iter(loader)
+        got = [np.array(next(iterator))]
+        armed.append(True)
+        with pytest.raises(KeyboardInterrupt):
+            got.append(np.array(next(iterator)))
+        snapshot = loader.snapshot()
+        assert snapshot.slot_states.count("assigned") == len(snapshot.iterators[0].in_flight), \
+            snapshot
+        got += [np.array(batch) for batch in iterator]
+        assert len(got) == len(expected)
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_slot_left_assigned_by_a_ctrl_c_as_it_was_taken_is_used_again_at_once(monkeypatch):
+    """num_workers=0: a Ctrl-C right after a slot was taken, before next() recorded it,
+    leaves the slot assigned to nobody; the next next() finds no free slot, recovers that
+    one and loads into it (not into a one-off segment with the slab's slot held idle)."""
+    from arena_loader._pool import SlotPool
+
+    acquire = SlotPool.acquire
+    armed = []
+
+    def taken_then_interrupted(self, *args, **kwargs):
+        slot = acquire(self, *args, **kwargs)
+        if armed and slot is not None:
+            armed.clear()
+            raise KeyboardInterrupt
+        return slot
+
+    monkeypatch.setattr(SlotPool, "acquire", taken_then_interrupted)
+    dataset = ImageDataset(6, shape=(2,), dtype=np.float32)
+    with ArenaLoader(dataset, batch_size=2, num_workers=0, slots=1) as loader:
+        expected = reference_epoch(dataset, 2, False)
+        iterator = iter(loader)
+        got = [np.array(next(iterator))]  # sizes the slab
+        armed.append(True)
+        with pytest.raises(KeyboardInterrupt):
+            next(iterator)
+        batch = next(iterator)
+        assert loader.snapshot().held_segments == 0  # in the slot, which it recovered
+        got.append(np.array(batch))
+        del batch
+        got += [np.array(batch) for batch in iterator]
+        assert len(got) == len(expected)
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+
 
 def test_interrupt_while_handing_out_a_batch_gives_its_slot_back(monkeypatch):
     """Ctrl-C landing after a batch is taken but before it is handed over: KeyboardInterrupt

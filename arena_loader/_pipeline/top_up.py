@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from .._messages import without_tracebacks
 from ..errors import LoaderClosedError
 from .feed import NO_PENDING
 from .phase import Phase
@@ -48,7 +49,8 @@ class TopUp:
                                           session.handout.taken is not None):
                         return
                 except UnsendableBatchError as unsendable:
-                    session.fail(unsendable.__cause__)  # e.g. indices that do not pickle
+                    # e.g. indices that do not pickle (kept frameless: its frames hold the iterator)
+                    session.fail(without_tracebacks(unsendable.__cause__))
                     return
                 except WorkerGoneError as gone:
                     session.intake.crash(gone.worker)
