@@ -28,15 +28,14 @@ class ShardedDataPipe:
     the rank that iterates it); persistent workers keep those they started with, as torch's.
     """
 
-    def __init__(self, pipe: Any, world_size: int, rank: int) -> None:
+    def __init__(self, pipe: Any) -> None:
         data = sys.modules["torch.utils.data"]
         wrapper = getattr(getattr(data, "datapipes", None), "datapipe", None)
         wrapper = getattr(wrapper, "_IterDataPipeSerializationWrapper", None)
         # torch's wrapper pickles the pipe with dill where a lambda needs it (spawn workers);
         # it is private, and torch has no public way to pickle a DataPipe as its workers do.
         self.pipe = wrapper(pipe) if wrapper is not None else pipe
-        self.world_size = world_size
-        self.rank = rank
+        self.world_size, self.rank = 1, 0  # (set by start_epoch at each iter(loader))
         self._seed = multiprocessing.RawValue(ctypes.c_int64, 0)
 
     def start_epoch(self, seed: int, world_size: int, rank: int) -> None:

@@ -148,7 +148,7 @@ class ArenaLoader(TorchIteratorAttribute, Resumable, EpochSetter, Picklable, Gen
             from torch.utils.data import graph_settings
 
             graph_settings.apply_shuffle_settings(dataset, shuffle=shuffle)
-        self._datapipe = ShardedDataPipe(dataset, *distributed_settings()) if datapipe else None
+        self._datapipe = ShardedDataPipe(dataset) if datapipe else None
         self.sampler, self.batch_sampler = default_samplers(
             dataset, self.options, sampler, batch_sampler, batch_size, drop_last)
         self._seeds = EpochSeeds(generator)
