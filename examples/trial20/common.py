@@ -10,9 +10,9 @@ script imports. A rank writes its results as JSON to ``$TRIAL20_OUT/<name>.rank<
 
 from __future__ import annotations
 
-import collections
 import faulthandler
 import gc
+import importlib.util
 import json
 import os
 import signal
@@ -31,6 +31,14 @@ from torch.utils.data import Dataset, Sampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from arena_loader._slab import NAME_PREFIX
+
+# trial19's harness (its model, tally, first difference and process filter), loaded from
+# there, not copied, as trial15 loads trial14's.
+_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "trial19", "common.py")
+_spec = importlib.util.spec_from_file_location("trial19_common", _path)
+trial19 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(trial19)
+first_difference, model, ours = trial19.first_difference, trial19.model, trial19.ours
 
 faulthandler.dump_traceback_later(float(os.environ.get("TRIAL_TIMEOUT", 300)), exit=True)
 warnings.filterwarnings("ignore", message=".*pin_memory.*")
@@ -91,11 +99,6 @@ class PerRank(Sampler):
 
     def __len__(self) -> int:
         return self.counts[self.rank]
-
-
-def model() -> torch.nn.Module:
-    torch.manual_seed(SEED)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
 
 def describe(batch: Any) -> Any:
@@ -189,14 +192,6 @@ def shm_names(pids: set[int] | None = None) -> set[str]:
     if pids is None:
         return names
     return {n for n in names if int(n[len(NAME_PREFIX):].split("_")[0]) in pids}
-
-
-def ours(proc) -> bool:
-    try:
-        line = " ".join(proc.cmdline())
-    except psutil.Error:
-        return False
-    return "forkserver" not in line and "resource_tracker" not in line
 
 
 def rank_leftovers(seconds: float = 5.0) -> list[str]:
@@ -379,35 +374,11 @@ def describe_proc(pid: int) -> str:
 
 
 # --- tally -------------------------------------------------------------------------------------
-def first_difference(want: Any, got: Any, path: str = "") -> str:
-    if type(want) is not type(got):
-        return f"{path}: torch {str(want)[:80]} arena {str(got)[:80]}"
-    if isinstance(want, dict):
-        if want.keys() != got.keys():
-            return f"{path}: keys torch {list(want)} arena {list(got)}"
-        for k in want:
-            if want[k] != got[k]:
-                return first_difference(want[k], got[k], f"{path}.{k}")
-    if isinstance(want, list):
-        if len(want) != len(got):
-            return f"{path}: length torch {len(want)} arena {len(got)}"
-        for j, (w, g) in enumerate(zip(want, got)):
-            if w != g:
-                return first_difference(w, g, f"{path}[{j}]")
-    return f"{path}: torch {str(want)[:100]} arena {str(got)[:100]}"
+class Tally(trial19.Tally):
+    """trial19's tally (counts, lines, RESULTS), with this trial's verdicts: SAME or DIFF,
+    leftovers counted apart (``leaks``)."""
 
-
-class Tally:
-    def __init__(self) -> None:
-        self.counts: collections.Counter = collections.Counter()
-        self.started = time.monotonic()
-
-    def add(self, verdict: str, name: str, detail: str = "") -> None:
-        self.counts[verdict] += 1
-        print(f"{verdict:9} {name}  {detail}  [{time.monotonic() - self.started:.0f} s]"
-              .rstrip(), flush=True)
-
-    def check(self, name: str, want: Any, got: Any, note: str = "") -> bool:
+    def check(self, name: str, want: Any, got: Any, note: str = "") -> bool:  # type: ignore[override]
         if want == got:
             self.add("SAME", name, note)
             return True
@@ -417,10 +388,6 @@ class Tally:
     def leaks(self, name: str, found: list[str]) -> None:
         for f in found:
             self.add("LEAK", name, f)
-
-    def done(self) -> None:
-        parts = " ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
-        print(f"RESULTS {parts} seconds={time.monotonic() - self.started:.0f}", flush=True)
 
 
 def public(result: dict[str, Any]) -> dict[str, Any]:
