@@ -429,3 +429,49 @@ def _state(pid: int) -> str | None:
             return stat.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return None
+
+
+def _shared_bytes(pids) -> int:
+    """Pages of shared memory these processes hold (each object once): the bench's count."""
+    from arena_loader.bench.harness import shm_objects
+
+    objects: dict = {}
+    for pid in pids:
+        objects.update(shm_objects(pid))
+    return sum(objects.values())
+
+
+@pytest.mark.timeout(60)
+def test_the_first_batches_in_segments_count_against_slots_while_they_live():
+    """The first read-ahead window goes to one-off segments (no slab yet); while they live,
+    each counts against ``slots`` as a slot would, so the first epoch's shared memory stays
+    within ``slots`` batches, as later epochs' does: with ``slots=5`` a ``for`` loop held 6
+    batches' pages for a moment (4 segments and 2 slots; 192 MB against the steady 160 with
+    32 MB batches). Measured after each ``next()`` with the loop's last batch still held,
+    once the workers have written what they were sent (a slot's pages are reserved as it is
+    handed out, a segment's as its worker writes it)."""
+    import os
+
+    dataset = ImageDataset(320, shape=(64, 64), dtype=np.float32)  # 256 KB batches
+    expected = reference_epoch(dataset, 16, False)
+    got, peak = [], 0
+    with ArenaLoader(dataset, batch_size=16, num_workers=2, prefetch_factor=2, slots=5,
+                     output="numpy") as loader:
+        iterator = iter(loader)
+        batch = next(iterator)
+        for step in range(len(expected) - 1):
+            got.append(np.array(batch))
+            held, batch = batch, next(iterator)  # (the loop's last batch, kept during next())
+            if step < 6:  # the segments' lifetime, and after
+                time.sleep(0.25)
+                pids = [os.getpid(), *loader.snapshot().iterators[-1].worker_pids]
+                peak = max(peak, _shared_bytes(pids))
+            del held
+        got.append(np.array(batch))
+        del batch, iterator
+        slot_nbytes = loader.snapshot().slot_nbytes
+    assert len(got) == len(expected)
+    for mine, reference in zip(got, expected):
+        np.testing.assert_array_equal(mine, reference)
+    # (less than a batch of slack: the order ring and the segments' page rounding)
+    assert peak < 5 * slot_nbytes + slot_nbytes // 2, (peak / slot_nbytes, slot_nbytes)

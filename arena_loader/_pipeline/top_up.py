@@ -46,7 +46,7 @@ class TopUp:
                 try:
                     if not window.publish(feed, order, session.crew, session.claim.arena,
                                           session.source, session.reconcile_slots,
-                                          session.handout.taken is not None):
+                                          session.handout.taken):
                         return
                 except UnsendableBatchError as unsendable:
                     # e.g. indices that do not pickle (kept frameless: its frames hold the iterator)
