@@ -352,6 +352,12 @@ def main() -> None:
                             worker_mode="thread", **ORDERS[oname]),
                     step=graph_step if name == "mixed" else None,
                     describe=digest if name == "large" else describe)
+    # spawn-started workers (they import this script as __mp_main__, PairData with it)
+    spawn = dict(num_workers=2, multiprocessing_context="spawn", **ORDERS["gen"])
+    for name in ("pairs", "hetero", "mixed"):
+        ds = datasets[name]
+        compare(tally, f"spawn-{name}-gen", *pair_of(PyGLoader, ds, B, **spawn),
+                step=graph_step if name == "mixed" else None)
     tmp.cleanup()
     tally.done()
 

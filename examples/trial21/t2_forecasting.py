@@ -191,6 +191,9 @@ def main() -> None:
                 sampler="synchronized", **cfg)
         for kind in ("plain", "weighted", "multi", "random"):
             compare(tally, f"fit-{kind}-{cname}", sets[kind], train=True, fit=True, **cfg)
+    for kind in ("plain", "multi"):        # spawn-started workers: the dataset pickled
+        compare(tally, f"{kind}-train-spawn", sets[kind], train=True, num_workers=2,
+                multiprocessing_context="spawn")
     tally.done()
 
 
