@@ -165,6 +165,60 @@ def test_collate_fn_batch_is_handed_out_as_the_collate_fn_made_it(num_workers):
         assert mine["f32"] == torchs["f32"] and mine["pair"][0] == torchs["pair"][0]
 
 
+def _aliasing_collate(samples):
+    ids = torch.tensor(samples)
+    mask = np.array(samples) > 2
+    return {"input_ids": ids, "labels": ids, "masks": (mask, mask)}
+
+
+def _aliases(batch):
+    return (batch["input_ids"] is batch["labels"], batch["masks"][0] is batch["masks"][1])
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_collate_fns_array_in_two_places_stays_one_array_as_with_torch(num_workers):
+    """A collate_fn that puts one tensor (or array) in two places (pytorch-forecasting's
+    ``x["decoder_target"]`` is its ``y[0]``; ``{"input_ids": ids, "labels": ids}``) gives
+    torch's loader one object there, pickling keeping identity from workers: a write into
+    one is seen in the other. Each place took a field, a copy of its own (trial21)."""
+    kwargs = dict(batch_size=3, collate_fn=_aliasing_collate, num_workers=num_workers)
+    theirs = list(torch.utils.data.DataLoader(list(range(6)), **kwargs))
+    with ArenaLoader(list(range(6)), **kwargs) as loader:
+        ours = list(loader)
+    assert [_aliases(b) for b in ours] == [_aliases(b) for b in theirs] == [(True, True)] * 2
+    for batch in ours + theirs:
+        batch["labels"][0] = -100
+        batch["masks"][1][0] = True
+        assert batch["input_ids"][0] == -100 and batch["masks"][0][0]
+    assert [b["input_ids"].tolist() for b in ours] == [b["input_ids"].tolist() for b in theirs]
+
+
+class _OneTensorTwice:
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        ids = torch.arange(3) + i
+        return {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_tensor_in_two_places_of_an_unbatched_sample_is_written_through_as_with_torch(
+        num_workers):
+    """``batch_size=None``: torch's ``default_convert`` hands the sample's one tensor out in
+    both places, so a write into ``labels`` changes ``input_ids``; it changed only the copy."""
+    kwargs = dict(batch_size=None, num_workers=num_workers)
+    theirs = list(torch.utils.data.DataLoader(_OneTensorTwice(), **kwargs))
+    with ArenaLoader(_OneTensorTwice(), **kwargs) as loader:
+        ours = list(loader)
+    for batch in ours + theirs:
+        batch["labels"][0] = -100
+    assert [b["input_ids"].tolist() for b in ours] == [b["input_ids"].tolist() for b in theirs]
+    assert theirs[1]["input_ids"].tolist() == [-100, 2, 3]
+
+
 class Encoding(collections.UserDict):
     """A mapping with state besides its items, as transformers' BatchEncoding keeps the
     tokenizer's encodings (``word_ids()`` reads them)."""

@@ -86,11 +86,10 @@ def _kept_subclass(value: Any, converted: bool) -> bool:
     """A numpy array or tensor subclass in a ``collate_fn``'s batch (a ``MaskedArray``,
     ``recarray``, ``matrix``, PyG's ``EdgeIndex``, a ``Parameter``): torch hands it out as it
     is (its workers pickle it), so it travels as an object leaf, keeping its type and state (a
-    mask, a sparse size). ``np.memmap`` (what slicing a memmap gives) stays a field, stored
-    as a plain array: its mapping cannot cross processes anyway. ``converted``
-    (``batch_size=None``, no ``collate_fn``): torch's ``default_convert`` keeps tensor
-    subclasses, makes tensors of numpy's own array subclasses (module ``numpy``:
-    ``matrix``) and passes the others (``numpy.ma``, ``numpy.rec``) through."""
+    mask, a sparse size). ``np.memmap`` (what slicing a memmap gives) stays a field, stored as
+    a plain array: its mapping cannot cross processes anyway. ``converted`` (``batch_size=
+    None``, no ``collate_fn``): torch's ``default_convert`` keeps tensor subclasses, makes
+    tensors of numpy's own array subclasses (``matrix``) and passes the others through."""
     cls = type(value)
     if is_tensor(value):
         return cls is not sys.modules["torch"].Tensor
@@ -171,6 +170,7 @@ class SpecBuilder:
         # Per object leaf: its parent is a tuple or list (torch's default_collate then hands
         # out the leaf's values as the tuple its zip() made, not a list).
         self.object_in_sequence: list[bool] = []
+        self.placed: dict[int, FieldLeaf] | None = {} if keep_state else None
 
     def build(self, value: Any, path: str, in_sequence: bool = False) -> Any:
         if self.extensions:
@@ -181,9 +181,16 @@ class SpecBuilder:
         if _is_field(value) and not (self.keep_state and (
                 _kept_subclass(value, self.converted)
                 or outside_int64(value))):
-            self.field_paths.append(path)
-            self.field_values.append(value)
-            return FieldLeaf(len(self.field_paths) - 1)
+            # One array or tensor in two places of a collate_fn's batch or an unbatched sample
+            # (``{"input_ids": ids, "labels": ids}``) is one field, one object, as torch's is.
+            leaf = None if self.placed is None else self.placed.get(id(value))
+            if leaf is None:
+                self.field_paths.append(path)
+                self.field_values.append(value)  # held: no id is reused while building
+                leaf = FieldLeaf(len(self.field_paths) - 1)
+                if self.placed is not None and (type(value) is np.ndarray or is_tensor(value)):
+                    self.placed[id(value)] = leaf
+            return leaf
         if isinstance(value, Mapping):
             keys = tuple(value.keys())
             children = tuple(self.build(value[k], f"{path}[{k!r}]") for k in keys)
