@@ -136,6 +136,39 @@ def test_reconcile_frees_slots_no_batch_owns_and_relists_free_ones():
     assert pool.acquire() is None
 
 
+def test_a_record_of_no_batch_its_worker_was_loading_is_an_error_never_a_batch():
+    """``accept``: a record naming an idx never sent, another worker's batch, or a slot other
+    than its batch's raises (the worker process is corrupt) and marks no slot filled (the
+    wrong slot's bytes would be handed out as the batch). A record of a batch filed and
+    taken already (parsed twice after an interrupt) is dropped; the right one is accepted."""
+    from types import SimpleNamespace
+
+    from arena_loader._pipeline.completions import Completion
+    from arena_loader._pipeline.intake import accept
+
+    pool = SlotPool(np.zeros(4 * 64, np.uint8), 64, 4)
+    arena = SimpleNamespace(pool=pool, slot_nbytes=64)
+    mine, other = pool.acquire(), pool.acquire()
+    order = Reorderer(in_order=True, first_idx=3)
+    order.in_flight.update({3: (0, mine, [6, 7]), 4: (1, other, [8, 9])})
+    feed, plan = SimpleNamespace(send_idx=5), SimpleNamespace(nbytes=32)
+
+    def filed(worker, idx, slot):
+        return accept(Completion(worker, LOADED, idx, slot, b"", plan), order, feed, None,
+                      arena, False)
+
+    for worker, idx, slot in ((0, 3, other), (1, 3, mine), (0, 4, other), (0, 5, mine),
+                              (0, 9, mine)):
+        with pytest.raises(RuntimeError, match=rf"worker {worker} reported batch idx={idx} in "
+                                               rf"slot {slot}, but that is not a batch it was "
+                                               "loading .*the worker process is corrupt"):
+            filed(worker, idx, slot)
+    assert pool.states() == [SlotState.ASSIGNED] * 2 + [SlotState.FREE] * 2
+    assert filed(0, 2, mine) is None
+    assert filed(0, 3, mine) == (0, mine, [6, 7])
+    assert pool.state(mine) is SlotState.FILLED and pool.state(other) is SlotState.ASSIGNED
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_batch_sampler_slicing_our_samplers_gives_their_order(drop_last):
     """BatchSampler slices our samplers' epoch array: the same batches, in the same order,
