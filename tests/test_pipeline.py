@@ -100,7 +100,8 @@ def test_completion_records_split_across_reads_are_parsed_whole_and_plans_shared
 
 def test_reorderer_hands_out_in_idx_order_and_takes_back_an_interrupted_batch():
     """in_order: batches leave by idx whatever order they arrive in; one put back is next
-    again. in_order=False: arrival order."""
+    again. in_order=False: arrival order, and one put back is next again there too (not
+    behind the batches that arrived after it)."""
 
     class Done:
         def __init__(self, idx):
@@ -121,6 +122,9 @@ def test_reorderer_hands_out_in_idx_order_and_takes_back_an_interrupted_batch():
     unordered = Reorderer(in_order=False)
     for idx in (2, 0, 1):
         unordered.arrive(Done(idx))
+    first = unordered.take()
+    unordered.taken(first)
+    unordered.unget(first)
     assert [unordered.take().idx for _ in range(3)] == [2, 0, 1]
 
 
