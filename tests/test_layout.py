@@ -4,7 +4,7 @@ process."""
 from __future__ import annotations
 
 import itertools
-from collections import namedtuple
+from collections import deque, namedtuple
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -266,13 +266,30 @@ def test_none_and_object_arrays_are_layout_errors():
     assert out["x"].dtype == object and out["x"].tolist() == [1, "a"]
 
 
+def test_sequence_leaves_other_than_tuple_and_list_come_back_as_the_list_of_them():
+    """docs/migrating.md: ``range``, ``deque`` and ``bytearray`` leaves come back as the list
+    of the samples' values (torch transposes them), as they were."""
+    samples = [{"r": range(i, i + 2), "d": deque([i]), "b": bytearray([i])} for i in range(3)]
+    out, _ = round_trip(prepare_samples(samples, [0, 1, 2]))
+    assert out == {"r": [range(0, 2), range(1, 3), range(2, 4)],
+                   "d": [deque([0]), deque([1]), deque([2])],
+                   "b": [bytearray([0]), bytearray([1]), bytearray([2])]}
+    assert all(type(out[key]) is list for key in out)
+
+
 def test_integers_outside_int64_are_a_layout_error_in_default_collation_only():
     """Default collation stores an int field as int64 (torch's tensor() overflows too); in
-    a collate_fn's batch an int past it is handed out as it is, as torch hands it out."""
-    with pytest.raises(LayoutError, match="outside the int64 range"):
-        prepare_samples([{"id": 1}, {"id": 2**64}], [0, 1])
-    out, _ = round_trip(prepare_batch({"id": 2**64, "small": 3, "neg": -(2**70)}, "batch"))
-    assert out == {"id": 2**64, "small": 3, "neg": -(2**70)}
+    a collate_fn's batch an int past it is handed out as it is, as torch hands it out. The
+    bounds are int64's own: its extremes are stored, one past either is not."""
+    for outside in (2**64, 2**63, -(2**63) - 1):
+        with pytest.raises(LayoutError, match="outside the int64 range"):
+            prepare_samples([{"id": 1}, {"id": outside}], [0, 1])
+    out, _ = round_trip(prepare_samples([2**63 - 1, -(2**63)], [0, 1]))
+    assert out.dtype == np.int64 and out.tolist() == [2**63 - 1, -(2**63)]
+    out, _ = round_trip(prepare_batch({"id": 2**64, "small": 3, "neg": -(2**70),
+                                       "edge": 2**63, "low": -(2**63) - 1}, "batch"))
+    assert out == {"id": 2**64, "small": 3, "neg": -(2**70), "edge": 2**63,
+                   "low": -(2**63) - 1}
 
 
 def test_string_and_bytes_leaves_travel_as_lists():
