@@ -113,6 +113,24 @@ def test_unbatched_samples_get_torchs_default_convert_structure(output, num_work
     assert theirs[0][0] is tuple and theirs[0][1][1][0] is tuple
 
 
+class Tagged(list):
+    """A list subclass (a library's sequence type)."""
+
+
+@pytest.mark.parametrize("output", [None, "torch"])
+def test_list_subclass_samples_keep_their_type_as_with_torch(output):
+    """torch's default_collate, and default_convert (batch_size=None), keep a list subclass's
+    type (a copy of it, its items set; tuples become lists). Tensors among the samples (or
+    output="torch") made it a plain list here."""
+    samples = [Tagged([torch.full((2,), float(i)), i]) for i in range(4)]
+    for batch_size in (2, None):
+        theirs = [structure(b) for b in
+                  torch.utils.data.DataLoader(samples, batch_size=batch_size)]
+        with ArenaLoader(samples, batch_size=batch_size, output=output) as loader:
+            assert [structure(b) for b in loader] == theirs, batch_size
+        assert theirs[0][0] is Tagged
+
+
 def test_torch_tensor_samples_are_accepted():
     """A dataset that returns CPU torch tensors is loaded like one returning arrays."""
     class TensorDataset:
