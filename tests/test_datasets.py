@@ -133,6 +133,34 @@ def test_loader_batches_are_the_rows_of_the_arrays(num_workers, worker_mode, shu
     assert len(seen) % batch_size == 5  # the partial last batch of 5 rows was delivered
 
 
+class _Bfloat16Rows:
+    """read_into with a field of a torch dtype numpy lacks: ``out`` holds its bits (int16)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        import torch
+
+        return {"x": torch.full((2,), index + 0.5, dtype=torch.bfloat16)}
+
+    def read_into(self, indices, out):
+        import torch
+
+        rows = torch.stack([self[int(i)]["x"] for i in indices])
+        out["x"][...] = rows.view(torch.int16).numpy()
+
+
+def test_read_into_a_field_of_a_dtype_numpy_lacks_gives_that_dtype_back():
+    """A bfloat16 field written by read_into as its bits comes back a bfloat16 tensor (the
+    batch plan keeps the torch dtype's name beside the int16 it is stored as)."""
+    torch = pytest.importorskip("torch")
+    with ArenaLoader(_Bfloat16Rows(), batch_size=2) as loader:
+        batches = [batch["x"] for batch in loader]
+    assert [(b.dtype, b.tolist()) for b in batches] == [
+        (torch.bfloat16, [[0.5, 0.5], [1.5, 1.5]]), (torch.bfloat16, [[2.5, 2.5], [3.5, 3.5]])]
+
+
 @pytest.mark.parametrize("num_workers, worker_mode", WORKERS)
 def test_read_into_replaces_per_sample_calls(num_workers, worker_mode):
     """A dataset with read_into gets one call per batch, plus one dataset[i] for the layout."""

@@ -266,6 +266,18 @@ def test_none_and_object_arrays_are_layout_errors():
     assert out["x"].dtype == object and out["x"].tolist() == [1, "a"]
 
 
+def test_structured_records_stack_into_a_structured_array_with_their_fields():
+    """docs/migrating.md: ``np.void`` records (an h5py compound dataset's rows) stack into a
+    structured array; its dtype (names, offsets, a sub-array field) travels in the batch's
+    record whole, not as the bare void type of its size."""
+    dtype = np.dtype([("id", "<i4"), ("score", "<f8"), ("tag", "S3"), ("xy", "<f4", (2,))])
+    table = np.array([(i, i / 2, b"t%d" % i, (i, -i)) for i in range(3)], dtype=dtype)
+    out, _ = round_trip(prepare_samples([table[i] for i in range(3)], [0, 1, 2]))
+    assert out.dtype == dtype
+    for name in dtype.names:
+        np.testing.assert_array_equal(out[name], table[name])
+
+
 def test_sequence_leaves_other_than_tuple_and_list_come_back_as_the_list_of_them():
     """docs/migrating.md: ``range``, ``deque`` and ``bytearray`` leaves come back as the list
     of the samples' values (torch transposes them), as they were."""
