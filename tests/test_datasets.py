@@ -63,10 +63,15 @@ def test_gather_rows_handles_non_contiguous_sources(make_source):
     np.testing.assert_array_equal(out, source[indices])
 
 
+@pytest.mark.parametrize("fortran", [False, True], ids=["compiled", "numpy-take"])
 @pytest.mark.parametrize("bad", [10, -11, 2**40])
-def test_out_of_range_index_names_the_index_and_length(bad):
-    """An index outside [-n, n) is an IndexError naming it, the array and its length."""
+def test_out_of_range_index_names_the_index_and_length(bad, fortran):
+    """An index outside [-n, n) is an IndexError naming it, the array and its length, on the
+    compiled path and on numpy's take for scattered rows (whose wrap mode would otherwise
+    read -11 as row 9)."""
     source = rows_array(10, (2,), np.int32)
+    if fortran:
+        source = np.asfortranarray(source)
     out = np.empty((3, 2), np.int32)
     with pytest.raises(IndexError, match=rf"index {bad} is out of range for arrays\[1\] with "
                                          r"10 rows"):
