@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import threading
 import types
@@ -129,6 +130,29 @@ def test_list_subclass_samples_keep_their_type_as_with_torch(output):
         with ArenaLoader(samples, batch_size=batch_size, output=output) as loader:
             assert [structure(b) for b in loader] == theirs, batch_size
         assert theirs[0][0] is Tagged
+
+
+@dataclasses.dataclass
+class Example:
+    image: np.ndarray
+    label: int
+
+
+def test_dataclass_and_ordered_dict_samples_in_torch_output():
+    """output="torch": a dataclass sample's fields (collated field by field, where torch raises
+    TypeError) come back as tensors, and an OrderedDict sample's batch stays an OrderedDict,
+    as torch's default_collate copies the first sample's mapping."""
+    samples = [Example(np.full(2, i, np.float32), i) for i in range(4)]
+    with ArenaLoader(samples, batch_size=2, output="torch") as loader:
+        batch = next(iter(loader))
+    assert type(batch) is Example
+    assert torch.equal(batch.image, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+    assert torch.equal(batch.label, torch.tensor([0, 1]))
+    ordered = [collections.OrderedDict(b=np.full(2, i), a=i) for i in range(4)]
+    theirs = next(iter(torch.utils.data.DataLoader(ordered, batch_size=2)))
+    with ArenaLoader(ordered, batch_size=2, output="torch") as loader:
+        assert structure(next(iter(loader))) == structure(theirs)
+    assert type(theirs) is collections.OrderedDict
 
 
 def test_torch_tensor_samples_are_accepted():
