@@ -98,6 +98,21 @@ def test_bfloat16_tensors_are_bit_exact_and_stay_tensors():
     assert torch.equal(tensor, torch.stack(values))
 
 
+def test_an_int16_field_beside_a_bfloat16_one_keeps_its_own_dtype_in_the_record():
+    """bfloat16 is stored as int16 bits: a plain int16 field in the same batch (either one
+    first) is described apart from it in the record, so each comes back as it went."""
+    for sample in ({"label": torch.tensor([1, -2], dtype=torch.int16),
+                    "x": torch.tensor([0.5, 1.5], dtype=torch.bfloat16)},
+                   {"x": torch.tensor([0.5, 1.5], dtype=torch.bfloat16),
+                    "label": torch.tensor([1, -2], dtype=torch.int16)}):
+        prepared = prepare_samples([sample, sample], [0, 1])
+        encoder, decoder = PlanEncoder(), PlanDecoder()
+        for idx in (0, 1):  # (the second record reuses the encoder's dtype descriptions)
+            _, record = round_trip(prepared, idx, decoder, encoder)
+            assert record.plan.fields == prepared.plan.fields
+            assert sorted(f.torch_dtype for f in record.plan.fields) == ["", "bfloat16"]
+
+
 def test_strings_of_varying_width_take_the_widest():
     values = [np.array(["a", "bb"]), np.array(["cccc", "d"])]
     batch, _ = round_trip(prepare_samples(values, [0, 1]))
