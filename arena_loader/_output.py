@@ -69,8 +69,11 @@ def _to_torch(torch: Any, value: Any, collated: bool, converted: bool = False,
         return type(value)(*(_to_torch(torch, item, collated, converted, kept) for item in value))
     if isinstance(value, (tuple, list)):
         items = [_to_torch(torch, item, collated, converted, kept) for item in value]
-        # torch's default_collate (and default_convert) turns a tuple of fields into a list
-        return items if collated or converted or type(value) is list else type(value)(items)
+        # torch's default_collate (and default_convert) turns a tuple of fields into a list,
+        # and keeps a list subclass
+        if type(value) is list or ((collated or converted) and isinstance(value, tuple)):
+            return items
+        return _same_sequence(value, items)
     if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
         for name in value.__dataclass_fields__:
             item = getattr(value, name)
@@ -99,6 +102,21 @@ def _same_mapping(value: Mapping, entries: dict) -> Any:
         return type(value)(entries)
     except TypeError:
         return entries
+
+
+def _same_sequence(value: Sequence, items: list) -> Any:
+    """``items`` in a sequence of ``value``'s type, as torch's collate, convert and pin_memory
+    make one: a mutable one copied with its items set (keeping what its type holds besides
+    them), another built from the list; the list itself if the type refuses either."""
+    try:
+        if isinstance(value, MutableSequence):
+            clone = copy.copy(value)
+            for index, item in enumerate(items):
+                clone[index] = item
+            return clone
+        return type(value)(items)
+    except TypeError:
+        return items
 
 
 # -- pin_memory=True without a device -----------------------------------------------------
@@ -152,14 +170,5 @@ def pin_tensors(value: Any, numpy_left: list | None = None) -> Any:
         items = [pin_tensors(item, numpy_left) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, Sequence):
-        items = [pin_tensors(item, numpy_left) for item in value]
-        try:
-            if isinstance(value, MutableSequence):
-                clone = copy.copy(value)
-                for index, item in enumerate(items):
-                    clone[index] = item
-                return clone
-            return type(value)(items)
-        except TypeError:
-            return items
+        return _same_sequence(value, [pin_tensors(item, numpy_left) for item in value])
     return value

@@ -63,10 +63,15 @@ def test_gather_rows_handles_non_contiguous_sources(make_source):
     np.testing.assert_array_equal(out, source[indices])
 
 
+@pytest.mark.parametrize("fortran", [False, True], ids=["compiled", "numpy-take"])
 @pytest.mark.parametrize("bad", [10, -11, 2**40])
-def test_out_of_range_index_names_the_index_and_length(bad):
-    """An index outside [-n, n) is an IndexError naming it, the array and its length."""
+def test_out_of_range_index_names_the_index_and_length(bad, fortran):
+    """An index outside [-n, n) is an IndexError naming it, the array and its length, on the
+    compiled path and on numpy's take for scattered rows (whose wrap mode would otherwise
+    read -11 as row 9)."""
     source = rows_array(10, (2,), np.int32)
+    if fortran:
+        source = np.asfortranarray(source)
     out = np.empty((3, 2), np.int32)
     with pytest.raises(IndexError, match=rf"index {bad} is out of range for arrays\[1\] with "
                                          r"10 rows"):
@@ -131,6 +136,34 @@ def test_loader_batches_are_the_rows_of_the_arrays(num_workers, worker_mode, shu
     assert len(seen) == n and sorted(seen) == list(range(n))
     assert (seen == list(range(n))) is not shuffle
     assert len(seen) % batch_size == 5  # the partial last batch of 5 rows was delivered
+
+
+class _Bfloat16Rows:
+    """read_into with a field of a torch dtype numpy lacks: ``out`` holds its bits (int16)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        import torch
+
+        return {"x": torch.full((2,), index + 0.5, dtype=torch.bfloat16)}
+
+    def read_into(self, indices, out):
+        import torch
+
+        rows = torch.stack([self[int(i)]["x"] for i in indices])
+        out["x"][...] = rows.view(torch.int16).numpy()
+
+
+def test_read_into_a_field_of_a_dtype_numpy_lacks_gives_that_dtype_back():
+    """A bfloat16 field written by read_into as its bits comes back a bfloat16 tensor (the
+    batch plan keeps the torch dtype's name beside the int16 it is stored as)."""
+    torch = pytest.importorskip("torch")
+    with ArenaLoader(_Bfloat16Rows(), batch_size=2) as loader:
+        batches = [batch["x"] for batch in loader]
+    assert [(b.dtype, b.tolist()) for b in batches] == [
+        (torch.bfloat16, [[0.5, 0.5], [1.5, 1.5]]), (torch.bfloat16, [[2.5, 2.5], [3.5, 3.5]])]
 
 
 @pytest.mark.parametrize("num_workers, worker_mode", WORKERS)

@@ -248,6 +248,20 @@ def test_pin_memory_gives_tensor_copies_and_frees_the_slot_at_once(fake_pinning,
     assert all(type(batch) is list for batch in held)
 
 
+def test_pin_memory_says_nothing_of_numpy_string_arrays(fake_pinning):
+    """A numpy string array (torch has no tensor for it: it stays numpy in torch output) is
+    not a numeric batch left pageable: no warning, the tensors pinned."""
+    import torch
+
+    samples = [(torch.full((2,), float(i)), np.array(f"s{i}")) for i in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ArenaLoader(samples, batch_size=2, pin_memory=True) as loader:
+            batches = list(loader)
+    assert [names.tolist() for _, names in batches] == [["s0", "s1"], ["s2", "s3"]]
+    assert fake_pinning == [(2, 2), (2, 2)]
+
+
 def test_pin_memory_with_numpy_batches_warns_that_they_stay_pageable(fake_pinning):
     """Numpy batches are not page-locked (torch pins tensors only): a warning says so once,
     at construction for output='numpy', else at the first numpy batch."""

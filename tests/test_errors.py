@@ -392,10 +392,10 @@ def test_dataset_shorter_than_its_len_names_len_and_fix(num_workers):
 
 
 class OutOfRangeSampler:
-    """Yields 0..7 with 40 in place of 4."""
+    """Yields 0..7 with 8 (len(dataset): the first index outside) in place of 4."""
 
     def __iter__(self):
-        return iter([0, 1, 2, 3, 40, 5, 6, 7])
+        return iter([0, 1, 2, 3, 8, 5, 6, 7])
 
     def __len__(self):
         return 8
@@ -403,7 +403,7 @@ class OutOfRangeSampler:
 
 class OutOfRangeBatchSampler:
     def __iter__(self):
-        return iter([[0, 1], [2, 3], [40, 5], [6, 7]])
+        return iter([[0, 1], [2, 3], [8, 5], [6, 7]])
 
     def __len__(self):
         return 4
@@ -423,7 +423,7 @@ def test_sampler_out_of_range_names_index_length_and_sampler(option, num_workers
         for expected in reference[:2]:
             np.testing.assert_array_equal(next(iterator), expected)
         with pytest.raises(IndexError, match=rf"{option} {type(sampler).__name__} yielded sample "
-                                             r"index 40 \(in indices \[40, 5\]\), but "
+                                             r"index 8 \(in indices \[8, 5\]\), but "
                                              r"len\(dataset\) is 8; a sampler must yield"):
             next(iterator)
         np.testing.assert_array_equal(next(iterator), reference[3])

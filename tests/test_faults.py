@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dis
+import faulthandler
 import functools
 import gc
 import linecache
@@ -16,6 +17,7 @@ import traceback
 import weakref
 
 import numpy as np
+import psutil
 import pytest
 
 from arena_loader import ArenaLoader, LoaderClosedError, WorkerCrashedError
@@ -126,6 +128,71 @@ def test_new_epoch_after_a_crash_reuses_the_loader_slab():
         assert sum(1 for _ in loader) == 10
         assert len(our_slab_mappings()) == 1  # still one slab, though `crashed` is alive
         del crashed
+
+
+class _DiesAt(ImageDataset):
+    """The worker that loads ``fatal_index`` writes its pid to ``pid_path`` and is SIGKILLed."""
+
+    def __init__(self, n: int, fatal_index: int, pid_path: str):
+        super().__init__(n)
+        self.fatal_index, self.pid_path = fatal_index, pid_path
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index == self.fatal_index:
+            faulthandler.disable()  # pytest's handler would print this worker's stack
+            with open(self.pid_path, "w") as stamp:
+                stamp.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(index)
+
+
+class _DrawsOnceDead:
+    """Batches of two; drawing batch ``hold_at`` waits until the worker named in ``pid_path``
+    is dead (a zombie: not yet reaped), so the records it sent before all wait unread."""
+
+    def __init__(self, batches: int, pid_path: str, hold_at: int):
+        self.batches, self.pid_path, self.hold_at = batches, pid_path, hold_at
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def _dead(self) -> bool:
+        try:
+            with open(self.pid_path) as stamp:
+                return psutil.Process(int(stamp.read())).status() == psutil.STATUS_ZOMBIE
+        except (FileNotFoundError, ValueError):
+            return False  # not written yet (or half)
+        except psutil.NoSuchProcess:
+            return True
+
+    def __iter__(self):
+        for i in range(self.batches):
+            if i == self.hold_at:
+                assert wait_until(self._dead)
+            yield [2 * i, 2 * i + 1]
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_batches_a_worker_sent_before_it_died_come_before_the_crash(tmp_path, in_order):
+    """A worker sends batches 0-3 and is killed loading batch 4; next() looks only once it is
+    dead (the sampler waits for that as the window fills). Every batch it sent is handed out,
+    in order and intact, before WorkerCrashedError. in_order=False: the first wait sees the
+    records and the exit at once, so the session has failed before batch 0 is handed out."""
+    pid_path = str(tmp_path / "pid")
+    expected = reference_epoch(ImageDataset(16), 2, False)
+    with ArenaLoader(_DiesAt(16, 8, pid_path), num_workers=1, prefetch_factor=6,
+                     batch_sampler=_DrawsOnceDead(8, pid_path, hold_at=5),
+                     in_order=in_order) as loader:
+        iterator = iter(loader)
+        received = []
+        with pytest.raises(WorkerCrashedError, match=r"worker 0 \(pid \d+\) was killed by "
+                                                     r"SIGKILL while loading batch idx=4 "):
+            for batch in iterator:
+                received.append(np.array(batch))
+        assert len(received) == 4
+        for got, ref in zip(received, expected):
+            np.testing.assert_array_equal(got, ref)
+        del iterator
 
 
 class _RaisesOnLoad:

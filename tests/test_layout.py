@@ -4,7 +4,7 @@ process."""
 from __future__ import annotations
 
 import itertools
-from collections import namedtuple
+from collections import deque, namedtuple
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -96,6 +96,21 @@ def test_bfloat16_tensors_are_bit_exact_and_stay_tensors():
                             field.torch_dtype)
     assert tensor.dtype == torch.bfloat16
     assert torch.equal(tensor, torch.stack(values))
+
+
+def test_an_int16_field_beside_a_bfloat16_one_keeps_its_own_dtype_in_the_record():
+    """bfloat16 is stored as int16 bits: a plain int16 field in the same batch (either one
+    first) is described apart from it in the record, so each comes back as it went."""
+    for sample in ({"label": torch.tensor([1, -2], dtype=torch.int16),
+                    "x": torch.tensor([0.5, 1.5], dtype=torch.bfloat16)},
+                   {"x": torch.tensor([0.5, 1.5], dtype=torch.bfloat16),
+                    "label": torch.tensor([1, -2], dtype=torch.int16)}):
+        prepared = prepare_samples([sample, sample], [0, 1])
+        encoder, decoder = PlanEncoder(), PlanDecoder()
+        for idx in (0, 1):  # (the second record reuses the encoder's dtype descriptions)
+            _, record = round_trip(prepared, idx, decoder, encoder)
+            assert record.plan.fields == prepared.plan.fields
+            assert sorted(f.torch_dtype for f in record.plan.fields) == ["", "bfloat16"]
 
 
 def test_strings_of_varying_width_take_the_widest():
@@ -266,13 +281,42 @@ def test_none_and_object_arrays_are_layout_errors():
     assert out["x"].dtype == object and out["x"].tolist() == [1, "a"]
 
 
+def test_structured_records_stack_into_a_structured_array_with_their_fields():
+    """docs/migrating.md: ``np.void`` records (an h5py compound dataset's rows) stack into a
+    structured array; its dtype (names, offsets, a sub-array field) travels in the batch's
+    record whole, not as the bare void type of its size."""
+    dtype = np.dtype([("id", "<i4"), ("score", "<f8"), ("tag", "S3"), ("xy", "<f4", (2,))])
+    table = np.array([(i, i / 2, b"t%d" % i, (i, -i)) for i in range(3)], dtype=dtype)
+    out, _ = round_trip(prepare_samples([table[i] for i in range(3)], [0, 1, 2]))
+    assert out.dtype == dtype
+    for name in dtype.names:
+        np.testing.assert_array_equal(out[name], table[name])
+
+
+def test_sequence_leaves_other_than_tuple_and_list_come_back_as_the_list_of_them():
+    """docs/migrating.md: ``range``, ``deque`` and ``bytearray`` leaves come back as the list
+    of the samples' values (torch transposes them), as they were."""
+    samples = [{"r": range(i, i + 2), "d": deque([i]), "b": bytearray([i])} for i in range(3)]
+    out, _ = round_trip(prepare_samples(samples, [0, 1, 2]))
+    assert out == {"r": [range(0, 2), range(1, 3), range(2, 4)],
+                   "d": [deque([0]), deque([1]), deque([2])],
+                   "b": [bytearray([0]), bytearray([1]), bytearray([2])]}
+    assert all(type(out[key]) is list for key in out)
+
+
 def test_integers_outside_int64_are_a_layout_error_in_default_collation_only():
     """Default collation stores an int field as int64 (torch's tensor() overflows too); in
-    a collate_fn's batch an int past it is handed out as it is, as torch hands it out."""
-    with pytest.raises(LayoutError, match="outside the int64 range"):
-        prepare_samples([{"id": 1}, {"id": 2**64}], [0, 1])
-    out, _ = round_trip(prepare_batch({"id": 2**64, "small": 3, "neg": -(2**70)}, "batch"))
-    assert out == {"id": 2**64, "small": 3, "neg": -(2**70)}
+    a collate_fn's batch an int past it is handed out as it is, as torch hands it out. The
+    bounds are int64's own: its extremes are stored, one past either is not."""
+    for outside in (2**64, 2**63, -(2**63) - 1):
+        with pytest.raises(LayoutError, match="outside the int64 range"):
+            prepare_samples([{"id": 1}, {"id": outside}], [0, 1])
+    out, _ = round_trip(prepare_samples([2**63 - 1, -(2**63)], [0, 1]))
+    assert out.dtype == np.int64 and out.tolist() == [2**63 - 1, -(2**63)]
+    out, _ = round_trip(prepare_batch({"id": 2**64, "small": 3, "neg": -(2**70),
+                                       "edge": 2**63, "low": -(2**63) - 1}, "batch"))
+    assert out == {"id": 2**64, "small": 3, "neg": -(2**70), "edge": 2**63,
+                   "low": -(2**63) - 1}
 
 
 def test_string_and_bytes_leaves_travel_as_lists():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import threading
 import types
@@ -111,6 +112,47 @@ def test_unbatched_samples_get_torchs_default_convert_structure(output, num_work
     with ArenaLoader(dataset, output=output, **keep) as loader:
         assert [structure(b) for b in loader] == theirs
     assert theirs[0][0] is tuple and theirs[0][1][1][0] is tuple
+
+
+class Tagged(list):
+    """A list subclass (a library's sequence type)."""
+
+
+@pytest.mark.parametrize("output", [None, "torch"])
+def test_list_subclass_samples_keep_their_type_as_with_torch(output):
+    """torch's default_collate, and default_convert (batch_size=None), keep a list subclass's
+    type (a copy of it, its items set; tuples become lists). Tensors among the samples (or
+    output="torch") made it a plain list here."""
+    samples = [Tagged([torch.full((2,), float(i)), i]) for i in range(4)]
+    for batch_size in (2, None):
+        theirs = [structure(b) for b in
+                  torch.utils.data.DataLoader(samples, batch_size=batch_size)]
+        with ArenaLoader(samples, batch_size=batch_size, output=output) as loader:
+            assert [structure(b) for b in loader] == theirs, batch_size
+        assert theirs[0][0] is Tagged
+
+
+@dataclasses.dataclass
+class Example:
+    image: np.ndarray
+    label: int
+
+
+def test_dataclass_and_ordered_dict_samples_in_torch_output():
+    """output="torch": a dataclass sample's fields (collated field by field, where torch raises
+    TypeError) come back as tensors, and an OrderedDict sample's batch stays an OrderedDict,
+    as torch's default_collate copies the first sample's mapping."""
+    samples = [Example(np.full(2, i, np.float32), i) for i in range(4)]
+    with ArenaLoader(samples, batch_size=2, output="torch") as loader:
+        batch = next(iter(loader))
+    assert type(batch) is Example
+    assert torch.equal(batch.image, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+    assert torch.equal(batch.label, torch.tensor([0, 1]))
+    ordered = [collections.OrderedDict(b=np.full(2, i), a=i) for i in range(4)]
+    theirs = next(iter(torch.utils.data.DataLoader(ordered, batch_size=2)))
+    with ArenaLoader(ordered, batch_size=2, output="torch") as loader:
+        assert structure(next(iter(loader))) == structure(theirs)
+    assert type(theirs) is collections.OrderedDict
 
 
 def test_torch_tensor_samples_are_accepted():

@@ -683,6 +683,8 @@ MIXED_FIELDS = [
     lambda i: np.int64(i) if i % 3 == 0 else i / 2,
     lambda i: {"x": np.float16(i) if i % 3 == 0 else i / 2},
     lambda i: np.array(i + 1j, np.complex64) if i % 3 == 0 else i / 2,
+    # an array first, lists of floats after: each list as_tensor's float32
+    lambda i: np.full(2, i, np.float16) if i % 3 == 0 else [i / 2, 1.5],
     # a Python number first, numpy scalars after: torch.tensor() of the list
     lambda i: {"label": i if i % 3 == 0 else np.int64(i)},
     lambda i: [0.5 * i if i % 3 == 0 else np.float32(i)],
@@ -690,6 +692,8 @@ MIXED_FIELDS = [
     lambda i: {"x": i if i % 3 == 0 else np.float16(i / 2)},
     lambda i: {"x": i if i % 3 == 0 else np.complex64(i)},
     lambda i: (i / 2 if i % 3 == 0 else np.array(i, np.uint8),),
+    # an int, then Python complex numbers: torch.tensor() of the list, complex64
+    lambda i: {"z": i if i % 3 == 0 else complex(i, 1)},
     # a Python number first, 0-d tensors after: torch.tensor() takes them as numbers
     lambda i: {"loss": i / 2 if i % 3 == 0 else torch.tensor(i / 4)},
     lambda i: i if i % 3 == 0 else torch.tensor(i / 4, dtype=torch.float16),
@@ -701,8 +705,8 @@ MIXED_FIELDS = [
 @pytest.mark.parametrize("make", MIXED_FIELDS, ids=[
     "bfloat16-bool", "bool-bfloat16", "float32-bfloat16", "complex64-float64-numpy",
     "float64-complex64-tensor", "np.int64-float", "np.float16-float", "complex64-array-float",
-    "int-np.int64", "float-np.float32", "bool-np.int8",
-    "int-np.float16", "int-np.complex64", "float-0d-array",
+    "float16-array-float-list", "int-np.int64", "float-np.float32", "bool-np.int8",
+    "int-np.float16", "int-np.complex64", "float-0d-array", "int-complex",
     "float-0d-tensor", "int-0d-float16-tensor", "int-0d-int32-tensor"])
 def test_a_field_mixing_dtypes_or_python_and_numpy_numbers_collates_like_torch(make):
     """torch's default_collate stacks such a field with torch's type promotion (in the main

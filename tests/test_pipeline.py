@@ -100,7 +100,8 @@ def test_completion_records_split_across_reads_are_parsed_whole_and_plans_shared
 
 def test_reorderer_hands_out_in_idx_order_and_takes_back_an_interrupted_batch():
     """in_order: batches leave by idx whatever order they arrive in; one put back is next
-    again. in_order=False: arrival order."""
+    again. in_order=False: arrival order, and one put back is next again there too (not
+    behind the batches that arrived after it)."""
 
     class Done:
         def __init__(self, idx):
@@ -121,6 +122,9 @@ def test_reorderer_hands_out_in_idx_order_and_takes_back_an_interrupted_batch():
     unordered = Reorderer(in_order=False)
     for idx in (2, 0, 1):
         unordered.arrive(Done(idx))
+    first = unordered.take()
+    unordered.taken(first)
+    unordered.unget(first)
     assert [unordered.take().idx for _ in range(3)] == [2, 0, 1]
 
 
@@ -134,6 +138,39 @@ def test_reconcile_frees_slots_no_batch_owns_and_relists_free_ones():
     assert pool.state(kept) is SlotState.ASSIGNED
     assert {pool.acquire() for _ in range(3)} == {lost, filled, 3}
     assert pool.acquire() is None
+
+
+def test_a_record_of_no_batch_its_worker_was_loading_is_an_error_never_a_batch():
+    """``accept``: a record naming an idx never sent, another worker's batch, or a slot other
+    than its batch's raises (the worker process is corrupt) and marks no slot filled (the
+    wrong slot's bytes would be handed out as the batch). A record of a batch filed and
+    taken already (parsed twice after an interrupt) is dropped; the right one is accepted."""
+    from types import SimpleNamespace
+
+    from arena_loader._pipeline.completions import Completion
+    from arena_loader._pipeline.intake import accept
+
+    pool = SlotPool(np.zeros(4 * 64, np.uint8), 64, 4)
+    arena = SimpleNamespace(pool=pool, slot_nbytes=64)
+    mine, other = pool.acquire(), pool.acquire()
+    order = Reorderer(in_order=True, first_idx=3)
+    order.in_flight.update({3: (0, mine, [6, 7]), 4: (1, other, [8, 9])})
+    feed, plan = SimpleNamespace(send_idx=5), SimpleNamespace(nbytes=32)
+
+    def filed(worker, idx, slot):
+        return accept(Completion(worker, LOADED, idx, slot, b"", plan), order, feed, None,
+                      arena, False)
+
+    for worker, idx, slot in ((0, 3, other), (1, 3, mine), (0, 4, other), (0, 5, mine),
+                              (0, 9, mine)):
+        with pytest.raises(RuntimeError, match=rf"worker {worker} reported batch idx={idx} in "
+                                               rf"slot {slot}, but that is not a batch it was "
+                                               "loading .*the worker process is corrupt"):
+            filed(worker, idx, slot)
+    assert pool.states() == [SlotState.ASSIGNED] * 2 + [SlotState.FREE] * 2
+    assert filed(0, 2, mine) is None
+    assert filed(0, 3, mine) == (0, mine, [6, 7])
+    assert pool.state(mine) is SlotState.FILLED and pool.state(other) is SlotState.ASSIGNED
 
 
 @pytest.mark.parametrize("drop_last", [False, True])

@@ -78,9 +78,13 @@ def test_a_row_that_is_no_array_late_in_the_epoch_is_batched_or_named(num_worker
 @pytest.mark.parametrize("num_workers, worker_mode", MODES)
 def test_a_wider_dtype_late_in_the_epoch_types_its_batch_as_torch(num_workers, worker_mode):
     """A float64 row in batch 6 makes that batch float64 (torch's promotion), an int64 row in
-    batch 8 leaves its batch float32 (float beats int); every value equals torch's."""
+    batch 8 leaves its batch float32 (float beats int), and batch 9 of an int16 row then
+    float16 rows is float16, though numpy promotes them to the float32 of the batches before;
+    every value equals torch's."""
     torch = pytest.importorskip("torch")
-    odd = {26: np.full(6, 0.1, np.float64), 33: np.arange(6, dtype=np.int64) * 2**40}
+    odd = {26: np.full(6, 0.1, np.float64), 33: np.arange(6, dtype=np.int64) * 2**40,
+           36: np.arange(6, dtype=np.int16),
+           **{i: np.full(6, i / 4, np.float16) for i in (37, 38, 39)}}
     dataset = Rows(40, odd)
     with ArenaLoader(dataset, batch_size=4, num_workers=num_workers, worker_mode=worker_mode,
                      output="numpy") as loader:
@@ -90,6 +94,7 @@ def test_a_wider_dtype_late_in_the_epoch_types_its_batch_as_torch(num_workers, w
         for b in range(0, 40, 4)]
     assert [b.dtype for b in batches] == [e.dtype for e in expected]
     assert batches[6].dtype == np.float64 and batches[8].dtype == np.float32
+    assert batches[9].dtype == np.float16
     for ours, theirs in zip(batches, expected):
         np.testing.assert_array_equal(ours, theirs)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -325,6 +326,37 @@ def test_one_slot_held_by_a_for_loop_sends_the_next_batch_to_a_segment_not_into_
                      output="numpy") as loader:
         for epoch in range(2):
             assert_epoch_equal(loader, expected, f"epoch {epoch}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_for_loop_keeping_its_last_batch_is_not_warned_about_held_batches(num_workers):
+    """``slots=1``: a ``for`` loop that keeps its last batch while asking for the next holds
+    one batch, as every loop does: its batches go to segments, with no warning. Holding two
+    (the gradient-accumulation pattern) is what the held-batches warning is for."""
+    dataset = ImageDataset(40, shape=(8, 8), dtype=np.float32)
+    expected = reference_epoch(dataset, 4, False)
+    with ArenaLoader(dataset, batch_size=4, num_workers=num_workers, slots=1,
+                     output="numpy") as loader:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            previous = None
+            for i, batch in enumerate(loader):
+                if previous is not None:
+                    np.testing.assert_array_equal(previous, expected[i - 1])
+                previous = batch
+            assert not caught, [str(warning.message) for warning in caught]
+            del previous, batch
+            iterator = iter(loader)
+            first, second = next(iterator), next(iterator)
+            assert not caught, [str(warning.message) for warning in caught]
+            third = next(iterator)
+        [warning] = caught
+        assert str(warning.message).startswith("your code holds 2 batches")
+        assert "pass slots= more than 1 " in str(warning.message)
+        for got, reference in zip((first, second, third), expected):
+            np.testing.assert_array_equal(got, reference)
+        del iterator
 
 
 class _RandomGrowingRows:

@@ -123,6 +123,52 @@ def test_rows_are_written_in_place_and_mismatches_collate_as_with_one_thread(mon
         assert_batches_equal(batch, ref)
 
 
+class _Misfits:
+    """Rows that a row-by-row write would take wrongly: sample 5's image broadcasts into the
+    others' shape, sample 10's count is a float among ints, sample 21's id is outside int64.
+    Each arrives after its batch's first row (which plans the batch)."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, index):
+        if index in (5, 10, 21):
+            time.sleep(0.01)
+        return {"image": np.full(1 if index == 5 else 4, index, np.int16),
+                "count": index + 0.5 if index == 10 else index,
+                "id": 2**64 if index == 21 else index}
+
+
+def _outcomes(loader) -> list:
+    """Each batch (as numpy arrays) or its error's type and message, in order."""
+    iterator, got = iter(loader), []
+    while True:
+        try:
+            got.append({key: np.array(value) for key, value in next(iterator).items()})
+        except StopIteration:
+            return got
+        except (RuntimeError, TypeError, ValueError) as error:
+            got.append((type(error), str(error).partition("\n")[0]))
+
+
+def test_rows_that_would_broadcast_truncate_or_overflow_collate_as_with_one_thread():
+    """Rows written in place only when they match the first exactly: a sample whose image
+    would broadcast into the row, a float among ints, an int past int64 each give the batch
+    (or its error) that worker_threads=1 gives."""
+    options = dict(batch_size=8, num_workers=1, worker_mode="thread", output="numpy")
+    with ArenaLoader(_Misfits(), **options) as loader:
+        expected = _outcomes(loader)
+    with ArenaLoader(_Misfits(), worker_threads=4, **options) as loader:
+        got = _outcomes(loader)
+    assert [type(item) for item in expected] == [tuple, dict, tuple, dict]
+    assert expected[1]["count"].dtype == np.float32
+    for mine, reference in zip(got, expected, strict=True):
+        if isinstance(reference, tuple):
+            assert mine == reference
+        else:
+            assert_batches_equal(mine, reference)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_each_thread_loads_its_share_with_worker_info_and_a_reproducible_rng(mode):
     """get_worker_info() answers in every thread (worker id, thread index, torch's fields);
