@@ -153,6 +153,34 @@ def test_nested_structure_mismatch_names_the_path(num_workers):
         del iterator
 
 
+class ExtraKeyDataset:
+    """Dict samples; odd indices carry a key the even ones lack."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> dict:
+        sample = {"x": np.full(2, index)}
+        if index % 2:
+            sample["mask"] = np.ones(2, bool)
+        return sample
+
+
+def test_a_later_sample_with_a_key_the_first_lacks_is_an_error_not_a_dropped_value():
+    """torch's default_collate takes the keys of the batch's first sample and drops a later
+    sample's extra keys silently (its ``mask`` never reaches the batch); ours names the
+    sample, both key lists and the fix (docs/migrating.md): no value is lost unseen."""
+    import torch.utils.data
+
+    assert list(next(iter(torch.utils.data.DataLoader(ExtraKeyDataset(), batch_size=4)))) \
+        == ["x"]
+    with ArenaLoader(ExtraKeyDataset(), batch_size=4) as loader:
+        with pytest.raises(LayoutError, match=r"sample 1: sample must be a mapping with keys "
+                                              r"\['x'\].*got keys \['x', 'mask'\]; return the "
+                                              r"same structure.*or pass a collate_fn"):
+            next(iter(loader))
+
+
 def test_object_dtype_and_none_samples_are_rejected_clearly():
     """Object arrays get torch's TypeError (and a LayoutError) and None samples a LayoutError,
     each saying what to do; a collate_fn's object array is handed out as it is, as torch's."""
