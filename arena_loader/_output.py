@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ._layout import KIND_TORCH, KIND_TORCH_RAW, FieldPlacement
+
 OUTPUTS = (None, "numpy", "torch")
 
 
@@ -24,6 +26,32 @@ def torch_raw_view(view: Any, torch_dtype: str) -> Any:
 
     tensor = torch.from_numpy(view) if isinstance(view, np.ndarray) else view
     return tensor.view(getattr(torch, torch_dtype))
+
+
+def raw_field(view: Any, field: FieldPlacement) -> Any:
+    return torch_raw_view(view, field.torch_dtype) if field.kind == KIND_TORCH_RAW else view
+
+
+def converted_field(convert: Callable[[Any], Any], view: Any, field: FieldPlacement) -> Any:
+    return raw_field(convert(view), field)
+
+
+def tensor_field(view: Any, field: FieldPlacement) -> Any:
+    """A field that was a torch tensor in the worker as a tensor again; any other as is."""
+    if field.kind == KIND_TORCH:
+        import torch
+
+        return torch.from_numpy(view)
+    return raw_field(view, field)
+
+
+def numeric_tensor_field(view: Any, field: FieldPlacement) -> Any:
+    """``output="torch"``: any numeric field as a tensor (strings stay numpy arrays)."""
+    if field.kind != KIND_TORCH_RAW and view.dtype.kind in "biufc":
+        import torch
+
+        return torch.from_numpy(view)
+    return raw_field(view, field)
 
 
 def make_converter(output: str | None, lazy: bool = False) -> Callable[[Any], Any] | None:

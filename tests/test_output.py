@@ -219,6 +219,40 @@ def test_a_tensor_in_two_places_of_an_unbatched_sample_is_written_through_as_wit
     assert theirs[1]["input_ids"].tolist() == [-100, 2, 3]
 
 
+class _TwiceEach:
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        ids, mask = torch.arange(3) + i, np.arange(3) > i
+        return {"input_ids": ids, "labels": ids, "mask": mask, "also": mask}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_one_tensor_in_two_places_is_one_tensor_also_where_numpy_views_become_tensors(
+        num_workers):
+    """``batch_size=None``: torch's ``default_convert`` hands a tensor out as it is (one
+    object in both places) and makes a tensor of a numpy array per place (two tensors over
+    its memory). ``output="torch"``: a collate_fn's tensor in two places is one tensor, as
+    without it. Every place got a tensor of its own (the fields became tensors per place)."""
+    def pattern(b):
+        return b["input_ids"] is b["labels"], b["mask"] is b["also"], type(b["mask"])
+
+    kwargs = dict(batch_size=None, num_workers=num_workers)
+    theirs = list(torch.utils.data.DataLoader(_TwiceEach(), **kwargs))
+    with ArenaLoader(_TwiceEach(), **kwargs) as loader:
+        ours = list(loader)
+    assert [pattern(b) for b in ours] == [pattern(b) for b in theirs] == [
+        (True, False, torch.Tensor)] * 2
+    for batch in ours:  # (torch's workers send the two tensors' memory as two copies)
+        batch["also"][0] = True
+        assert batch["mask"][0]
+    with ArenaLoader(list(range(6)), batch_size=3, collate_fn=_aliasing_collate,
+                     output="torch") as loader:
+        assert [_aliases(b) for b in loader] == [(True, True)] * 2
+
+
 class Encoding(collections.UserDict):
     """A mapping with state besides its items, as transformers' BatchEncoding keeps the
     tokenizer's encodings (``word_ids()`` reads them)."""
