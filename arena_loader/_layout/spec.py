@@ -170,7 +170,6 @@ class SpecBuilder:
         # Per object leaf: its parent is a tuple or list (torch's default_collate then hands
         # out the leaf's values as the tuple its zip() made, not a list).
         self.object_in_sequence: list[bool] = []
-        self.placed: dict[int, FieldLeaf] | None = {} if keep_state else None
 
     def build(self, value: Any, path: str, in_sequence: bool = False) -> Any:
         if self.extensions:
@@ -181,16 +180,9 @@ class SpecBuilder:
         if _is_field(value) and not (self.keep_state and (
                 _kept_subclass(value, self.converted)
                 or outside_int64(value))):
-            # One array or tensor in two places of a collate_fn's batch or an unbatched sample
-            # (``{"input_ids": ids, "labels": ids}``) is one field, one object, as torch's is.
-            leaf = None if self.placed is None else self.placed.get(id(value))
-            if leaf is None:
-                self.field_paths.append(path)
-                self.field_values.append(value)  # held: no id is reused while building
-                leaf = FieldLeaf(len(self.field_paths) - 1)
-                if self.placed is not None and (type(value) is np.ndarray or is_tensor(value)):
-                    self.placed[id(value)] = leaf
-            return leaf
+            self.field_paths.append(path)
+            self.field_values.append(value)
+            return FieldLeaf(len(self.field_paths) - 1)
         if isinstance(value, Mapping):
             keys = tuple(value.keys())
             children = tuple(self.build(value[k], f"{path}[{k!r}]") for k in keys)
