@@ -365,7 +365,8 @@ class ArenaSource:
                     # (object leaves handed out as they came: only batches that have any)
                     kept = frozenset(id(objects[i]) for i in plan.leaf_objects) \
                         if plan.leaf_objects else frozenset()
-                    batch = self._to_torch(batch, plan.collated, plan.converted, kept)
+                    batch = self._to_torch(batch, plan.collated, plan.converted, kept,
+                                           self._output == "torch")
             if self._pin_batch is not None:
                 numpy_left: list = []
                 batch = self._pin_batch(batch, numpy_left)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import threading
 import types
@@ -111,6 +112,29 @@ def test_unbatched_samples_get_torchs_default_convert_structure(output, num_work
     with ArenaLoader(dataset, output=output, **keep) as loader:
         assert [structure(b) for b in loader] == theirs
     assert theirs[0][0] is tuple and theirs[0][1][1][0] is tuple
+
+
+@dataclasses.dataclass
+class Sample:
+    image: typing.Any
+    box: typing.Any
+
+
+@pytest.mark.parametrize("output", [None, "torch"])
+def test_an_unbatched_samples_dataclass_is_passed_through_as_torchs_default_convert_does(
+        output):
+    """torch's ``default_convert`` (batch_size=None) leaves a dataclass as it is: its numpy
+    array stays an array, its tuple a tuple. Ours made tensors and lists inside it too
+    (``output="torch"`` still makes its array a tensor; the tuple stays)."""
+    dataset = [{"sample": Sample(np.full(2, i), (i, torch.tensor([i]))), "t": torch.ones(1)}
+               for i in range(2)]
+    with ArenaLoader(dataset, batch_size=None, output=output) as loader:
+        ours = [b["sample"] for b in loader]
+    theirs = [b["sample"] for b in torch.utils.data.DataLoader(dataset, batch_size=None)]
+    image = np.ndarray if output is None else torch.Tensor
+    assert [(type(s.image), type(s.box), s.image.tolist()) for s in ours] == [
+        (image, tuple, [i, i]) for i in range(2)]
+    assert [(type(s.image), type(s.box)) for s in theirs] == [(np.ndarray, tuple)] * 2
 
 
 def test_torch_tensor_samples_are_accepted():
