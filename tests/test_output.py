@@ -137,6 +137,19 @@ def test_an_unbatched_samples_dataclass_is_passed_through_as_torchs_default_conv
     assert [(type(s.image), type(s.box)) for s in theirs] == [(np.ndarray, tuple)] * 2
 
 
+def test_an_unbatched_sample_whose_only_tensors_need_grad_is_converted_as_torchs():
+    """batch_size=None: a sample whose tensors all travel pickled (``requires_grad``, a
+    subclass) is a tensor sample all the same: torch's ``default_convert`` makes its numpy
+    arrays tensors and its tuples lists. Ours handed them out as numpy and tuples."""
+    data = [{"w": torch.ones(2, requires_grad=True), "x": np.arange(2), "p": (i, 2)}
+            for i in range(2)]
+    theirs = list(torch.utils.data.DataLoader(data, batch_size=None))
+    with ArenaLoader(data, batch_size=None) as loader:
+        ours = [structure(b) for b in loader]
+    assert ours == [structure(b) for b in theirs]
+    assert type(theirs[0]["x"]) is torch.Tensor and type(theirs[0]["p"]) is list
+
+
 def test_torch_tensor_samples_are_accepted():
     """A dataset that returns CPU torch tensors is loaded like one returning arrays."""
     class TensorDataset:

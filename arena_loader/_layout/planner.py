@@ -186,8 +186,9 @@ def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
     fields = placements
     pickled = None
     if objects:
-        # stacked by torch (a tensor subclass, a nested tensor): the dataset makes tensors
-        torch = torch or (collated and any(map(is_tensor, objects)))
+        # stacked by torch (a tensor subclass, a nested tensor), or in one unbatched sample
+        # (requires_grad, a subclass): the dataset makes tensors
+        torch = torch or ((collated or converted) and any(map(is_tensor, objects)))
         pickled = None if live else _pickled(objects, object_paths)
     objects_offset = offset
     nbytes = max(FIELD_ALIGNMENT, align(offset + (len(pickled) if pickled else 0)))
