@@ -290,6 +290,21 @@ def test_one_tensor_in_two_places_is_one_tensor_also_where_numpy_views_become_te
         assert [_aliases(b) for b in loader] == [(True, True)] * 2
 
 
+def test_a_numpy_scalar_in_two_places_of_an_unbatched_sample_is_two_tensors_as_with_torch():
+    """``batch_size=None``: torch's ``default_convert`` makes a tensor of a numpy scalar per
+    place, each with its own memory; a numpy scalar met twice was one field (a number met
+    twice is one field, immutable), so a write into one tensor changed the other."""
+    scale = np.float32(1.5)
+    data = [{"a": scale, "b": scale, "t": torch.zeros(1)}]
+    theirs = next(iter(torch.utils.data.DataLoader(data, batch_size=None)))
+    with ArenaLoader(data, batch_size=None) as loader:
+        ours = next(iter(loader))
+        for batch in (ours, theirs):
+            batch["a"] += 1
+            assert (type(batch["b"]), batch["b"].item()) == (torch.Tensor, 1.5)
+        del ours
+
+
 class Encoding(collections.UserDict):
     """A mapping with state besides its items, as transformers' BatchEncoding keeps the
     tokenizer's encodings (``word_ids()`` reads them)."""

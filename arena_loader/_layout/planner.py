@@ -300,12 +300,15 @@ def _one_field_per_object(spec: Any, values: list, paths: list) -> tuple[Any, li
     """One array or tensor in two places of a collate_fn's batch or an unbatched sample
     (``{"input_ids": ids, "labels": ids}``, pytorch-forecasting's target in ``x`` and ``y``)
     is one field, handed out as one object in both places, as torch's is (its workers'
-    pickling keeps identity). (A number met twice too: immutable, one value either way.)"""
+    pickling keeps identity). A Python number met twice too (immutable, one value either
+    way); not a numpy scalar, which ``batch_size=None`` makes a tensor of per place, each
+    with its own memory, as torch's ``default_convert`` does."""
     fields: dict[int, int] = {}  # id -> its new field
     firsts: list[int] = []  # per new field: its first place
     renumbered = []
     for position, value in enumerate(values):
-        field = fields.setdefault(id(value), len(fields))
+        key = -1 - position if isinstance(value, np.generic) else id(value)
+        field = fields.setdefault(key, len(fields))
         if field == len(firsts):
             firsts.append(position)
         renumbered.append(field)
