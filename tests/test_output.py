@@ -137,6 +137,19 @@ def test_an_unbatched_samples_dataclass_is_passed_through_as_torchs_default_conv
     assert [(type(s.image), type(s.box)) for s in theirs] == [(np.ndarray, tuple)] * 2
 
 
+def test_an_unbatched_samples_dataclass_keeps_its_numpy_scalars_and_matrices_as_torch_does():
+    """torch's ``default_convert`` passes a dataclass through whole, so a numpy scalar or an
+    ``np.matrix`` in it stays what it was; ours stored them as a 0-d array and a plain
+    array, as for a sample's own (which torch makes tensors of)."""
+    data = [{"sample": Sample(np.float32(1.5), np.matrix([[1, 2]])), "t": torch.ones(1)}]
+    theirs = next(iter(torch.utils.data.DataLoader(data, batch_size=None)))["sample"]
+    with ArenaLoader(data, batch_size=None) as loader:
+        ours = next(iter(loader))["sample"]
+    assert (type(ours.image), ours.image, type(ours.box), ours.box.tolist()) == (
+        type(theirs.image), theirs.image, type(theirs.box), theirs.box.tolist()) == (
+        np.float32, 1.5, np.matrix, [[1, 2]])
+
+
 def test_an_unbatched_sample_whose_only_tensors_need_grad_is_converted_as_torchs():
     """batch_size=None: a sample whose tensors all travel pickled (``requires_grad``, a
     subclass) is a tensor sample all the same: torch's ``default_convert`` makes its numpy
