@@ -16,10 +16,17 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _forksafe
-from ._layout import KIND_TORCH, KIND_TORCH_RAW, FieldPlacement, Plan
+from ._layout import Plan
 from ._leases import HeldLimit
 from ._messages import listed
-from ._output import NUMPY_UNPINNED, make_converter, torch_raw_view
+from ._output import (
+    NUMPY_UNPINNED,
+    converted_field,
+    make_converter,
+    numeric_tensor_field,
+    raw_field,
+    tensor_field,
+)
 from ._pool import SlotPool, SlotState
 from ._slab import Slab
 from .errors import LoaderClosedError, SlotsExhaustedError, forked_iterator_error
@@ -82,7 +89,7 @@ class LeasedSlot:
         its torch dtype back, as on the host."""
         return self.plan.assemble(storage, self.objects,
                                   None if convert is None else functools.partial(
-                                      _converted_field, convert),
+                                      converted_field, convert),
                                   host_bytes=np.asarray(self.lease))
 
 
@@ -342,17 +349,24 @@ class ArenaSource:
                     "arrays, str or bytes from the dataset, or objects that unpickle") from exc
             if self._lease_only:
                 return LeasedSlot(lease, plan, objects, pinned)
-            if plan.torch and self._output is None and not (plan.collated or plan.converted):
+            to_torch = self._to_torch is not None and (self._output == "torch" or plan.torch)
+            if to_torch and not (plan.collated or plan.converted):
                 # A collate_fn's batch is handed out as the collate_fn made it (as torch
-                # does): its tensors as tensors, its numpy arrays as numpy.
-                batch = plan.assemble(host, objects, _tensor_field)
+                # does): its tensors as tensors, its numpy arrays as numpy (or tensors, for
+                # output="torch"). One tensor per field: one in two places is one object.
+                batch = plan.assemble(host, objects, tensor_field if self._output is None
+                                      else numeric_tensor_field)
             else:
-                batch = plan.assemble(host, objects, _raw_field if plan.raw else None)
-                if self._to_torch is not None and (self._output == "torch" or plan.torch):
+                # (batch_size=None: a tensor is one object in its places, as default_convert
+                # hands it out; a numpy array gets a tensor per place, as its as_tensor does.)
+                batch = plan.assemble(host, objects, tensor_field if to_torch and plan.converted
+                                      else raw_field if plan.raw else None)
+                if to_torch:
                     # (object leaves handed out as they came: only batches that have any)
                     kept = frozenset(id(objects[i]) for i in plan.leaf_objects) \
                         if plan.leaf_objects else frozenset()
-                    batch = self._to_torch(batch, plan.collated, plan.converted, kept)
+                    batch = self._to_torch(batch, plan.collated, plan.converted, kept,
+                                           self._output == "torch")
             if self._pin_batch is not None:
                 numpy_left: list = []
                 batch = self._pin_batch(batch, numpy_left)
@@ -381,19 +395,3 @@ class ArenaSource:
                 self._arena.close()
                 self._arena = None
 
-
-def _converted_field(convert: Callable[[Any], Any], view: Any, field: FieldPlacement) -> Any:
-    return _raw_field(convert(view), field)
-
-
-def _tensor_field(view: Any, field: FieldPlacement) -> Any:
-    """A field that was a torch tensor in the worker as a tensor again; any other as is."""
-    if field.kind == KIND_TORCH:
-        import torch
-
-        return torch.from_numpy(view)
-    return _raw_field(view, field)
-
-
-def _raw_field(view: Any, field: FieldPlacement) -> Any:
-    return torch_raw_view(view, field.torch_dtype) if field.kind == KIND_TORCH_RAW else view

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ._layout import KIND_TORCH, KIND_TORCH_RAW, FieldPlacement
+
 OUTPUTS = (None, "numpy", "torch")
 
 
@@ -26,6 +28,32 @@ def torch_raw_view(view: Any, torch_dtype: str) -> Any:
     return tensor.view(getattr(torch, torch_dtype))
 
 
+def raw_field(view: Any, field: FieldPlacement) -> Any:
+    return torch_raw_view(view, field.torch_dtype) if field.kind == KIND_TORCH_RAW else view
+
+
+def converted_field(convert: Callable[[Any], Any], view: Any, field: FieldPlacement) -> Any:
+    return raw_field(convert(view), field)
+
+
+def tensor_field(view: Any, field: FieldPlacement) -> Any:
+    """A field that was a torch tensor in the worker as a tensor again; any other as is."""
+    if field.kind == KIND_TORCH:
+        import torch
+
+        return torch.from_numpy(view)
+    return raw_field(view, field)
+
+
+def numeric_tensor_field(view: Any, field: FieldPlacement) -> Any:
+    """``output="torch"``: any numeric field as a tensor (strings stay numpy arrays)."""
+    if field.kind != KIND_TORCH_RAW and view.dtype.kind in "biufc":
+        import torch
+
+        return torch.from_numpy(view)
+    return raw_field(view, field)
+
+
 def make_converter(output: str | None, lazy: bool = False) -> Callable[[Any], Any] | None:
     """The function applied to every batch, or None to hand out numpy views unchanged.
     ``lazy``: import torch at the first batch that needs it, not now."""
@@ -34,17 +62,17 @@ def make_converter(output: str | None, lazy: bool = False) -> Callable[[Any], An
     torch = None if lazy else _import_torch()
 
     def to_torch(value: Any, collated: bool = True, converted: bool = False,
-                 kept: frozenset = frozenset()) -> Any:
+                 kept: frozenset = frozenset(), forced: bool = False) -> Any:
         """``collated``: the batch was stacked by default collation, so tuples become lists
         as in torch's ``default_collate``; ``converted``: one sample (``batch_size=None``, no
         ``collate_fn``), whose tuples become lists as in torch's ``default_convert``; a
         ``collate_fn``'s structure is kept as is. ``kept``: ids of values handed out as they
         are (object leaves: torch's default_collate returns a str-first field's list of
-        values untouched, numpy arrays among them)."""
+        values untouched, numpy arrays among them). ``forced``: output="torch"."""
         nonlocal torch
         if torch is None:
             torch = _import_torch()
-        return _to_torch(torch, value, collated, converted, kept)
+        return _to_torch(torch, value, collated, converted, kept, forced)
 
     return to_torch
 
@@ -56,28 +84,33 @@ def _import_torch() -> Any:
 
 
 def _to_torch(torch: Any, value: Any, collated: bool, converted: bool = False,
-              kept: frozenset = frozenset()) -> Any:
+              kept: frozenset = frozenset(), forced: bool = False) -> Any:
+    """``forced``: output="torch", which makes tensors of numeric arrays inside a dataclass
+    that torch's default_convert passes through as it is (its structure kept)."""
     if kept and id(value) in kept:
         return value
     if isinstance(value, np.ndarray):
         # Strings and other dtypes torch has no tensor type for stay numpy arrays.
         return torch.from_numpy(value) if value.dtype.kind in "biufc" else value
+    walk = (collated, converted, kept, forced)
     if isinstance(value, Mapping):
-        return _same_mapping(value, {key: _to_torch(torch, item, collated, converted, kept)
+        return _same_mapping(value, {key: _to_torch(torch, item, *walk)
                                      for key, item in value.items()})
     if isinstance(value, tuple) and hasattr(type(value), "_fields"):
-        return type(value)(*(_to_torch(torch, item, collated, converted, kept) for item in value))
+        return type(value)(*(_to_torch(torch, item, *walk) for item in value))
     if isinstance(value, (tuple, list)):
-        items = [_to_torch(torch, item, collated, converted, kept) for item in value]
+        items = [_to_torch(torch, item, *walk) for item in value]
         # torch's default_collate (and default_convert) turns a tuple of fields into a list,
         # and keeps a list subclass
         if type(value) is list or ((collated or converted) and isinstance(value, tuple)):
             return items
         return _same_sequence(value, items)
     if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
+        if converted and not forced:
+            return value
         for name in value.__dataclass_fields__:
             item = getattr(value, name)
-            new = _to_torch(torch, item, collated, converted, kept)
+            new = _to_torch(torch, item, collated, False, kept, forced)
             if new is not item:
                 try:
                     setattr(value, name, new)

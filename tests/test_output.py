@@ -155,6 +155,55 @@ def test_dataclass_and_ordered_dict_samples_in_torch_output():
     assert type(theirs) is collections.OrderedDict
 
 
+@dataclasses.dataclass
+class Sample:
+    image: typing.Any
+    box: typing.Any
+
+
+@pytest.mark.parametrize("output", [None, "torch"])
+def test_an_unbatched_samples_dataclass_is_passed_through_as_torchs_default_convert_does(
+        output):
+    """torch's ``default_convert`` (batch_size=None) leaves a dataclass as it is: its numpy
+    array stays an array, its tuple a tuple. Ours made tensors and lists inside it too
+    (``output="torch"`` still makes its array a tensor; the tuple stays)."""
+    dataset = [{"sample": Sample(np.full(2, i), (i, torch.tensor([i]))), "t": torch.ones(1)}
+               for i in range(2)]
+    with ArenaLoader(dataset, batch_size=None, output=output) as loader:
+        ours = [b["sample"] for b in loader]
+    theirs = [b["sample"] for b in torch.utils.data.DataLoader(dataset, batch_size=None)]
+    image = np.ndarray if output is None else torch.Tensor
+    assert [(type(s.image), type(s.box), s.image.tolist()) for s in ours] == [
+        (image, tuple, [i, i]) for i in range(2)]
+    assert [(type(s.image), type(s.box)) for s in theirs] == [(np.ndarray, tuple)] * 2
+
+
+def test_an_unbatched_samples_dataclass_keeps_its_numpy_scalars_and_matrices_as_torch_does():
+    """torch's ``default_convert`` passes a dataclass through whole, so a numpy scalar or an
+    ``np.matrix`` in it stays what it was; ours stored them as a 0-d array and a plain
+    array, as for a sample's own (which torch makes tensors of)."""
+    data = [{"sample": Sample(np.float32(1.5), np.matrix([[1, 2]])), "t": torch.ones(1)}]
+    theirs = next(iter(torch.utils.data.DataLoader(data, batch_size=None)))["sample"]
+    with ArenaLoader(data, batch_size=None) as loader:
+        ours = next(iter(loader))["sample"]
+    assert (type(ours.image), ours.image, type(ours.box), ours.box.tolist()) == (
+        type(theirs.image), theirs.image, type(theirs.box), theirs.box.tolist()) == (
+        np.float32, 1.5, np.matrix, [[1, 2]])
+
+
+def test_an_unbatched_sample_whose_only_tensors_need_grad_is_converted_as_torchs():
+    """batch_size=None: a sample whose tensors all travel pickled (``requires_grad``, a
+    subclass) is a tensor sample all the same: torch's ``default_convert`` makes its numpy
+    arrays tensors and its tuples lists. Ours handed them out as numpy and tuples."""
+    data = [{"w": torch.ones(2, requires_grad=True), "x": np.arange(2), "p": (i, 2)}
+            for i in range(2)]
+    theirs = list(torch.utils.data.DataLoader(data, batch_size=None))
+    with ArenaLoader(data, batch_size=None) as loader:
+        ours = [structure(b) for b in loader]
+    assert ours == [structure(b) for b in theirs]
+    assert type(theirs[0]["x"]) is torch.Tensor and type(theirs[0]["p"]) is list
+
+
 def test_torch_tensor_samples_are_accepted():
     """A dataset that returns CPU torch tensors is loaded like one returning arrays."""
     class TensorDataset:
@@ -259,6 +308,55 @@ def test_a_tensor_in_two_places_of_an_unbatched_sample_is_written_through_as_wit
         batch["labels"][0] = -100
     assert [b["input_ids"].tolist() for b in ours] == [b["input_ids"].tolist() for b in theirs]
     assert theirs[1]["input_ids"].tolist() == [-100, 2, 3]
+
+
+class _TwiceEach:
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        ids, mask = torch.arange(3) + i, np.arange(3) > i
+        return {"input_ids": ids, "labels": ids, "mask": mask, "also": mask}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_one_tensor_in_two_places_is_one_tensor_also_where_numpy_views_become_tensors(
+        num_workers):
+    """``batch_size=None``: torch's ``default_convert`` hands a tensor out as it is (one
+    object in both places) and makes a tensor of a numpy array per place (two tensors over
+    its memory). ``output="torch"``: a collate_fn's tensor in two places is one tensor, as
+    without it. Every place got a tensor of its own (the fields became tensors per place)."""
+    def pattern(b):
+        return b["input_ids"] is b["labels"], b["mask"] is b["also"], type(b["mask"])
+
+    kwargs = dict(batch_size=None, num_workers=num_workers)
+    theirs = list(torch.utils.data.DataLoader(_TwiceEach(), **kwargs))
+    with ArenaLoader(_TwiceEach(), **kwargs) as loader:
+        ours = list(loader)
+    assert [pattern(b) for b in ours] == [pattern(b) for b in theirs] == [
+        (True, False, torch.Tensor)] * 2
+    for batch in ours:  # (torch's workers send the two tensors' memory as two copies)
+        batch["also"][0] = True
+        assert batch["mask"][0]
+    with ArenaLoader(list(range(6)), batch_size=3, collate_fn=_aliasing_collate,
+                     output="torch") as loader:
+        assert [_aliases(b) for b in loader] == [(True, True)] * 2
+
+
+def test_a_numpy_scalar_in_two_places_of_an_unbatched_sample_is_two_tensors_as_with_torch():
+    """``batch_size=None``: torch's ``default_convert`` makes a tensor of a numpy scalar per
+    place, each with its own memory; a numpy scalar met twice was one field (a number met
+    twice is one field, immutable), so a write into one tensor changed the other."""
+    scale = np.float32(1.5)
+    data = [{"a": scale, "b": scale, "t": torch.zeros(1)}]
+    theirs = next(iter(torch.utils.data.DataLoader(data, batch_size=None)))
+    with ArenaLoader(data, batch_size=None) as loader:
+        ours = next(iter(loader))
+        for batch in (ours, theirs):
+            batch["a"] += 1
+            assert (type(batch["b"]), batch["b"].item()) == (torch.Tensor, 1.5)
+        del ours
 
 
 class Encoding(collections.UserDict):

@@ -40,7 +40,9 @@ from .plan import (
 from .spec import (
     PYTHON_NUMBER_DTYPES,
     FieldLeaf,
+    MappingNode,
     ObjectLeaf,
+    SequenceNode,
     SpecBuilder,
     collate_extensions,
     collate_objects,
@@ -184,8 +186,9 @@ def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
     fields = placements
     pickled = None
     if objects:
-        # stacked by torch (a tensor subclass, a nested tensor): the dataset makes tensors
-        torch = torch or (collated and any(map(is_tensor, objects)))
+        # stacked by torch (a tensor subclass, a nested tensor), or in one unbatched sample
+        # (requires_grad, a subclass): the dataset makes tensors
+        torch = torch or ((collated or converted) and any(map(is_tensor, objects)))
         pickled = None if live else _pickled(objects, object_paths)
     objects_offset = offset
     nbytes = max(FIELD_ALIGNMENT, align(offset + (len(pickled) if pickled else 0)))
@@ -281,13 +284,47 @@ def prepare_batch(batch: Any, label: str, converted: bool = False,
     batch, a sample with ``batch_size=None``) is handed out as None, as torch does."""
     builder = SpecBuilder(keep_state=True, converted=converted)
     spec = builder.build(batch, "batch")
+    values, paths = builder.field_values, builder.field_paths
+    if len(set(map(id, values))) < len(values):  # (one C pass: batches seldom have any)
+        spec, values, paths = _one_field_per_object(spec, values, paths)
     columns, placements = [], []
-    for value, path in zip(builder.field_values, builder.field_paths):
+    for value, path in zip(values, paths):
         column, placement = _leaf_placement(value, path, label, converted)
         columns.append(column)
         placements.append(placement)
     return _finish(spec, columns, placements, builder.object_values, collated=False,
                    converted=converted, object_paths=builder.object_paths, live=live)
+
+
+def _one_field_per_object(spec: Any, values: list, paths: list) -> tuple[Any, list, list]:
+    """One array or tensor in two places of a collate_fn's batch or an unbatched sample
+    (``{"input_ids": ids, "labels": ids}``, pytorch-forecasting's target in ``x`` and ``y``)
+    is one field, handed out as one object in both places, as torch's is (its workers'
+    pickling keeps identity). A Python number met twice too (immutable, one value either
+    way); not a numpy scalar, which ``batch_size=None`` makes a tensor of per place, each
+    with its own memory, as torch's ``default_convert`` does."""
+    fields: dict[int, int] = {}  # id -> its new field
+    firsts: list[int] = []  # per new field: its first place
+    renumbered = []
+    for position, value in enumerate(values):
+        key = -1 - position if isinstance(value, np.generic) else id(value)
+        field = fields.setdefault(key, len(fields))
+        if field == len(firsts):
+            firsts.append(position)
+        renumbered.append(field)
+    return (_renumbered(spec, renumbered), [values[i] for i in firsts],
+            [paths[i] for i in firsts])
+
+
+def _renumbered(node: Any, fields: list[int]) -> Any:
+    if type(node) is FieldLeaf:
+        return FieldLeaf(fields[node.index])
+    if type(node) is ObjectLeaf:
+        return node
+    children = tuple([_renumbered(child, fields) for child in node.children])
+    if type(node) is SequenceNode:
+        return SequenceNode(node.type, children, node.path)
+    return MappingNode(node.type, node.keys, children, node.path, node.shell, node.fields_only)
 
 
 def prepare_rows(sample: Any, rows: int, index: Any) -> tuple[Prepared, Any]:

@@ -82,19 +82,20 @@ def _is_field(value: Any) -> bool:
     return is_tensor(value) and _slab_holds(value) and not _stacks_as_subclass(value)
 
 
-def _kept_subclass(value: Any, converted: bool) -> bool:
+def _kept_subclass(value: Any, converted: bool | None) -> bool:
     """A numpy array or tensor subclass in a ``collate_fn``'s batch (a ``MaskedArray``,
     ``recarray``, ``matrix``, PyG's ``EdgeIndex``, a ``Parameter``): torch hands it out as it
     is (its workers pickle it), so it travels as an object leaf, keeping its type and state (a
     mask, a sparse size). ``np.memmap`` (what slicing a memmap gives) stays a field, stored as
     a plain array: its mapping cannot cross processes anyway. ``converted`` (``batch_size=
     None``, no ``collate_fn``): torch's ``default_convert`` keeps tensor subclasses, makes
-    tensors of numpy's own array subclasses (``matrix``) and passes the others through."""
+    tensors of numpy's own array subclasses (``matrix``) and passes the others through;
+    None: inside a dataclass it passes through whole, numpy scalars kept too."""
     cls = type(value)
     if is_tensor(value):
         return cls is not sys.modules["torch"].Tensor
     if cls is np.ndarray or not isinstance(value, np.ndarray) or isinstance(value, np.memmap):
-        return False
+        return converted is None and isinstance(value, np.generic)
     return not (converted and cls.__module__ == "numpy")
 
 
@@ -156,7 +157,7 @@ class SpecBuilder:
         # default collation, as torch's copy.copy(elem).update(...) does); in a collate_fn's
         # batch, numpy array and tensor subclasses are kept as they are (``_kept_subclass``).
         self.keep_state = keep_state
-        self.converted = converted
+        self.converted: bool | None = converted
         # Default collation: leaves of a type registered in default_collate_fn_map are
         # collated by that function (``object_collates``), before any structure is walked
         # (``extensions``: that map, read by the caller already).
@@ -170,7 +171,6 @@ class SpecBuilder:
         # Per object leaf: its parent is a tuple or list (torch's default_collate then hands
         # out the leaf's values as the tuple its zip() made, not a list).
         self.object_in_sequence: list[bool] = []
-        self.placed: dict[int, FieldLeaf] | None = {} if keep_state else None
 
     def build(self, value: Any, path: str, in_sequence: bool = False) -> Any:
         if self.extensions:
@@ -181,16 +181,9 @@ class SpecBuilder:
         if _is_field(value) and not (self.keep_state and (
                 _kept_subclass(value, self.converted)
                 or outside_int64(value))):
-            # One array or tensor in two places of a collate_fn's batch or an unbatched sample
-            # (``{"input_ids": ids, "labels": ids}``) is one field, one object, as torch's is.
-            leaf = None if self.placed is None else self.placed.get(id(value))
-            if leaf is None:
-                self.field_paths.append(path)
-                self.field_values.append(value)  # held: no id is reused while building
-                leaf = FieldLeaf(len(self.field_paths) - 1)
-                if self.placed is not None and (type(value) is np.ndarray or is_tensor(value)):
-                    self.placed[id(value)] = leaf
-            return leaf
+            self.field_paths.append(path)
+            self.field_values.append(value)
+            return FieldLeaf(len(self.field_paths) - 1)
         if isinstance(value, Mapping):
             keys = tuple(value.keys())
             children = tuple(self.build(value[k], f"{path}[{k!r}]") for k in keys)
@@ -210,7 +203,12 @@ class SpecBuilder:
             return SequenceNode(type(value), children, path)
         names = rebuildable_fields(value)
         if names is not None:
+            # torch's default_convert passes a dataclass through whole: its numpy scalars
+            # and array subclasses too (kept as objects: _kept_subclass, converted=None)
+            converted = self.converted
+            self.converted = None if converted else converted
             children = tuple(self.build(getattr(value, n), f"{path}.{n}") for n in names)
+            self.converted = converted
             return MappingNode(type(value), names, children, path, fields_only=True)
         return self._object(value, path, in_sequence)
 
