@@ -69,13 +69,18 @@ class Samples(torch.utils.data.Dataset):
     """Sample ``i`` of one of the shapes the collators take (``kind``)."""
 
     def __init__(self, kind: str, n: int = 22):
+        # tokenized here, once: thread workers calling the one fast tokenizer at a time
+        # race on its padding settings (transformers#47085), which is not what t4 compares
         self.kind, self.n = kind, n
+        self.items = [self.make(i) for i in range(n)]
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i):
-        i = int(i)
+        return copy.deepcopy(self.items[int(i)])
+
+    def make(self, i: int):
         enc = dict(TOK(sentence(i, 3 + i % 6)))
         if self.kind == "cls":
             return {**enc, "label": i % 3}
@@ -118,12 +123,14 @@ def tokenize_batch(samples, **kwargs):
     return enc
 
 
-def collect(loader, epochs: int = 2):
+def collect(loader, epochs: int = 2, keep: bool = False):
+    """Each batch looked at when it comes, or (``keep``) every batch kept and looked at after
+    the 2 epochs (an eval loop gathering its batches; held batches stay in the slab)."""
     out = []
     for _ in range(epochs):
         for batch in loader:
-            out.append(look(batch))
-    return out
+            out.append(batch if keep else look(batch))
+    return [look(batch) for batch in out] if keep else out
 
 
 def probe(read):
@@ -149,7 +156,8 @@ def look(batch):
         extra["encodings"] = ("str", type(encodings).__name__)
         # each probed alone: transformers' pickling drops ``_n_sequences`` (torch's workers
         # hand out a BatchEncoding whose ``n_sequences`` raises AttributeError)
-        extra["n_sequences"] = probe(lambda: batch.n_sequences)
+        if not THREADS_RUNNING:
+            extra["n_sequences"] = probe(lambda: batch.n_sequences)
         extra["attr"] = probe(lambda: batch.input_ids is batch["input_ids"])
         if encodings:
             extra["tokens"] = probe(lambda: [batch.tokens(j) for j in range(len(encodings))])
@@ -164,13 +172,13 @@ def look(batch):
             "extra": extra}
 
 
-def run(make, dataset, collate_fn, options, gen_seed):
+def run(make, dataset, collate_fn, options, gen_seed, keep=False):
     seed_all()
     generator = torch.Generator().manual_seed(gen_seed) if gen_seed is not None else None
     loader = make(dataset, batch_size=B, shuffle=True, collate_fn=collate_fn,
                   generator=generator, **options)
     try:
-        batches = collect(loader)
+        batches = collect(loader, keep=keep)
     except Exception as exc:  # an error is compared as a result
         batches = error(exc)
     after = torch.rand(3).tolist()
@@ -215,6 +223,14 @@ def cases():
                                                            return_seq_idx=True)
 
 
+KEPT = ("padding", "clm", "tokenize", "flatten")   # every batch kept, looked at after
+# 2 thread workers against torch's loader without workers: collators that draw nothing (a
+# drawing one shares the process's RNG between the threads: docs/design.md, "Thread workers")
+# (not "tokenize": its collate_fn calls the tokenizer, as above). transformers' pickling drops
+# a BatchEncoding's ``n_sequences``, and thread workers' batches are pickled as process
+# workers' are: it is left out of these cases (README.md)
+THREADED = ("padding", "seq2seq", "tokens", "choices", "default", "flatten")
+THREADS_RUNNING = False
 SPAWNED = ("padding", "mlm-seed", "tokenize")   # spawn-started workers (slow: ~10 s a run)
 
 
@@ -222,10 +238,18 @@ def main() -> None:
     tally = Tally()
     for name, kind, collate_fn in cases():
         dataset = Samples(kind)
-        configs = dict(CONFIGS)
+        configs = {k: (v, False) for k, v in CONFIGS.items()}
+        if name in KEPT:
+            configs["nw2-kept"] = (dict(num_workers=2), True)
         if name in SPAWNED:
-            configs["nw2-spawn"] = dict(num_workers=2, multiprocessing_context="spawn")
-        for config, options in configs.items():
+            configs["nw2-spawn"] = (dict(num_workers=2, multiprocessing_context="spawn"), False)
+        if name in THREADED:
+            configs["thread"] = (dict(num_workers=0), False)
+        for config, (options, keep) in configs.items():
+            arena_options = dict(options, num_workers=2, worker_mode="thread") \
+                if config == "thread" else options
+            global THREADS_RUNNING
+            THREADS_RUNNING = config == "thread"
             for gen_seed in (None, 5):
                 for output in ("torch", None):
                     label = f"{name}/{config}/gen{gen_seed}/output={output}"
@@ -234,9 +258,9 @@ def main() -> None:
                     before = shm_names()
                     fresh = collate_fn if getattr(collate_fn, "__name__", "") == "<lambda>" \
                         else (lambda f=collate_fn: f)
-                    want = run(DataLoader, dataset, fresh(), options, gen_seed)
-                    got = run(partial(ArenaLoader, output=output), dataset, fresh(), options,
-                              gen_seed)
+                    want = run(DataLoader, dataset, fresh(), options, gen_seed, keep)
+                    got = run(partial(ArenaLoader, output=output), dataset, fresh(),
+                              arena_options, gen_seed, keep)
                     both = isinstance(want["batches"], str) and want["batches"]
                     tally.check(label, want, got, before, f"(both {both})" if both else "")
     tally.done()
