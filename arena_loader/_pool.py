@@ -251,12 +251,6 @@ class SlotPool(LeaseRing):
             self._collect_released()
             return super().held()
 
-    def in_use(self) -> int:
-        """Slots not FREE: assigned, filled or leased."""
-        with self._lock:
-            self._collect_released()
-            return len(self._states) - self._states.count(SlotState.FREE)
-
     def states(self) -> list[SlotState]:
         """Each slot's state, by slot number."""
         with self._lock:

@@ -12,7 +12,7 @@ from typing import Any
 
 from .._arena import Arena, ArenaSource
 from .._messages import NO_SLOT
-from .._pool import Waker
+from .._pool import SlotState, Waker
 from .crew import Crew
 from .feed import NO_PENDING, Feed
 from .handout import Handout
@@ -146,7 +146,8 @@ class Window:
         if not segments:
             self.settling = False
             return False
-        return pending and held <= 1 and arena.pool.in_use() + segments >= arena.slots
+        return pending and held <= 1 and (
+            segments >= arena.pool.counts()[SlotState.FREE])  # (no free slot left for them)
 
     def _choose_slot(self, arena: Arena | None, source: ArenaSource,
                      reconcile: Callable[[], int], worker: int, pending: bool) -> int | None:
