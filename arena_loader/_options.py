@@ -184,7 +184,7 @@ class LoaderOptions:
         if self.slots is not None:
             _check_int(self, "slots", minimum=1,
                        fix="pass a positive int, or slots=None for "
-                       "prefetch_factor * num_workers + 2")
+                       "prefetch_factor * num_workers + 1")
         if self.held_batch_limit is not None:
             _check_int(self, "held_batch_limit", minimum=1,
                        fix="pass a positive int, or None to let held batches grow memory")
@@ -242,12 +242,13 @@ class LoaderOptions:
 
     @property
     def slots_or_default(self) -> int:
-        """``slots``, or by default room for the read-ahead, the batch a ``for`` loop still
-        holds while asking for the next, and one more (and the device stage's two)."""
+        """``slots``, or by default room for the read-ahead and the batch a ``for`` loop still
+        holds while asking for the next (and the device stage's two): the most batches
+        torch's DataLoader holds at once. With ``num_workers=0``, 2."""
         if self.slots is not None:
             return self.slots
         # The device stage holds up to two host batches itself (one copying, one next).
-        return self.max_in_flight + 2 + (2 if self.device is not None else 0)
+        return max(2, self.max_in_flight + 1) + (2 if self.device is not None else 0)
 
     def start_context(self) -> multiprocessing.context.BaseContext:
         """The worker start method: the option's, else the program's

@@ -113,14 +113,19 @@ class SlotPool(LeaseRing):
             slab_array[slot * slot_nbytes: (slot + 1) * slot_nbytes].__array_interface__
             for slot in range(slots)]
 
-    def acquire(self, worker: int = -1) -> int | None:
+    def acquire(self, worker: int = -1, wake: bool = True) -> int | None:
         """A free slot, now ASSIGNED; None when every slot is in use. For ``worker`` (>= 0):
-        a free slot handed to that worker last time if there is one (``_keep_with``)."""
+        a free slot handed to that worker last time if there is one (``_keep_with``).
+        ``wake``: when none is free, the next slot freed wakes ``waker`` (a ``next()`` that
+        will wait for it); without, a failed call arms nothing (each wake is a write to a
+        pipe, and the caller may not wait)."""
         with self._lock:
             free = self._free
             if self._released or not free or self._states[free[0]] is not SlotState.FREE:
                 self._collect_released()
             if not free:
+                if not wake:
+                    return None
                 # Flag first, then look again: a release that appended after the first look
                 # either shows up now or sees the flag and wakes the waiter.
                 self._want(True)

@@ -39,8 +39,8 @@ def test_torch_defaults_and_attributes():
     assert loader.collate_fn is None and loader.timeout == 0 and loader.prefetch_factor is None
     assert not loader.persistent_workers and loader.in_order and loader.slots == 2
     assert loader.held_batch_limit is None and loader.output is None
-    assert ArenaLoader(DATA, num_workers=8).slots == 2 * 8 + 2
-    assert ArenaLoader(DATA, num_workers=2, prefetch_factor=4).slots == 4 * 2 + 2
+    assert ArenaLoader(DATA, num_workers=8).slots == 2 * 8 + 1
+    assert ArenaLoader(DATA, num_workers=2, prefetch_factor=4).slots == 4 * 2 + 1
     shuffled = ArenaLoader(DATA, batch_size=3, shuffle=True, drop_last=True)
     assert isinstance(shuffled.sampler, RandomSampler) and len(shuffled) == 3
 

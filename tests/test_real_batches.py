@@ -291,7 +291,7 @@ def test_held_batch_limit_is_a_hard_cap_that_names_itself(num_workers):
 
 def test_eight_workers_and_small_slots_work_with_defaults():
     with ArenaLoader(Rows(), batch_size=16, num_workers=8) as loader:
-        assert loader.slots == 2 * 8 + 2
+        assert loader.slots == 2 * 8 + 1
         assert [int(x[0, 0]) for x, _ in loader] == list(range(0, 256, 16))
     with ArenaLoader(Rows(), batch_size=16, num_workers=2, slots=2) as loader:
         assert [int(x[0, 0]) for x, _ in loader] == list(range(0, 256, 16))

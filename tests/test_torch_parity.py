@@ -362,6 +362,47 @@ def test_a_batch_sampler_is_drawn_as_torch_draws_it(num_workers, batch_size):
             assert_same_batch(mine, reference, "batch")
 
 
+class CountedBatches:
+    """A finite lazy batch sampler that draws each batch from torch's RNG as it is asked."""
+
+    def __init__(self, batches: int) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        for _ in range(self.batches):
+            yield torch.randint(0, 10, (3,)).tolist()
+
+    def __len__(self) -> int:
+        return self.batches
+
+
+@pytest.mark.timeout(60)
+def test_a_for_loop_draws_the_sampler_as_torch_with_the_default_slots():
+    """A ``for`` loop holds its last batch while asking for the next; with the default slots
+    (the read-ahead + 1) the window's last send then waits for that batch's slot until the
+    next ``next()``. The sampler must still be drawn as torch draws it: a training step that
+    draws from torch's RNG between batches gets torch's numbers, and the batches are torch's,
+    epoch after epoch."""
+    def run(cls):
+        torch.manual_seed(0)
+        loader = cls(DATA, batch_sampler=CountedBatches(24), num_workers=2,
+                     persistent_workers=True)
+        seen = []
+        for _ in range(2):
+            for batch in loader:  # (the loop holds `batch` through the next next())
+                seen.append((host_copy(batch), torch.rand(1).item()))
+        if hasattr(loader, "close"):
+            assert loader.slots == 2 * 2 + 1
+            loader.close()
+        return seen
+
+    theirs, ours = run(tud.DataLoader), run(ArenaLoader)
+    assert len(ours) == len(theirs) == 48
+    for (mine, my_draw), (reference, their_draw) in zip(ours, theirs, strict=True):
+        assert my_draw == their_draw
+        assert_same_batch(mine, reference, "batch")
+
+
 class TupleDataset(ImageDataset):
     """Plain-tuple samples."""
 

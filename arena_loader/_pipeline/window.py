@@ -110,7 +110,7 @@ class Window:
                     order, arena, source, taken, taken is not None or bool(in_flight or done)):
                 return False  # sent by the next next(), as when no slot is free
             # (A free slot, the common case, without a call more.)
-            slot = arena.pool.acquire(worker) if arena is not None else None
+            slot = arena.pool.acquire(worker, wake=False) if arena is not None else None
             if slot is None:
                 slot = self._choose_slot(arena, source, reconcile, worker,
                                          taken is not None or bool(in_flight or done))
@@ -155,7 +155,17 @@ class Window:
         ``next()`` has a batch to return without this one (taken, ready or in flight)."""
         if arena is None:
             return NO_SLOT
-        slot = arena.pool.acquire(worker) if reconcile() else None
+        if pending and source.held(arena) <= 1 and not source.over_limit(arena):
+            # The one batch held is a `for` loop's last, dropped once this next() returns:
+            # the batch goes out at the next next(), in that slot. (A segment here, at every
+            # next() of a loop with fewer than window + 2 slots, made image batches 3x
+            # slower: docs/benchmarks.md, "Fewer slots".) With the default slots this is
+            # every next() of a `for` loop, so nothing more is done here: no slot lost to
+            # a Ctrl-C is looked for (one is found once nothing is pending, or at the
+            # epoch's end) and no wake-up armed (next() has a batch without this one).
+            return None
+        reconcile()
+        slot = arena.pool.acquire(worker)  # (arms the wake-up for a next() that waits)
         if slot is not None:
             self.held_blocked = False
             return slot
@@ -163,12 +173,9 @@ class Window:
             self.held_blocked = True
             return None
         if pending and source.held(arena) <= 1:
-            # The one batch held is a `for` loop's last, dropped once this next() returns:
-            # the batch goes out at the next next(), in that slot. (A segment here, at every
-            # next() of a loop with fewer than window + 2 slots, made image batches 3x
-            # slower: docs/benchmarks.md, "Fewer slots".) Nothing pending: a segment, or
-            # next() would wait for a slot that only its caller can free.
-            return None
+            return None  # (a slot lost to Ctrl-C was in use: none found)
+        # Nothing pending: a segment, or next() would wait for a slot that only its caller
+        # can free.
         self.held_overflow = True
         return NO_SLOT
 

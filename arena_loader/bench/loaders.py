@@ -47,12 +47,6 @@ class Setup:
     threads: int | None = None  # thread workers of the rows that wait in threads
     worker_threads: int = 1  # threads inside each worker (ArenaLoader worker_threads rows)
 
-    @property
-    def slots(self) -> int:
-        # The same number of batches in memory as torch at this prefetch depth: the
-        # prefetch window plus the one batch the consumer holds.
-        return self.workers * self.prefetch_factor + 1
-
 
 def numpy_collate(samples: list[Any]) -> Any:
     """Stack samples into numpy arrays (dicts field by field): the collate a numpy user
@@ -502,7 +496,7 @@ def _arena(dataset: Any, setup: Setup, **extra: Any) -> ArenaLoader:
         extra["collate_fn"] = setup.collate_fn
     return ArenaLoader(dataset, batch_size=setup.batch_size, num_workers=setup.workers,
                        prefetch_factor=setup.prefetch_factor, persistent_workers=True,
-                       slots=setup.slots, **extra)
+                       **extra)  # (the default slots: what a user who switches gets)
 
 
 def _arena_torch(dataset: Any, setup: Setup) -> ArenaLoader:
