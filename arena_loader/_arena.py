@@ -32,10 +32,9 @@ from ._slab import Slab
 from .errors import LoaderClosedError, SlotsExhaustedError, forked_iterator_error
 from .snapshot import IteratorSnapshot, LoaderSnapshot
 
-# A slot's budget is the first batch's size, rounded up to whole pages (batches of one shape,
-# the common case, waste nothing). A larger batch takes a one-off segment, and the next claim
-# of the arena (the next epoch) grows the slab once, to the largest such batch times this:
-# batches that vary keep fitting (docs/design.md, "Slot budget").
+# A slot's budget is the first batch's size in whole pages (one shape wastes nothing). A larger
+# batch takes a one-off segment, and the next claim of the arena (the next epoch) grows the slab
+# once, to the largest such batch times this (docs/design.md, "Slot budget").
 SLOT_HEADROOM = 1.25
 PAGE = 4096
 CLOSED = "this ArenaLoader was closed; create a new one"
@@ -172,9 +171,9 @@ class ArenaSource:
         self._pinner = pinner
         self._lease_only = lease_only
         self._output = output
-        # output="torch" imports torch now, not at the first batch: a Ctrl-C landing in an
-        # import inside next() leaves torch half-imported for good (every later next() then
-        # fails, the batch lost). output=None converts only tensor samples (torch is loaded).
+        # output="torch" imports torch now, not at the first batch: a Ctrl-C landing in an import
+        # inside next() leaves torch half-imported for good (every later next() fails, the batch
+        # lost). output=None converts only tensor samples (torch is loaded).
         self._to_torch = None if output == "numpy" or lease_only else make_converter(
             "torch", lazy=output != "torch")
         # pin_memory without a device: the batch's tensors copied into torch's page-locked
@@ -275,8 +274,12 @@ class ArenaSource:
 
     def held(self, arena: Arena | None) -> int:
         """Batches the consumer holds: leased slots plus batches in segments."""
-        leased = arena.pool.held() if arena is not None else 0
-        return leased + len(self._held_segments)
+        return (arena.pool.held() if arena is not None else 0) + len(self._held_segments)
+
+    def holds_the_last_slot(self, arena: Arena) -> bool:
+        """No slot free, one batch held at most, no held_batch_limit (lock-free: a hint)."""
+        return self.held_batch_limit is None and not self._held_segments and (
+            arena.pool.full_with_one_held())
 
     def over_limit(self, arena: Arena | None) -> bool:
         return self._limit.reached(functools.partial(self.held, arena))

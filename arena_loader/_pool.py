@@ -242,6 +242,12 @@ class SlotPool(LeaseRing):
         """How many batches each slot has carried to the consumer."""
         return tuple(self._leases)
 
+    def full_with_one_held(self) -> bool:
+        """No slot free or released, one LEASED at most. Lock-free, so a hint: a release
+        racing it may be missed (the caller's send then waits one ``next()`` more)."""
+        return not self._free and not self._released and (
+            self._states.count(SlotState.LEASED) <= 1)
+
     def counts(self) -> dict[SlotState, int]:
         with self._lock:
             self._collect_released()

@@ -13,7 +13,7 @@ from .._messages import without_tracebacks
 from ..errors import LoaderClosedError
 from .feed import NO_PENDING
 from .phase import Phase
-from .window import StageLag, UnsendableBatchError, WorkerGoneError
+from .window import DRAW, DRAW_ONLY, SENT, StageLag, UnsendableBatchError, WorkerGoneError
 
 if TYPE_CHECKING:
     from .session import Session
@@ -34,19 +34,23 @@ class TopUp:
         """Send batches while the window, free slots and the sampler allow."""
         session = self.session
         feed, order, window = session.feed, session.order, session.window
+        step = DRAW
         while True:
             if (feed.pending is NO_PENDING and not feed.exhausted
                     and session.phase is Phase.RUNNING and window.has_room(order)):
                 feed.draw()  # (one fill at a time; close() only ends the order)
+            if step == DRAW_ONLY:
+                return  # (its send waits for the slot a `for` loop drops: the next next())
             with session.lock:
                 if session.ended:
                     session.check_open()
                 if session.phase is not Phase.RUNNING:
                     return
                 try:
-                    if not window.publish(feed, order, session.crew, session.claim.arena,
+                    step = window.publish(feed, order, session.crew, session.claim.arena,
                                           session.source, session.reconcile_slots,
-                                          session.handout.taken):
+                                          session.handout.taken)
+                    if step == SENT:
                         return
                 except UnsendableBatchError as unsendable:
                     # e.g. indices that do not pickle (kept frameless: its frames hold the iterator)

@@ -18,6 +18,9 @@ from .feed import NO_PENDING, Feed
 from .handout import Handout
 from .reorder import Reorderer
 
+# What Window.publish leaves to its caller (TopUp.fill): nothing, a draw and a send, a draw.
+SENT, DRAW, DRAW_ONLY = 0, 1, 2
+
 
 class UnsendableBatchError(Exception):
     """Publishing the batch raised (its indices do not pickle): no worker can load it."""
@@ -95,27 +98,32 @@ class Window:
         return lag is not None and not order.in_flight and lag.count() >= self.size
 
     def publish(self, feed: Feed, order: Reorderer, crew: Crew, arena: Arena | None,
-                source: ArenaSource, reconcile: Callable[[], int], taken: Any) -> bool:
-        """Send the drawn batches the window allows; True when the next needs a draw.
-        ``taken``: the batch ``next()`` has taken to return, if any."""
+                source: ArenaSource, reconcile: Callable[[], int], taken: Any) -> int:
+        """Send the drawn batches the window allows. Returns ``SENT`` (done), ``DRAW`` (the
+        next needs a draw, then a send) or ``DRAW_ONLY``: the next needs a draw, and its
+        send would wait for the slot of the batch a ``for`` loop still holds (with the
+        default slots, at every ``next()``), so it goes out at the next ``next()`` without
+        a failed try now. ``taken``: the batch ``next()`` has taken to return, if any."""
         in_flight, done, lag = order.in_flight, order.done, self.lag
         size = self.size - (lag.count() if lag is not None else 0)
         while not feed.exhausted and len(in_flight) + len(done) < size:
             if feed.pending is NO_PENDING:
-                return True
+                if in_flight and arena is not None and source.holds_the_last_slot(arena):
+                    return DRAW_ONLY  # (in flight: next() has a batch without this one)
+                return DRAW
             worker = feed.pick_worker()
             if worker is None:
-                return False
+                return SENT
             if self.settling and arena is not None and self._segments_fill_slots(
                     order, arena, source, taken, taken is not None or bool(in_flight or done)):
-                return False  # sent by the next next(), as when no slot is free
+                return SENT  # sent by the next next(), as when no slot is free
             # (A free slot, the common case, without a call more.)
             slot = arena.pool.acquire(worker, wake=False) if arena is not None else None
             if slot is None:
                 slot = self._choose_slot(arena, source, reconcile, worker,
                                          taken is not None or bool(in_flight or done))
                 if slot is None:
-                    return False  # a freed slot wakes the waiting next()
+                    return SENT  # a freed slot wakes the waiting next()
             else:
                 self.held_blocked = False
             try:
@@ -128,7 +136,7 @@ class Window:
             if not sent:
                 _reclaim_unsent(order, arena, slot)
                 raise WorkerGoneError(worker)
-        return False
+        return SENT
 
     def _segments_fill_slots(self, order: Reorderer, arena: Arena, source: ArenaSource,
                              taken: Any, pending: bool) -> bool:
