@@ -505,6 +505,30 @@ def test_sampler_out_of_range_names_index_length_and_sampler(option, num_workers
         del iterator
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_empty_batch_from_a_batch_sampler_names_the_batch_sampler_and_fix(num_workers):
+    """A batch_sampler yielding an empty list under default collation: torch's IndexError
+    (its default_collate reads the first sample), saying what yielded it and the fix; the
+    batches after it load, as torch's. Before: a bare 'list index out of range'."""
+    import torch.utils.data
+
+    batches = [[0, 1], [], [2, 3]]
+    torch_iterator = iter(torch.utils.data.DataLoader(ImageDataset(4), batch_sampler=batches))
+    next(torch_iterator)
+    with pytest.raises(IndexError):
+        next(torch_iterator)
+    reference = reference_epoch(ImageDataset(4), 2, False)
+    with ArenaLoader(ImageDataset(4), batch_sampler=batches, num_workers=num_workers) as loader:
+        iterator = iter(loader)
+        np.testing.assert_array_equal(next(iterator), reference[0])
+        with pytest.raises(IndexError, match=r"empty batch \(indices \[\]\).*batch_sampler "
+                                             r"yielded an empty list.*skip empty batches, or "
+                                             r"pass a collate_fn"):
+            next(iterator)
+        np.testing.assert_array_equal(next(iterator), reference[1])
+        del iterator
+
+
 class BadSampleDataset(ImageDataset):
     """Sample ``bad`` is None or an object-dtype array."""
 

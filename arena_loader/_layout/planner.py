@@ -248,6 +248,10 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any],
                     live: bool = False) -> Prepared:
     """Default collation: the samples stacked per leaf as torch's ``default_collate`` would
     (dtype promotion included); str and other objects become lists."""
+    if not samples:  # (torch's default_collate fails reading batch[0]: IndexError)
+        raise IndexError(f"default collation got an empty batch (indices {list(indices)!r}): a "
+                         "batch_sampler yielded an empty list; make it skip empty batches, or "
+                         "pass a collate_fn that handles an empty list")
     first = samples[0]
     extensions = collate_extensions()
     # the commonest sample: one array (no structure to walk), collated as torch's arrays
