@@ -34,7 +34,15 @@ class SlicedBatches:
     def __next__(self) -> list[int] | np.ndarray:
         array = self._array
         if array is None:
-            array = self._array = self._draw()
+            try:
+                array = self._array = self._draw()
+            except KeyboardInterrupt:
+                raise  # (nothing drawn: the next next() draws)
+            except BaseException:
+                # len(dataset) raised: the epoch ends there, as torch's BatchSampler (a
+                # generator) ends once its sampler raised (ListedBatches._take).
+                self._array = np.empty(0, np.int64)
+                raise
         start, end, n = self._start, self._start + self._size, len(array)
         if start >= (n - n % self._size if self._drop_last else n):
             raise StopIteration
@@ -106,7 +114,13 @@ class ListedBatches:
     def __next__(self) -> list:
         indices = self._indices
         if indices is None:
-            indices = self._indices = iter(self._sampler)
+            try:
+                indices = self._indices = iter(self._sampler)
+            except KeyboardInterrupt:
+                raise
+            except BaseException:
+                self._indices = iter(())  # ends the epoch after this error (as _take)
+                raise
         while self._skip:
             if not self._held:
                 self._take(indices)

@@ -23,6 +23,12 @@ def is_iterable_dataset(dataset: Any) -> bool:
     torch_data = sys.modules.get("torch.utils.data")
     if torch_data is not None and isinstance(dataset, torch_data.IterableDataset):
         return True
+    if hasattr(dataset, "__next__") and not hasattr(dataset, "__getitem__"):
+        name = type(dataset).__name__  # (torch's DataLoader raises its TypeError at iter())
+        raise TypeError(f"object of type '{name}' has no len() (torch's words): dataset is a "
+                        f"one-shot iterator ({name}) that the first epoch would use up, leaving "
+                        "every later epoch empty; pass a list, or an IterableDataset whose "
+                        "__iter__ makes a new iterator each time")
     return hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")
 
 

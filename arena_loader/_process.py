@@ -100,13 +100,16 @@ class WorkerGroup:
                 # A child forked meanwhile (a user's, the next workers) must not hold it open:
                 # one-off segments sent and not yet received would outlive close().
                 register_descriptor(fd_main, fd_main.fileno())
-                with handing_over([setup.slab.fd, setup.order.fd]), interrupts_deferred():
-                    process.start()  # (the descriptors are all it keeps of ours)
-                # Close the child's ends here, before the next fork copies them: a dead
-                # worker's result pipe then reads EOF at once.
-                task_reader.close()
-                result_writer.close()
-                fd_worker.close()
+                try:
+                    with handing_over([setup.slab.fd, setup.order.fd]), interrupts_deferred():
+                        process.start()  # (the descriptors are all it keeps of ours)
+                finally:
+                    # Close the child's ends here, before the next fork copies them: a dead
+                    # worker's result pipe then reads EOF at once (and a start that failed,
+                    # the dataset not pickling for spawn, leaves none open).
+                    task_reader.close()
+                    result_writer.close()
+                    fd_worker.close()
             self.pids = [p.pid for p in self.processes]
             self.sentinels = [p.sentinel for p in self.processes]
         except OSError as exc:

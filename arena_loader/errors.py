@@ -22,6 +22,7 @@ __all__ = [
     "LoaderClosedError",
     "LoaderForkedError",
     "LoaderTimeoutError",
+    "SampleKeyError",
     "SampleShapeError",
     "SampleTypeError",
     "ShmCapacityError",
@@ -105,6 +106,14 @@ class SampleTypeError(LayoutError, TypeError, RuntimeError):
     ...), or leaves of different kinds in one field, where torch's ``default_collate`` raises
     ``TypeError`` or, for a number beside a leaf ``torch.tensor()`` cannot type (``None``, a
     ``dict``, a ``Fraction``), ``RuntimeError``: an ``except`` for either catches it."""
+
+
+class SampleKeyError(LayoutError, KeyError):
+    """A later sample lacks a key of the batch's first (default collation), where torch's
+    ``default_collate`` raises ``KeyError`` looking it up. Its ``str()`` is the message itself,
+    not KeyError's quoted repr of it."""
+
+    __str__ = Exception.__str__
 
 
 class SampleShapeError(LayoutError, RuntimeError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import signal
 import threading
 import time
@@ -150,6 +151,52 @@ def test_nested_structure_mismatch_names_the_path(num_workers):
                                               r"the same structure"):
             next(iterator)
         assert next(iterator)["b"]["d"].tolist() == [4, 5]
+        del iterator
+
+
+class WrongContainerDataset:
+    """Dict samples; sample 3 is ``kind``: a dict without the key 'y', a dict with 'label'
+    instead, a tuple of the values, or a generator."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        if i != 3:
+            return {"x": np.full(2, i), "y": i}
+        return {"missing": {"x": np.full(2, i)}, "renamed": {"x": np.full(2, i), "label": i},
+                "tuple": (np.full(2, i), i), "generator": (v for v in (i, i))}[self.kind]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("kind, torch_error", [("missing", KeyError), ("renamed", KeyError),
+                                               ("tuple", TypeError),
+                                               ("generator", TypeError)])
+def test_a_sample_of_another_structure_is_the_error_class_torch_raises(num_workers, kind,
+                                                                       torch_error):
+    """A later sample that lacks a key of the first is a ``KeyError`` (torch's
+    ``default_collate`` looks the key up in it), one that is not a mapping at all a
+    ``TypeError`` (torch subscripts it): the class torch raises, so ``except KeyError`` keeps
+    working, and a LayoutError naming the sample and the fix; the next batch still loads."""
+    import torch.utils.data
+
+    with pytest.raises(torch_error):
+        list(torch.utils.data.DataLoader(WrongContainerDataset(kind), batch_size=2))
+    with ArenaLoader(WrongContainerDataset(kind), batch_size=2,
+                     num_workers=num_workers) as loader:
+        iterator = iter(loader)
+        assert next(iterator)["y"].tolist() == [0, 1]
+        with pytest.raises(torch_error) as caught:
+            next(iterator)
+        assert isinstance(caught.value, LayoutError)
+        assert re.search(r"sample 3: sample must be a mapping with keys \['x', 'y'\]",
+                         str(caught.value)), str(caught.value)
+        assert "return the same structure" in str(caught.value)
+        assert not str(caught.value).startswith(("'", '"'))  # a KeyError's text, not its repr
+        assert next(iterator)["y"].tolist() == [4, 5]
         del iterator
 
 
@@ -455,6 +502,30 @@ def test_sampler_out_of_range_names_index_length_and_sampler(option, num_workers
                                              r"len\(dataset\) is 8; a sampler must yield"):
             next(iterator)
         np.testing.assert_array_equal(next(iterator), reference[3])
+        del iterator
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_empty_batch_from_a_batch_sampler_names_the_batch_sampler_and_fix(num_workers):
+    """A batch_sampler yielding an empty list under default collation: torch's IndexError
+    (its default_collate reads the first sample), saying what yielded it and the fix; the
+    batches after it load, as torch's. Before: a bare 'list index out of range'."""
+    import torch.utils.data
+
+    batches = [[0, 1], [], [2, 3]]
+    torch_iterator = iter(torch.utils.data.DataLoader(ImageDataset(4), batch_sampler=batches))
+    next(torch_iterator)
+    with pytest.raises(IndexError):
+        next(torch_iterator)
+    reference = reference_epoch(ImageDataset(4), 2, False)
+    with ArenaLoader(ImageDataset(4), batch_sampler=batches, num_workers=num_workers) as loader:
+        iterator = iter(loader)
+        np.testing.assert_array_equal(next(iterator), reference[0])
+        with pytest.raises(IndexError, match=r"empty batch \(indices \[\]\).*batch_sampler "
+                                             r"yielded an empty list.*skip empty batches, or "
+                                             r"pass a collate_fn"):
+            next(iterator)
+        np.testing.assert_array_equal(next(iterator), reference[1])
         del iterator
 
 

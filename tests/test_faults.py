@@ -111,6 +111,41 @@ def test_sampler_error_is_raised_after_the_batches_before_it(num_workers):
         del iterator
 
 
+class NegativeLength(ImageDataset):
+    """A dataset whose ``__len__`` is wrong: ``len()`` raises ValueError."""
+
+    def __len__(self):
+        return -1
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("make", [
+    lambda: dict(dataset=NegativeLength(8)),             # our sampler's first draw
+    lambda: dict(dataset=ImageDataset(8), sampler=10)],  # iter(sampler) itself
+    ids=["len", "sampler-not-iterable"])
+def test_a_sampler_failing_at_its_first_draw_ends_the_epoch_as_torchs(num_workers, make):
+    """A sampler that raises before its first batch (``len(dataset)`` raising, a sampler that
+    is not iterable) raises once; the next ``next()`` ends the epoch, as torch's (whose
+    BatchSampler generator is finished then). Before: with ``num_workers=0`` every later
+    ``next()`` raised it again, so a loop that logs errors and goes on never ended."""
+    import torch.utils.data
+
+    kwargs = make()
+    if num_workers == 0:  # (torch's, with workers, raises it from iter() instead)
+        iterator = iter(torch.utils.data.DataLoader(batch_size=2, **kwargs))
+        with pytest.raises((ValueError, TypeError)):
+            next(iterator)
+        with pytest.raises(StopIteration):
+            next(iterator)
+    with ArenaLoader(batch_size=2, num_workers=num_workers, **make()) as loader:
+        iterator = iter(loader)
+        with pytest.raises((ValueError, TypeError)):
+            next(iterator)
+        with pytest.raises(StopIteration):
+            next(iterator)
+        del iterator
+
+
 def test_new_epoch_after_a_crash_reuses_the_loader_slab():
     """After WorkerCrashedError, a new iter() gets the loader's own slab back (no second
     one), with every slot free again."""

@@ -78,6 +78,25 @@ def test_empty_or_unsized_dataset_with_shuffle_raises_torchs_error_at_constructi
             RandomSampler(dataset)
 
 
+@pytest.mark.parametrize("make", [lambda: (i for i in range(4)), lambda: map(int, range(4)),
+                                  lambda: iter([0, 1, 2, 3])],
+                         ids=["generator", "map", "list_iterator"])
+def test_a_one_shot_iterator_as_dataset_is_torchs_type_error_naming_the_fix(make):
+    """A generator (or any iterator) passed as the dataset: torch's TypeError (torch takes it
+    for a map-style dataset without len()), here at construction with the fix. Before: taken
+    for an iterable-style dataset, its first epoch used it up and every later epoch was
+    empty without a word (found by trial22)."""
+    tud = pytest.importorskip("torch.utils.data")
+
+    with pytest.raises(TypeError, match=r"has no len\(\)"):
+        list(tud.DataLoader(make(), batch_size=2))
+    name = type(make()).__name__
+    with pytest.raises(TypeError, match=rf"^object of type '{name}' has no len\(\) \(torch's "
+                                        rf"words\): dataset is a one-shot iterator.*later epoch "
+                                        r"empty; pass a list"):
+        ArenaLoader(make(), batch_size=2)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_empty_dataset_yields_nothing(num_workers):
     """An empty dataset (not shuffled, or shuffled by a sampler of the caller's over indices

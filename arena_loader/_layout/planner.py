@@ -39,6 +39,7 @@ from .plan import (
 )
 from .spec import (
     PYTHON_NUMBER_DTYPES,
+    TORCH_COLLATE_TYPE_ERROR,
     FieldLeaf,
     MappingNode,
     ObjectLeaf,
@@ -52,12 +53,22 @@ from .spec import (
     object_array_error,
     outside_int64,
     registered_collate,
-    reject_none,
     tensor_array,
 )
 
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
+
+
+def reject_none(value: Any, subject: str, collated: bool = False) -> None:
+    """``collated``: default collation, where torch raises TypeError for a None sample too."""
+    if value is None:
+        message = (f"{subject} returned None; every sample must be an array, a number or a "
+                   "nested dict/tuple/list of them (filter missing samples in the dataset or "
+                   "the sampler)")
+        if collated:
+            raise SampleTypeError(f"{TORCH_COLLATE_TYPE_ERROR.format(type(None))} ({message})")
+        raise LayoutError(message)
 
 
 def _column(values: list, path: str, indices: Sequence[Any],
@@ -237,6 +248,10 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any],
                     live: bool = False) -> Prepared:
     """Default collation: the samples stacked per leaf as torch's ``default_collate`` would
     (dtype promotion included); str and other objects become lists."""
+    if not samples:  # (torch's default_collate fails reading batch[0]: IndexError)
+        raise IndexError(f"default collation got an empty batch (indices {list(indices)!r}): a "
+                         "batch_sampler yielded an empty list; make it skip empty batches, or "
+                         "pass a collate_fn that handles an empty list")
     first = samples[0]
     extensions = collate_extensions()
     # the commonest sample: one array (no structure to walk), collated as torch's arrays

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import LayoutError, SampleShapeError, SampleTypeError
+from ..errors import LayoutError, SampleKeyError, SampleShapeError, SampleTypeError
 from .plan import KIND_TORCH, KIND_TORCH_RAW, FieldLeaf, MappingNode, ObjectLeaf, SequenceNode
 
 # Python scalar types and the dtype torch's default_collate gives a batch of them.
@@ -281,11 +281,12 @@ def flatten(node: Any, value: Any, fields: list, objects: list, index: Any) -> N
             return
         if not isinstance(value, Mapping) or len(value) != len(node.keys):
             _structure_error(node, value, index)
-        try:
-            for key, child in zip(node.keys, node.children):
-                flatten(child, value[key], fields, objects, index)
-        except KeyError:
-            _structure_error(node, value, index)
+        for key, child in zip(node.keys, node.children):
+            try:  # (the lookup alone: a nested sample's own KeyError goes up as it is)
+                item = value[key]
+            except KeyError:
+                _structure_error(node, value, index)
+            flatten(child, item, fields, objects, index)
     else:
         if not isinstance(value, (tuple, list)) and _sized_iterable(value):
             value = list(value)  # torch's zip(*batch) takes any (an array's rows, bytes' ints)
@@ -318,7 +319,13 @@ def _structure_error(node: Any, value: Any, index: Any) -> None:
         # A length that differs: torch's default_collate raises RuntimeError, with this text.
         raise SampleShapeError("each element in list of batch should be of equal size "
                                f"(torch's words). {message}")
-    raise LayoutError(message)
+    # torch's class: KeyError for a key the sample lacks, TypeError subscripting (taking len()
+    # of) no mapping (sequence); a mapping with every key and more is ours alone.
+    mapped = isinstance(value, Mapping) and isinstance(node, MappingNode)
+    if mapped and any(key not in value for key in node.keys):
+        raise SampleKeyError(message)
+    raise (LayoutError if mapped or (isinstance(node, SequenceNode) and _sized_iterable(value))
+           else SampleTypeError)(message)
 
 
 # torch's default_collate text for a leaf it cannot batch (torch/utils/data/_utils/collate.py).
@@ -383,16 +390,3 @@ def _collate_fix(value: Any) -> str:
                 "collate_fn")
     return ("convert it to an array, a number or a string in the dataset, or pass a "
             "collate_fn that batches it")
-
-
-
-def reject_none(value: Any, subject: str, collated: bool = False) -> None:
-    """``collated``: default collation, where torch raises TypeError for a None sample too."""
-    if value is None:
-        message = (f"{subject} returned None; every sample must be an array, a number or a "
-                   "nested dict/tuple/list of them (filter missing samples in the dataset or "
-                   "the sampler)")
-        if collated:
-            raise SampleTypeError(f"{TORCH_COLLATE_TYPE_ERROR.format(type(None))} ({message})")
-        raise LayoutError(message)
-
