@@ -734,6 +734,48 @@ class _InterruptAt:
         return self
 
 
+@pytest.mark.timeout(60)
+def test_ctrl_c_as_a_built_batch_is_stashed_counts_it_once_in_the_state():
+    """Workers: KeyboardInterrupt on the line of ``Handout.hand_over`` that stashes a built batch
+    (counted as handed out the line before): the next next() returns that batch, and a
+    state_dict() taken then resumes at the batch after it, as without the interrupt (the
+    interrupt's handler counts a batch only if the position has not moved)."""
+    from arena_loader._pipeline import handout
+
+    path = handout.__file__
+    target = "self.stash, self.failed, self.taken = [batch], failed, None"
+    armed = [True]
+
+    def tracer(frame, event, arg):
+        if event == "call":
+            return tracer if frame.f_code.co_filename == path else None
+        if event == "line" and armed and linecache.getline(
+                path, frame.f_lineno).strip() == target:
+            armed.clear()
+            raise KeyboardInterrupt
+        return tracer
+
+    dataset = ImageDataset(16, shape=(2,), dtype=np.int64)
+    expected = [batch.tolist() for batch in reference_epoch(dataset, 2, False)]
+    with ArenaLoader(dataset, batch_size=2, num_workers=2) as loader:
+        iterator = iter(loader)
+        got = [next(iterator).tolist()]
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                next(iterator)
+        finally:
+            sys.settrace(None)
+        assert not armed
+        got.append(next(iterator).tolist())  # the stashed batch
+        state = loader.state_dict()
+        del iterator
+    with ArenaLoader(dataset, batch_size=2, num_workers=2) as loader:
+        loader.load_state_dict(state)
+        got += [batch.tolist() for batch in loader]
+    assert got == expected
+
+
 def _interrupted(call, k):
     """``call()`` with KeyboardInterrupt injected at its k-th line of arena_loader code:
     (its result, False) or (None, True) when interrupted (the interrupt itself is not kept:
