@@ -532,14 +532,13 @@ def test_ctrl_c_as_a_batch_is_sent_gives_its_slot_back_at_once(monkeypatch):
         assert all(np.array_equal(a, b) for a, b in zip(got, expected))
 
 
-def test_a_slot_left_assigned_by_a_ctrl_c_as_it_was_taken_is_used_again_at_once(monkeypatch):
-    """num_workers=0: a Ctrl-C right after a slot was taken, before next() recorded it,
-    leaves the slot assigned to nobody; the next next() finds no free slot, recovers that
-    one and loads into it (not into a one-off segment with the slab's slot held idle)."""
+def _interrupt_a_slot_take(monkeypatch) -> list:
+    """Once the returned list holds an item, the next slot taken raises KeyboardInterrupt
+    right after the take (the slot left assigned to nobody)."""
     from arena_loader._pool import SlotPool
 
     acquire = SlotPool.acquire
-    armed = []
+    armed: list = []
 
     def taken_then_interrupted(self, *args, **kwargs):
         slot = acquire(self, *args, **kwargs)
@@ -549,6 +548,14 @@ def test_a_slot_left_assigned_by_a_ctrl_c_as_it_was_taken_is_used_again_at_once(
         return slot
 
     monkeypatch.setattr(SlotPool, "acquire", taken_then_interrupted)
+    return armed
+
+
+def test_a_slot_left_assigned_by_a_ctrl_c_as_it_was_taken_is_used_again_at_once(monkeypatch):
+    """num_workers=0: a Ctrl-C right after a slot was taken, before next() recorded it,
+    leaves the slot assigned to nobody; the next next() finds no free slot, recovers that
+    one and loads into it (not into a one-off segment with the slab's slot held idle)."""
+    armed = _interrupt_a_slot_take(monkeypatch)
     dataset = ImageDataset(6, shape=(2,), dtype=np.float32)
     with ArenaLoader(dataset, batch_size=2, num_workers=0, slots=1) as loader:
         expected = reference_epoch(dataset, 2, False)
@@ -564,6 +571,30 @@ def test_a_slot_left_assigned_by_a_ctrl_c_as_it_was_taken_is_used_again_at_once(
         got += [np.array(batch) for batch in iterator]
         assert len(got) == len(expected)
         assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.filterwarnings("ignore:your code holds 2 batches:UserWarning")  # (the read-ahead's)
+def test_with_workers_a_slot_left_assigned_by_a_ctrl_c_as_it_was_taken_is_recovered(
+        monkeypatch):
+    """Workers: a Ctrl-C right after the window took a slot for a batch it was sending
+    leaves that slot assigned to nobody; once the consumer holds every other slot, the next
+    send recovers it (not a one-off segment beside the slab's idle slot)."""
+    armed = _interrupt_a_slot_take(monkeypatch)
+    dataset = ImageDataset(12, shape=(2,), dtype=np.float32)
+    expected = reference_epoch(dataset, 2, False)
+    with ArenaLoader(dataset, batch_size=2, num_workers=1, prefetch_factor=1,
+                     slots=3) as loader:
+        assert sum(1 for _ in loader) == 6  # sizes the slab
+        iterator = iter(loader)
+        armed.append(True)
+        with pytest.raises(KeyboardInterrupt):
+            next(iterator)  # its first send took a slot and was interrupted
+        held = [next(iterator) for _ in range(3)]  # every slot: the third recovered
+        assert loader.snapshot().held_segments == 0
+        got = [np.array(batch) for batch in held] + [np.array(b) for b in iterator]
+        assert len(got) == len(expected)
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+        del held, iterator
 
 
 def test_interrupt_while_handing_out_a_batch_gives_its_slot_back(monkeypatch):
@@ -736,6 +767,48 @@ class _InterruptAt:
                 self.armed = False
                 raise KeyboardInterrupt
         return self
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_as_a_built_batch_is_stashed_counts_it_once_in_the_state():
+    """Workers: KeyboardInterrupt on the line of ``Handout.hand_over`` that stashes a built batch
+    (counted as handed out the line before): the next next() returns that batch, and a
+    state_dict() taken then resumes at the batch after it, as without the interrupt (the
+    interrupt's handler counts a batch only if the position has not moved)."""
+    from arena_loader._pipeline import handout
+
+    path = handout.__file__
+    target = "self.stash, self.failed, self.taken = [batch], failed, None"
+    armed = [True]
+
+    def tracer(frame, event, arg):
+        if event == "call":
+            return tracer if frame.f_code.co_filename == path else None
+        if event == "line" and armed and linecache.getline(
+                path, frame.f_lineno).strip() == target:
+            armed.clear()
+            raise KeyboardInterrupt
+        return tracer
+
+    dataset = ImageDataset(16, shape=(2,), dtype=np.int64)
+    expected = [batch.tolist() for batch in reference_epoch(dataset, 2, False)]
+    with ArenaLoader(dataset, batch_size=2, num_workers=2) as loader:
+        iterator = iter(loader)
+        got = [next(iterator).tolist()]
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                next(iterator)
+        finally:
+            sys.settrace(None)
+        assert not armed
+        got.append(next(iterator).tolist())  # the stashed batch
+        state = loader.state_dict()
+        del iterator
+    with ArenaLoader(dataset, batch_size=2, num_workers=2) as loader:
+        loader.load_state_dict(state)
+        got += [batch.tolist() for batch in loader]
+    assert got == expected
 
 
 def _interrupted(call, k):

@@ -9,7 +9,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from arena_loader import ShmCapacityError
+from arena_loader import LoaderClosedError, ShmCapacityError
 from arena_loader._pool import SlotPool, SlotState
 from arena_loader._slab import NAME_PREFIX, Slab, open_shared, shm_available_bytes
 
@@ -134,6 +134,34 @@ def test_pool_enforces_the_slot_lifecycle():
     assert pool.state(slot) is SlotState.LEASED  # the view still holds it
     del view
     gc.collect()
+    assert pool.counts()[SlotState.FREE] == 3  # (the dead lease's slot counted as free)
+    assert pool.state(slot) is SlotState.FREE
+
+
+def test_a_slot_is_marked_filled_only_from_assigned_and_leased_only_while_open():
+    """A record for a slot its batch no longer owns (FREE, or the consumer's) is a bug that
+    raises, never a slot made FILLED under a live batch (leased twice: two batches in one
+    slot); a lease asked after the pool closed is a LoaderClosedError, the slot left FILLED."""
+    slab = np.zeros(2 * 128, dtype=np.uint8)
+    pool = SlotPool(slab, 128, 2)
+    with pytest.raises(RuntimeError, match="slot 0 is free, expected assigned"):
+        pool.mark_filled(0)
+    slot = pool.acquire()
+    pool.mark_filled(slot)
+    pool.mark_filled(slot)  # (a record filed twice: stays FILLED)
+    lease = pool.lease(slot)
+    with pytest.raises(RuntimeError, match="is leased, expected assigned"):
+        pool.mark_filled(slot)
+    assert pool.state(slot) is SlotState.LEASED
+    other = pool.acquire()
+    pool.mark_filled(other)
+    pool.close()
+    with pytest.raises(LoaderClosedError, match="closed"):
+        pool.lease(other)
+    assert pool.state(other) is SlotState.FILLED
+    assert np.asarray(lease).base is lease  # a lease given before the close keeps its bytes
+    del lease
+    gc.collect()
     assert pool.state(slot) is SlotState.FREE
 
 
@@ -143,7 +171,8 @@ def test_pool_hands_out_each_slot_once_until_released():
     first, second = pool.acquire(), pool.acquire()
     assert {first, second} == {0, 1} and pool.acquire() is None
     pool.reclaim(second)
-    assert pool.acquire() == second
+    pool.reclaim(second)  # (a record filed twice: a no-op, the slot listed once)
+    assert pool.acquire() == second and pool.acquire() is None
 
 
 def _leased_pool(slots):
@@ -157,8 +186,9 @@ def _leased_pool(slots):
 
 
 def test_a_lease_dropped_while_a_waiter_wants_a_slot_wakes_it():
-    """acquire() found every slot held: the death of any of those leases wakes the waiter
-    (the session's next() waits on that waker), once it is wanted only."""
+    """acquire() found every slot held: the death of any of those leases, or a slot
+    reclaimed, wakes the waiter (the session's next() waits on that waker), once it is
+    wanted only."""
     class Waker:
         wakes = 0
 
@@ -174,6 +204,34 @@ def test_a_lease_dropped_while_a_waiter_wants_a_slot_wakes_it():
     assert Waker.wakes == 1 and pool.acquire() == 1
     pool.reclaim(0)
     assert Waker.wakes == 1  # satisfied: no longer wanted
+    assert pool.acquire() == 0 and pool.acquire() is None  # every slot taken: one waits
+    pool.reclaim(1)  # (a failed or abandoned batch's slot) wakes it too
+    assert Waker.wakes == 2 and pool.acquire() == 1
+
+
+def test_a_waiter_that_wants_a_slot_again_is_woken_by_the_leases_alive_then():
+    """Each time acquire() finds no free slot it watches the leases alive at that moment: a
+    batch leased after an earlier wait (its slot taken by that waiter) wakes the next one
+    when it dies, as the first batches did (a wake-up lost costs next() a poll, 0.5 s)."""
+    wakes = []
+
+    class Waker:
+        def wake(self):
+            wakes.append(1)
+
+    pool, leases = _leased_pool(2)
+    pool.waker = Waker()
+    assert pool.acquire() is None  # waits on both leases
+    del leases[0]
+    assert len(wakes) == 1 and pool.acquire() == 0
+    pool.mark_filled(0)
+    leases.append(pool.lease(0))  # leased after that wait
+    assert pool.acquire() is None  # waits again: on slot 1's lease and this one
+    del leases[1]
+    assert len(wakes) == 2 and pool.acquire() == 0
+    pool.reclaim(0)
+    del leases[0]  # slot 1's lease: nobody waits now
+    assert len(wakes) == 2 and pool.acquire() == 0 and pool.acquire() == 1
 
 
 def test_a_ctrl_c_while_a_lease_dies_cannot_strand_its_slot():
@@ -198,6 +256,19 @@ def test_a_ctrl_c_while_a_lease_dies_cannot_strand_its_slot():
 
 def _reserved_bytes(arena) -> int:
     return os.fstat(arena.slab.handle().fd).st_blocks * 512
+
+
+def test_a_dead_lease_recorded_before_its_slot_was_taken_back_frees_no_later_lease():
+    """The release of a lease no longer tracked (its slot taken back and leased again
+    before the release was collected: a batch dropped in another thread as next() undid its
+    hand-out) is stale: the slot stays the later lease's, never freed under its batch."""
+    pool, leases = _leased_pool(1)
+    del leases[0]  # dies: recorded, not yet collected (no call into the pool since)
+    pool.take_back(0)  # the race's other side: LEASED -> FILLED, the old lease untracked
+    later = pool.lease(0)
+    assert pool.state(0) is SlotState.LEASED and pool.acquire() is None
+    del later
+    assert pool.state(0) is SlotState.FREE
 
 
 def test_a_slots_pages_are_reserved_the_first_time_it_is_handed_out():

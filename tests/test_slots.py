@@ -437,6 +437,10 @@ def test_a_persistent_worker_dead_before_a_regrow_is_reported_and_the_next_epoch
     import os
     import signal
 
+    # (torch imported before the fork: _padded's import in each worker took 6-13 s on the
+    # loaded 2-core machine with this test run alone, past timeout=10)
+    import torch  # noqa: F401
+
     from arena_loader import WorkerCrashedError
 
     with ArenaLoader(_RandomGrowingRows(), batch_size=4, num_workers=2, persistent_workers=True,
