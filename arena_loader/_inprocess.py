@@ -112,17 +112,18 @@ class InProcessIterator(LoaderLength):
                 self.close()
                 raise
         indices, fetched = self._pending
+        counted = self._epoch_position.yielded  # moves when the batch is counted
         if fetched is None:
             try:
                 fetched = filler.fetch(indices)
             except Exception as exc:  # that batch's error; the next next() goes on
-                self._stash, self._failed, self._pending = [exc], True, None
+                self._fail(exc, counted)
                 return  # (Ctrl-C: retried)
             self._pending = (indices, fetched)
         try:
             prepared = filler.prepare(fetched, indices, live=True)
         except Exception as exc:
-            self._stash, self._failed, self._pending = [exc], True, None
+            self._fail(exc, counted)
             return
         if self._done:  # closed from another thread while the batch was fetched
             raise LoaderClosedError(_CLOSED)
@@ -139,7 +140,6 @@ class InProcessIterator(LoaderLength):
         arena = self._arena
         slot = batch = None
         acquired = False
-        counted = self._epoch_position.yielded  # moves when the batch is counted
         try:
             fits = arena is not None and prepared.nbytes <= arena.slot_nbytes
             if arena is not None and not fits:
@@ -176,8 +176,22 @@ class InProcessIterator(LoaderLength):
                 # (not acquired: no slot could be had, e.g. no room in /dev/shm for a slot's
                 # pages; nothing is wrong with the batch, which stays pending for next time)
                 raise
-            # that batch's error (a write error): it is consumed, raised by the pop
-            self._stash, self._failed, self._pending = [exc], True, None
+            self._fail(exc, counted)  # that batch's error (a write error), raised by the pop
+
+    def _fail(self, error: Exception, counted: int) -> None:
+        """The pending batch failed: its error takes its place, counted as handed out as a
+        worker's failed batch is (``Handout.hand_over``), so a ``state_dict()`` resumes after
+        it (an iterable's stream after its samples), where the next ``next()`` goes on.
+        Ctrl-C before the count leaves it pending (loaded again), after it stashes the error
+        all the same."""
+        try:
+            if self._epoch_position.yielded == counted:
+                self._epoch_position.handed(0, self._stream_state)
+            self._stash, self._failed, self._pending = [error], True, None
+        except KeyboardInterrupt:
+            if self._epoch_position.yielded != counted:
+                self._stash, self._failed, self._pending = [error], True, None
+            raise
 
     def _take(self) -> tuple[Any, Fetched | None]:
         filler = self._filler

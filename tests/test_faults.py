@@ -1139,7 +1139,8 @@ def test_ctrl_c_at_any_line_of_next_loses_no_batch_error(num_workers, persistent
     past the longest next(), while one batch fails (sample 13): each epoch still yields every
     other batch once, in order, and the failed batch's error exactly once, in its place
     (an interrupt while the error is on its way out must not swallow it; nor one while a
-    batch stashed by an earlier interrupt is handed out). Fresh interpreter, as above."""
+    batch stashed by an earlier interrupt is handed out), and a state_dict() after each
+    counts what came out, the error too, once. Fresh interpreter, as above."""
     # Without persistent workers each k starts workers: every third line (the lines of
     # next() itself are every one's target with persistent workers). The two persistent
     # cases run the same next() in the main process (threads differ in the workers only):
@@ -1177,6 +1178,8 @@ def _ctrl_c_error_matrix(num_workers, persistent=False, threads=1, step=1, first
                     sys.settrace(None)
                 longest = max(longest, tracer.count)
                 got.append(outcome)
+                # The error counts as its batch: a state_dict() now resumes after it.
+                assert loader.state_dict()["batches_yielded"] == len(got), (k, got)
                 tracer.count, tracer.armed = 0, True
             assert got == expected, (k, got)
             del iterator

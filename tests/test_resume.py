@@ -805,3 +805,41 @@ def test_a_sampler_with_its_own_order_resumes_from_its_state_as_of_the_last_batc
     with make() as loader:
         loader.load_state_dict(state)
         assert [np.asarray(b).tolist() for b in loader] == rest
+
+
+class RaisesAt:
+    """Rows ``[i, i]``; sample ``bad`` raises."""
+
+    def __init__(self, n: int, bad: int):
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index):
+        if index == self.bad:
+            raise ValueError(f"bad sample {index}")
+        return np.array([index, index])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_dict_after_a_failed_batch_resumes_where_the_iterator_goes_on(num_workers):
+    """After a batch whose loading raised, ``next()`` goes on with the batch after it (as
+    torch's); a ``state_dict()`` taken then resumes there too, with or without workers.
+    (``num_workers=0`` counted only the batches it built: the resumed loader loaded the
+    failed batch again and raised again.)"""
+    def first_column(batch):
+        return [int(v) for v in np.asarray(batch)[:, 0]]
+
+    with ArenaLoader(RaisesAt(12, bad=5), batch_size=2, num_workers=num_workers) as loader:
+        iterator = iter(loader)
+        head = [first_column(next(iterator)) for _ in range(2)]
+        with pytest.raises(ValueError, match="bad sample 5"):
+            next(iterator)
+        state = loader.state_dict()
+        rest = [first_column(batch) for batch in iterator]
+    assert head == [[0, 1], [2, 3]] and rest == [[6, 7], [8, 9], [10, 11]]
+    with ArenaLoader(RaisesAt(12, bad=5), batch_size=2, num_workers=num_workers) as resumed:
+        resumed.load_state_dict(state)
+        assert [first_column(batch) for batch in resumed] == rest
