@@ -494,15 +494,21 @@ def test_sampler_out_of_range_names_index_length_and_sampler(option, num_workers
     batch_size = 2 if option == "sampler" else 1
     with ArenaLoader(ImageDataset(8), batch_size=batch_size, num_workers=num_workers,
                      **{option: sampler}) as loader:
-        iterator = iter(loader)
-        for expected in reference[:2]:
-            np.testing.assert_array_equal(next(iterator), expected)
-        with pytest.raises(IndexError, match=rf"{option} {type(sampler).__name__} yielded sample "
-                                             r"index 8 \(in indices \[8, 5\]\), but "
-                                             r"len\(dataset\) is 8; a sampler must yield"):
-            next(iterator)
-        np.testing.assert_array_equal(next(iterator), reference[3])
-        del iterator
+        _error_in_place(loader, reference[:2], reference[3], IndexError,
+                        rf"{option} {type(sampler).__name__} yielded sample index 8 \(in "
+                        r"indices \[8, 5\]\), but len\(dataset\) is 8; a sampler must yield")
+
+
+def _error_in_place(loader, before, after, error, match):
+    """The batches ``before``, then ``error`` for one batch, then ``after``: no other batch
+    is lost."""
+    iterator = iter(loader)
+    for expected in before:
+        np.testing.assert_array_equal(next(iterator), expected)
+    with pytest.raises(error, match=match):
+        next(iterator)
+    np.testing.assert_array_equal(next(iterator), after)
+    del iterator
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -519,14 +525,9 @@ def test_an_empty_batch_from_a_batch_sampler_names_the_batch_sampler_and_fix(num
         next(torch_iterator)
     reference = reference_epoch(ImageDataset(4), 2, False)
     with ArenaLoader(ImageDataset(4), batch_sampler=batches, num_workers=num_workers) as loader:
-        iterator = iter(loader)
-        np.testing.assert_array_equal(next(iterator), reference[0])
-        with pytest.raises(IndexError, match=r"empty batch \(indices \[\]\).*batch_sampler "
-                                             r"yielded an empty list.*skip empty batches, or "
-                                             r"pass a collate_fn"):
-            next(iterator)
-        np.testing.assert_array_equal(next(iterator), reference[1])
-        del iterator
+        _error_in_place(loader, reference[:1], reference[1], IndexError,
+                        r"empty batch \(indices \[\]\).*batch_sampler yielded an empty "
+                        r"list.*skip empty batches, or pass a collate_fn")
 
 
 class BadSampleDataset(ImageDataset):

@@ -180,10 +180,8 @@ class Window:
         if source.over_limit(arena):
             self.held_blocked = True
             return None
-        if pending and source.held(arena) <= 1:
-            return None  # (a slot lost to Ctrl-C was in use: none found)
-        # Nothing pending: a segment, or next() would wait for a slot that only its caller
-        # can free.
+        # Nothing pending, or the consumer keeps batches: a segment (next() would otherwise
+        # wait for a slot that only its caller can free).
         self.held_overflow = True
         return NO_SLOT
 
