@@ -12,6 +12,7 @@ both run.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import os
 import random
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ._after_import import when_imported
 from ._fd_socket import receive_slab, send_segment
 from ._fetch import BatchFiller, Fetched, SameShapeRows, StreamPosition
 from ._forksafe import close_on_exec_inherited, started_by_fork
@@ -54,8 +56,8 @@ class WorkerSetup:
     base_seed: int
     worker_init_fn: Callable[[int], None] | None
     arm_parent_death_signal: bool
-    # The main process uses torch: set torch's worker info too, importing torch if a fresh
-    # (spawn / forkserver) interpreter has not yet.
+    # The main process uses torch: set torch's worker info too; a fresh (spawn / forkserver)
+    # interpreter sets torch up when something imports it (_after_import).
     publish_to_torch: bool = False
     # The shared ring of the epoch's batch order (``_pipeline.order``): its descriptor (None
     # for thread workers, which read the main process's own mapping) and geometry.
@@ -107,16 +109,15 @@ def worker_main(setup: WorkerSetup, doorbell: Any, result: Any) -> None:
         state = WorkerState(setup)
         if setup.slot_nbytes:
             state.attach(setup.slot_nbytes)
-        if setup.publish_to_torch:
-            # Before seeding: a spawned interpreter imports torch only now, and torch's
-            # default seed is the same in every process.
-            _import_torch()
         _limit_torch_threads()
-        seed = seed_worker(setup.base_seed, setup.worker_id)
+        seed = seed_worker(setup.base_seed, setup.worker_id)  # (torch too, if loaded)
         infos = worker_infos(setup, seed)
         set_process_worker_info(infos[0])  # the extra threads set their own, thread-local
         if setup.publish_to_torch:
-            _publish_to_torch(infos[0])
+            # Loaded (fork; or a spawned one whose dataset imported it as it unpickled): set
+            # up now. Else as torch's import completes, in whichever code imports it.
+            when_imported("torch", functools.partial(_set_up_torch, seed, infos[0],
+                                                     "torch" not in sys.modules))
         if setup.worker_init_fn is not None:
             setup.worker_init_fn(setup.worker_id)
         state.start_threads(infos)
@@ -139,10 +140,16 @@ def report_worker_failure(result_fd: int, worker_id: int, exc: BaseException) ->
     write_completion(result_fd, encode(Status.WORKER_FAILED, -1, -1, bytes(body)))
 
 
-def _import_torch() -> None:
+def _set_up_torch(seed: int, info: WorkerInfo, imported_now: bool, torch: Any) -> None:
+    """torch in a worker as in torch's own: one intra-op thread, its RNG seeded (as its
+    import completes: ``imported_now``; seed_worker seeded a loaded one) and its
+    get_worker_info() answering. Inside the importer's ``import torch``: never raises."""
     try:
-        import torch.utils.data  # noqa: F401
-    except ImportError:
+        if imported_now:
+            torch.set_num_threads(1)
+            torch.manual_seed(seed)
+        _publish_to_torch(info)
+    except Exception:  # (a torch too old or too new for these calls: ours answer, not torch's)
         pass
 
 

@@ -178,26 +178,42 @@ def test_a_batch_sampler_of_numpy_arrays_of_any_int_dtype_gives_torchs_batches(d
 
 
 class TorchDrawDataset(ImageDataset):
-    """Each sample is a draw from torch's global RNG in the loading worker."""
+    """Sample ``i``: a draw from torch's global RNG in the loading worker; whether torch was
+    loaded in that worker before it; what torch's get_worker_info() and thread count say."""
 
-    def __getitem__(self, index: int) -> int:
+    def __getitem__(self, index: int) -> list[int]:
+        import sys
+
+        loaded = "torch" in sys.modules
         import torch
 
-        return int(torch.randint(0, 2**62, ()).item())
+        info = torch.utils.data.get_worker_info()
+        return [int(torch.randint(0, 2**62, ()).item()), int(loaded), info.id,
+                info.num_workers, torch.get_num_threads(), get_worker_info().id]
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_torch_rng_is_seeded_per_worker_even_under_spawn(context):
+@pytest.mark.timeout(90)
+def test_torch_rng_is_seeded_per_worker_even_under_spawn():
     """torch draws in the dataset differ between workers and reproduce with a seed, also in
-    a spawned interpreter that imports torch only inside __getitem__."""
+    a spawned interpreter that imports torch only inside __getitem__: there they are the
+    draws forked workers make with the same seed (torch seeds each worker's RNG with
+    base_seed + worker id whatever the start method). And a spawned worker of a program that
+    uses torch does not import torch (~3 s of CPU each) before its dataset does; once that
+    imports it, torch is set up as in torch's own workers: get_worker_info() answers and
+    torch runs one intra-op thread. One spawned run: each spawned worker imports torch."""
     import torch  # the main program uses torch: the workers' torch RNG must be seeded
 
-    def draws(seed):
-        with ArenaLoader(TorchDrawDataset(4), batch_size=1, num_workers=2,
-                         multiprocessing_context=context,
+    def rows(seed, context="fork"):
+        with ArenaLoader(TorchDrawDataset(4), batch_size=None, num_workers=2,
+                         multiprocessing_context=context, sampler=[0, 1, 2, 3],
                          generator=torch.Generator().manual_seed(seed)) as loader:
-            return [int(b[0]) for b in loader]
+            return [[int(v) for v in row] for row in loader]
 
-    first = draws(3)
+    first = [row[0] for row in rows(3)]
     assert len(set(first)) == 4  # two per worker, all different
-    assert draws(3) == first and draws(4) != first
+    assert [row[0] for row in rows(3)] == first and [row[0] for row in rows(4)] != first
+    spawned = rows(3, "spawn")
+    assert [row[0] for row in spawned] == first
+    assert [row[1] for row in spawned] == [0, 0, 1, 1]  # each worker's first sample imports it
+    assert [row[2:] for row in spawned] == [[0, 2, 1, 0], [1, 2, 1, 1], [0, 2, 1, 0],
+                                            [1, 2, 1, 1]]
