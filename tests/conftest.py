@@ -17,6 +17,8 @@ import pytest
 from arena_loader._pipeline.order import ORDER_TAG
 from arena_loader._slab import NAME_PREFIX, SHM_DIR
 
+from . import zygote
+
 
 def pytest_collection_finish(session):
     # Everything imported by now (the test modules, torch, numba, numpy) is long-lived:
@@ -88,6 +90,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_sessionfinish(session):
+    zygote.stop_all()  # (the warm interpreters' loops end)
+
+
 def our_shm_objects() -> list[str]:
     return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(NAME_PREFIX))
 
@@ -128,7 +134,8 @@ def live_children() -> list[psutil.Process]:
             cmdline = " ".join(child.cmdline())
         except psutil.NoSuchProcess:
             continue
-        if not any(helper in cmdline for helper in _STDLIB_HELPERS):
+        if not any(helper in cmdline for helper in _STDLIB_HELPERS) and (
+                child.pid not in zygote.warm_pids()):
             alive.append(child)
     return alive
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from arena_loader import ShmCapacityError, _slab
 from arena_loader._slab import NAME_PREFIX, SHM_DIR, Slab
 
+from . import zygote
 from .test_fault_matrix import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,9 +24,8 @@ def test_batch_larger_than_shm_fails_at_its_batch_without_sigbus(num_workers):
     needed, the bytes available and the fixes, and so does the next batch's; the process is
     not killed by SIGBUS and, once the loader is closed, no worker, /dev/shm object, mapping or
     thread is left."""
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.fault_driver", "capacity", str(num_workers)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False)
+    result = zygote.run(["-m", "tests.fault_driver", "capacity", str(num_workers)],
+                        cwd=REPO_ROOT, timeout=60)
     assert result.returncode == 0 and result.stderr == "", (result.returncode, result.stderr)
     report = json.loads(result.stdout.splitlines()[-1])
     for error in report["outcomes"]:

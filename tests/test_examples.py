@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from . import zygote
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def run_example(name: str, *args: str) -> tuple[float, float]:
-    """Run an example; return its first and last epoch losses."""
-    result = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True,
-                            text=True, timeout=100)
+    """Run an example (in an interpreter with torch imported: tests/zygote.py); return its
+    first and last epoch losses."""
+    result = zygote.run([str(EXAMPLES / name), *args], timeout=100, preload="torch")
     assert result.returncode == 0, result.stderr[-3000:]
     match = re.search(r"loss first=([\d.]+) last=([\d.]+)", result.stdout)
     assert match, result.stdout
@@ -49,8 +49,8 @@ def test_a_torch_script_switched_by_one_import_sees_the_same_batches_and_losses(
     # the loader's workers and the other tests made the same run take 0.5 s or 7 s.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for loader in ("torch", "arena"):
-        result = subprocess.run([sys.executable, str(EXAMPLES / "switch_from_torch.py"), loader],
-                                capture_output=True, text=True, timeout=100, env=env)
+        result = zygote.run([str(EXAMPLES / "switch_from_torch.py"), loader], timeout=100,
+                            env=env, preload="torch")
         assert result.returncode == 0, result.stderr[-3000:]
         outputs[loader] = result.stdout.strip().rpartition(" time ")[0].partition(" ")[2]
     assert outputs["torch"] == outputs["arena"]

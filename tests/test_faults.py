@@ -22,6 +22,7 @@ import pytest
 
 from arena_loader import ArenaLoader, LoaderClosedError, WorkerCrashedError
 
+from . import zygote
 from .conftest import live_children, our_slab_mappings, wait_until
 from .datasets import ImageDataset, SlowDataset, SuicidalDataset, reference_epoch
 
@@ -918,21 +919,18 @@ def _ctrl_c_during_worker_fork(persistent):
 
 def _in_fresh_interpreter(call: str, timeout_s: float, simulator: bool = False,
                           torch: bool = False) -> None:
-    """Run ``call`` (a function of this module) in a new interpreter; it must return.
-    ``simulator``: under numba's CUDA simulator. ``torch``: ``call`` imports torch. What is
-    imported by then (numba's simulator, torch) is frozen out of the collector, as conftest
-    does for the tests: a matrix's gc.collect() after each epoch or k then walks only what
-    the loaders made, not torch's objects (~0.2 s a collection: most of a matrix's time)."""
-    import subprocess
-
+    """Run ``call`` (a function of this module) in a new interpreter (forked from a warm
+    one: tests/zygote.py); it must return. ``simulator``: under numba's CUDA simulator.
+    ``torch``: ``call`` imports torch. What is imported by then (numba's simulator, torch)
+    is frozen out of the collector, as conftest does for the tests: a matrix's gc.collect()
+    after each epoch or k then walks only what the loaders made, not torch's objects (~0.2 s
+    a collection: most of a matrix's time)."""
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"} if simulator else None
-    imports = "".join(f"import {name}; " for name, used in (("numba.cuda", simulator),
-                                                           ("torch", torch)) if used)
-    result = subprocess.run(
-        [sys.executable, "-c", f"import gc, tests.test_faults as t; {imports}gc.collect(); "
-                               f"gc.freeze(); t.{call}; print('matrix ok')"],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        capture_output=True, text=True, timeout=timeout_s, env=env)
+    result = zygote.run(
+        ["-c", f"import gc, tests.test_faults as t; gc.collect(); gc.freeze(); t.{call}; "
+               "print('matrix ok')"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=timeout_s,
+        env=env, preload="sim" if simulator else "torch" if torch else "base")
     assert result.returncode == 0 and "matrix ok" in result.stdout, result.stderr[-3000:]
 
 
@@ -1210,44 +1208,46 @@ def test_a_worker_that_dies_while_next_waits_on_another_is_reported_at_once():
     assert not live_children() and not our_slab_mappings()
 
 
-class _Stream40:
-    """An iterable-style dataset of 40 samples. With ``interrupt_at``, its iterator raises
+class _Stream:
+    """An iterable-style dataset of ``n`` samples. With ``interrupt_at``, its iterator raises
     KeyboardInterrupt once, just before reading that sample (a Ctrl-C inside the dataset's
     own read, which reads a sample whole or not at all)."""
 
-    def __init__(self, interrupt_at: int | None = None):
-        self.interrupt_at = interrupt_at
+    def __init__(self, n: int, interrupt_at: int | None = None):
+        self.n, self.interrupt_at = n, interrupt_at
 
     def __iter__(self):
-        return _Stream40Iterator(self.interrupt_at)
+        return _StreamIterator(self.n, self.interrupt_at)
 
 
-class _Stream40Iterator:
-    def __init__(self, interrupt_at):
-        self.position, self.interrupt_at = 0, interrupt_at
+class _StreamIterator:
+    def __init__(self, n, interrupt_at):
+        self.n, self.position, self.interrupt_at = n, 0, interrupt_at
 
     def __next__(self):
         if self.position == self.interrupt_at:
             self.interrupt_at = None
             raise KeyboardInterrupt
-        if self.position == 40:
+        if self.position == self.n:
             raise StopIteration
         self.position += 1
         return np.full(2, self.position - 1, dtype=np.int64)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("batch_size", [3, None])
-def test_ctrl_c_in_next_loses_no_sample_of_an_iterable_dataset(batch_size):
+@pytest.mark.parametrize("batch_size, n", [(3, 40), (None, 13)])
+def test_ctrl_c_in_next_loses_no_sample_of_an_iterable_dataset(batch_size, n):
     """Found by a chaos soak (seed 203): with num_workers=0 and an iterable-style dataset, a
     Ctrl-C after the batch's samples were read from the stream, before the batch was kept
     (e.g. while its sample positions were listed), lost the whole batch; one inside the
     dataset's own read lost the samples read before it in that batch. Now KeyboardInterrupt
     at the k-th line of arena_loader code in each next() (for every k past the longest
     next()), or in the stream's own read of any sample: the epoch still yields every sample
-    once, in order, in batches of ``batch_size`` (the last one short)."""
+    once, in order, in batches of ``batch_size`` (the last one short). Without batching, a
+    stream of 13 samples (the first next(), steady ones, the last and the end; 40 made it
+    the suite's longest test, each k an epoch of 40 next() calls)."""
     rows = batch_size or 1
-    expected = [list(range(s, min(s + rows, 40))) for s in range(0, 40, rows)]
+    expected = [list(range(s, min(s + rows, n))) for s in range(0, n, rows)]
 
     def epoch(dataset, k):
         with ArenaLoader(dataset, batch_size=batch_size, num_workers=0) as loader:
@@ -1273,11 +1273,11 @@ def test_ctrl_c_in_next_loses_no_sample_of_an_iterable_dataset(batch_size):
     k, longest = 0, 1
     while k <= longest:
         k += 1
-        got, longest_now = epoch(_Stream40(), k)
+        got, longest_now = epoch(_Stream(n), k)
         longest = max(longest, longest_now)
         assert got == expected, (k, got)
-    for at in (0, 1, 2, 7, 39, 40):
-        got, _ = epoch(_Stream40(interrupt_at=at), 10_000)
+    for at in (0, 1, 2, 7, n - 1, n):
+        got, _ = epoch(_Stream(n, interrupt_at=at), 10_000)
         assert got == expected, (at, got)
 
 

@@ -31,6 +31,7 @@ from arena_loader.samplers import (
     WeightedRandomSampler,
 )
 
+from . import zygote
 from .datasets import ImageDataset, SuicidalDataset
 from .test_parity3 import torch_error
 from .test_torch_parity import probe_epochs, torch, tud
@@ -601,6 +602,5 @@ def test_migrating_guide_examples_run(tmp_path):
     for index, block in enumerate(blocks):
         script = tmp_path / f"example{index}.py"
         script.write_text(block)
-        result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                                timeout=50)
+        result = zygote.run([str(script)], timeout=50, preload="torch")
         assert result.returncode == 0, (index, result.stderr)

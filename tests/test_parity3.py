@@ -11,8 +11,6 @@ import decimal
 import fractions
 import gc
 import pickle
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -24,6 +22,7 @@ from hypothesis import strategies as st
 import arena_loader.errors
 from arena_loader import ArenaLoader, SampleTypeError, WorkerCrashedError
 
+from . import zygote
 from .test_real_batches import assert_same as assert_same_values
 from .test_torch_parity import torch, tud
 
@@ -357,8 +356,7 @@ else:
 def run_fd_script(tmp_path, which: str, num_workers: int) -> str:
     script = tmp_path / "fd_limit.py"
     script.write_text(textwrap.dedent(FD_SCRIPT))
-    done = subprocess.run([sys.executable, str(script), which, str(num_workers)],
-                          capture_output=True, text=True, timeout=90)
+    done = zygote.run([str(script), which, str(num_workers)], timeout=90, preload="torch")
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip().splitlines()[-1]
 
@@ -542,8 +540,7 @@ def test_an_unused_iterator_collected_inside_a_generator_call_gives_its_draws_ba
         loader.close()
         print(ours == theirs)
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=45)
+    done = zygote.run(["-c", script], timeout=45, preload="torch")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True"]
 

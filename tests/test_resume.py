@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import pickle
 import random
-import subprocess
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -18,7 +16,7 @@ import pytest
 import torch
 
 from arena_loader import ArenaLoader, get_worker_info
-from tests import resume_driver
+from tests import resume_driver, zygote
 from tests.resume_driver import (
     BATCH_SIZE,
     CONFIGS,
@@ -61,8 +59,9 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
             failures.append(f"{name}: {traceback.format_exc()}")
     states_path, out_path = tmp_path / "states.pkl", tmp_path / "resumed.pkl"
     states_path.write_bytes(pickle.dumps({name: run[3] for name, run in runs.items()}))
-    subprocess.run([sys.executable, "-m", "tests.resume_driver", str(states_path),
-                    str(out_path)], cwd=REPO, check=True, timeout=120)
+    done = zygote.run(["-m", "tests.resume_driver", str(states_path), str(out_path)], cwd=REPO,
+                      timeout=120, preload="torch")
+    assert done.returncode == 0, done.stderr[-3000:]
     resumed = pickle.loads(out_path.read_bytes())
     for name, (whole, stops, heads, _) in runs.items():
         if isinstance(resumed[name], str):
