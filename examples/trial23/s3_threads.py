@@ -204,6 +204,24 @@ def multiprocessing_consumer(ctx: Ctx) -> None:
     ctx.value(child.exitcode, "child exit")
 
 
+def torchdata_nodes(ctx: Ctx) -> None:
+    """torchdata.nodes over the loader: ``IterableWrapper(loader)`` -> ``Prefetcher`` (its
+    thread calls ``next()``) -> ``Mapper`` -> ``Loader``, two epochs, then one cut short."""
+    from torchdata import nodes
+
+    loader = ctx.loader()
+    root = nodes.Mapper(nodes.Prefetcher(nodes.IterableWrapper(loader), prefetch_factor=2),
+                        lambda b: {"x": b["x"] + 1, "y": b["y"]})
+    node_loader = nodes.Loader(root)
+    for epoch in range(2):
+        ctx.epoch(node_loader, f"nodes epoch {epoch}", keep=True)
+    for step, batch in enumerate(node_loader):
+        ctx.got(batch, "cut short")
+        if step == 1:
+            break
+    ctx.epoch(node_loader, "after")
+
+
 def iter_in_two_threads(ctx: Ctx) -> None:
     """Two threads each run an epoch of one loader at the same time."""
     loader = ctx.loader(shuffle=False)
@@ -234,6 +252,7 @@ CASES = [
     Case("iter-here-next-there", iter_here_next_there),
     Case("thread-pool-map", thread_pool_map),
     Case("asyncio-to-thread", asyncio_to_thread),
+    Case("torchdata-nodes", torchdata_nodes),
     Case("multiprocessing-consumer", multiprocessing_consumer),
     Case("iter-in-two-threads", iter_in_two_threads, configs=((0, False), (2, False))),
     Case("iter-in-two-threads-persistent", iter_in_two_threads, configs=((2, True),),

@@ -164,6 +164,28 @@ def generator_thrown_into(ctx: Ctx) -> None:
     ctx.epoch(loader, "after")
 
 
+def subclass_generator_iter(ctx: Ctx) -> None:
+    """A loader subclass whose ``__iter__`` is a generator over ``super().__iter__()``
+    (a transform on every batch), with a ``break`` mid-epoch and the loop's generator then
+    dropped, over three epochs; ``yield from`` and ``for`` forms."""
+    class Scaled(ctx.cls):
+        def __iter__(self):
+            for batch in super().__iter__():
+                yield {"x": batch["x"] * 10, "y": batch["y"]}
+
+    class Delegating(ctx.cls):
+        def __iter__(self):
+            yield from super().__iter__()
+
+    for cls in (Scaled, Delegating):
+        loader = ctx.loader(cls=cls)
+        for epoch in range(3):
+            for step, batch in enumerate(loader):
+                ctx.got(batch, f"{cls.__name__} epoch {epoch}")
+                if epoch == 0 and step == 1:
+                    break
+
+
 def reiterate_on_stop(ctx: Ctx) -> None:
     """The step loop that makes a new iterator when one ends."""
     loader = ctx.loader(n=12)
@@ -237,6 +259,7 @@ CASES = [
     Case("body-keyboard-interrupt", body_keyboard_interrupt),
     Case("generator-closed", generator_closed),
     Case("generator-thrown-into", generator_thrown_into),
+    Case("subclass-generator-iter", subclass_generator_iter),
     Case("reiterate-on-stop", reiterate_on_stop),
     Case("len-during-iteration", len_during_iteration),
     Case("nested-for", nested_for),
