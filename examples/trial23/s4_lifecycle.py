@@ -164,6 +164,27 @@ def generator_thrown_into(ctx: Ctx) -> None:
     ctx.epoch(loader, "after")
 
 
+def yield_from_held_iterator(ctx: Ctx) -> None:
+    """``yield from it`` over an iterator the loop still holds, the generator closed early
+    (evaluation every k steps off one training iterator): Python closes ``it`` too when it
+    has a ``close()``, as ours has (torch's has none)."""
+    loader = ctx.loader()
+    it = iter(loader)
+
+    def steps():
+        yield from it
+
+    for step, batch in enumerate(steps()):
+        ctx.got(batch, "first steps")
+        if step == 1:
+            break  # the generator is dropped: closed
+    try:
+        ctx.epoch(it, "rest of the epoch")
+    except Exception as e:
+        ctx.error(e, "rest of the epoch")
+    ctx.epoch(loader, "next epoch")
+
+
 def subclass_generator_iter(ctx: Ctx) -> None:
     """A loader subclass whose ``__iter__`` is a generator over ``super().__iter__()``
     (a transform on every batch), with a ``break`` mid-epoch and the loop's generator then
@@ -259,6 +280,8 @@ CASES = [
     Case("body-keyboard-interrupt", body_keyboard_interrupt),
     Case("generator-closed", generator_closed),
     Case("generator-thrown-into", generator_thrown_into),
+    Case("yield-from-held-iterator", yield_from_held_iterator,
+         known="known: an iterator of ours has close() (docs/migrating.md)"),
     Case("subclass-generator-iter", subclass_generator_iter),
     Case("reiterate-on-stop", reiterate_on_stop),
     Case("len-during-iteration", len_during_iteration),
