@@ -175,7 +175,8 @@ class PersistentEpoch(LoaderLength):
         early (or collected) calls this, where torch's iterator has no ``close()``."""
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.iterator, name)  # worker_pids, stats, ...
+        # (Not self.iterator: on an instance without it, that lookup came back here.)
+        return getattr(object.__getattribute__(self, "iterator"), name)  # worker_pids, ...
 
 
 class LiveIterators:
