@@ -9,7 +9,9 @@ over the same loader, a ``return`` from inside the loop, ``next()`` after the en
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 import time
 
 from common import Case, Ctx, main
@@ -229,6 +231,24 @@ def len_during_iteration(ctx: Ctx) -> None:
         ctx.got(batch, "batch")
 
 
+def copy_iterator(ctx: Ctx) -> None:
+    """``copy.copy`` / ``copy.deepcopy`` / ``pickle`` of an iterator (an object holding
+    one, copied), then the original goes on."""
+    loader = ctx.loader()
+    it = iter(loader)
+    ctx.got(next(it), "before")
+    for name, how in (("copy", copy.copy), ("deepcopy", copy.deepcopy),
+                      ("pickle", pickle.dumps)):
+        try:
+            twin = how(it)
+            ctx.value("made", name)
+            if name != "pickle":
+                ctx.got(next(twin), f"{name} twin")
+        except Exception as e:
+            ctx.error(e, name)
+    ctx.epoch(it, "the original goes on")
+
+
 def nested_for(ctx: Ctx) -> None:
     loader = ctx.loader(n=12)
     pairs = []
@@ -285,6 +305,7 @@ CASES = [
     Case("subclass-generator-iter", subclass_generator_iter),
     Case("reiterate-on-stop", reiterate_on_stop),
     Case("len-during-iteration", len_during_iteration),
+    Case("copy-iterator", copy_iterator),
     Case("nested-for", nested_for),
     Case("return-from-loop", return_from_loop),
     Case("next-after-end", next_after_end),
