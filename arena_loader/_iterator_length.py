@@ -1,11 +1,27 @@
-"""``len(iter(loader))``, as torch's DataLoader iterators have it."""
+"""What every iterator handed to user code has as torch's DataLoader iterators have it:
+``len(iter(loader))``, and no copy or pickle."""
 
 from __future__ import annotations
 
 from typing import Any
 
 
-class LoaderLength:
+class NotCopied:
+    """Refuses ``copy.copy``, ``copy.deepcopy`` and pickling with torch's exception class, as
+    torch's iterators do (``NotImplementedError``). A copy would share the epoch's state with
+    the original: the two handed out the same batch, or, behind ``__getattr__``, recursed."""
+
+    __slots__ = ()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot be pickled or copied, as torch's DataLoader "
+            "iterators cannot: it runs one epoch on its loader's workers and shared memory; "
+            "copy or pickle the loader, keep the position with loader.state_dict(), or call "
+            "iter(loader) for a new iterator")
+
+
+class LoaderLength(NotCopied):
     """The length of an iterator handed to user code: its loader's index sampler's (the batch
     sampler's, or the sampler's without batching), the whole epoch's as torch's ``__len__``
     gives it, not what is left. An iterable-style dataset's ``InfiniteConstantSampler`` has

@@ -18,6 +18,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ._iterator_length import NotCopied
+
 
 def loaded_torch() -> Any:
     """The torch module if the program imported it, else None."""
@@ -85,7 +87,7 @@ def warn_pin_memory(pin_memory_device: str, unpinned: str | None) -> None:
                       "pageable host memory)", UserWarning, stacklevel=3)
 
 
-class LengthCheckedIterator:
+class LengthCheckedIterator(NotCopied):
     """An epoch's iterator that warns, with torch's text, once an iterable-style dataset has
     yielded more batches than the ``len(dataset)`` read by ``len(loader)`` before ``iter()``
     (torch's ``_BaseDataLoaderIter.__next__`` check, which compares batches with samples)."""

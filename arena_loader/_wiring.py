@@ -169,8 +169,14 @@ class PersistentEpoch(LoaderLength):
     def __next__(self) -> Any:
         return self._next()
 
+    def close(self) -> None:
+        """Stops nothing: the workers are the loader's (``loader.close()`` stops them), and
+        the next ``iter()`` goes on with them. ``yield from loader`` in a generator closed
+        early (or collected) calls this, where torch's iterator has no ``close()``."""
+
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.iterator, name)  # worker_pids, stats, close, ...
+        # (Not self.iterator: on an instance without it, that lookup came back here.)
+        return getattr(object.__getattribute__(self, "iterator"), name)  # worker_pids, ...
 
 
 class LiveIterators:

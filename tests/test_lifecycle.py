@@ -122,6 +122,44 @@ def test_persistent_workers_survive_epochs(interrupt_at, worker_mode):
         del batch
 
 
+def _through(iterable):
+    yield from iterable  # gen.close() (or the generator collected) calls its close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("how", ["close", "collected"])
+def test_a_generator_closed_mid_epoch_keeps_the_persistent_workers_and_the_order(how):
+    """``yield from loader`` in a generator closed mid-epoch (``close()``, or dropped) calls
+    the epoch iterator's close(), which torch's iterator does not have: ours stopped the
+    loader's persistent workers, so the next epoch started new ones from a new seed draw, in
+    another order than torch's. The workers and the next epoch stay as with the generator
+    left open."""
+    torch = pytest.importorskip("torch")  # (an int seed's order does not take the worker seed)
+    dataset = ImageDataset(30, shape=(3,), dtype=np.int64)
+
+    def next_epoch(close: bool) -> tuple[list, bool]:
+        with ArenaLoader(dataset, batch_size=4, shuffle=True, num_workers=2,
+                         persistent_workers=True,
+                         generator=torch.Generator().manual_seed(0)) as loader:
+            first = iter(loader)
+            next(first)
+            pids = first.worker_pids
+            del first
+            gen = _through(loader)
+            next(gen)
+            if close and how == "close":
+                gen.close()
+            elif close:
+                del gen
+                gc.collect()
+            again = iter(loader)
+            return [b.tolist() for b in again], again.worker_pids == pids
+
+    order, same_workers = next_epoch(close=True)
+    assert order == next_epoch(close=False)[0]
+    assert same_workers
+
+
 def test_non_persistent_workers_exit_when_the_epoch_ends():
     """Without persistent_workers, workers are joined as soon as the epoch is exhausted."""
     with ArenaLoader(ImageDataset(10), batch_size=2, num_workers=2) as loader:

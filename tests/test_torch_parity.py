@@ -638,6 +638,28 @@ def test_worker_seed_equals_torchs_for_the_same_torch_generator():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize(("num_workers", "persistent"), [(0, False), (1, False), (1, True)])
+def test_an_iterator_refuses_copy_and_pickle_as_torchs_and_goes_on(num_workers, persistent):
+    """torch's iterators raise NotImplementedError for copy.copy, copy.deepcopy and pickle.
+    Ours: copy.copy made a shallow twin sharing the epoch's state (with num_workers=0 the
+    twin and the original handed out the same batch), a RecursionError with persistent
+    workers; deepcopy and pickle raised TypeError / AttributeError about their insides. The
+    original goes on with the rest of its epoch."""
+    import copy
+    import pickle
+
+    with ArenaLoader(DATA, batch_size=2, num_workers=num_workers,
+                     persistent_workers=persistent) as loader:
+        iterator = iter(loader)
+        first = np.asarray(next(iterator)).tolist()
+        for how in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(NotImplementedError, match="cannot be pickled or copied"):
+                how(iterator)
+        rest = [np.asarray(b).tolist() for b in iterator]
+    assert [first, *rest] == [np.asarray(b).tolist() for b in tud.DataLoader(DATA, batch_size=2)]
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(("how", "num_workers", "persistent"), [
     ("deepcopy", 0, False), ("pickle", 1, False), ("deepcopy", 1, True)])
 def test_a_loader_deep_copies_and_pickles_as_torchs_does(how, num_workers, persistent):
