@@ -185,6 +185,34 @@ def test_default_collate_promotes_dtypes_and_keeps_bfloat16(num_workers):
     assert got[0]["t"].dtype == torch.bfloat16
 
 
+class NarrowFirst:
+    """Tensor rows whose first dtype is the narrowest of its batch of 3: int32 then int64,
+    float16 then float32."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        first = i % 3 == 0
+        return {"u": torch.full((2,), i, dtype=torch.int32 if first else torch.int64),
+                "v": torch.full((2,), i / 2, dtype=torch.float16 if first else torch.float32)}
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_tensor_rows_promote_past_the_first_rows_dtype_as_torch_does_in_its_main_process(
+        num_workers):
+    """torch's default_collate promotes (int32 and int64 rows: int64) in the main process;
+    its workers stack into the first row's dtype (docs/migrating.md, "Shapes"). Ours
+    promotes with workers too."""
+    expected = list(DataLoader(NarrowFirst(), batch_size=3))
+    with ArenaLoader(NarrowFirst(), batch_size=3, num_workers=num_workers) as loader:
+        got = list(loader)
+    assert len(got) == len(expected) == 2
+    for i, (ours, theirs) in enumerate(zip(got, expected)):
+        assert_same(ours, theirs, f"batch {i}")
+    assert got[0]["u"].dtype == torch.int64 and got[0]["v"].dtype == torch.float32
+
+
 @pytest.mark.parametrize("num_workers", WORKERS)
 def test_numpy_strings_of_different_widths(num_workers):
     expected = [f"{'w' * (1 + i)}" for i in range(10)]
