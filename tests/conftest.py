@@ -33,7 +33,7 @@ def pytest_addoption(parser):
                      help="also run tests marked slow (soak and speed runs)")
 
 
-# The suite's longest tests (2 to 17 s each on the 2-core machine), longest first. They run
+# The suite's longest tests (4 to 47 s each on the 2-core machine), longest first. They run
 # spread over the first four fifths of the suite, none in its last fifth: pytest-xdist
 # (--dist loadgroup, pyproject) hands out one test at a time to whichever process is free,
 # so the suite ends on short tests and neither process waits long for the other's last one.
@@ -43,30 +43,30 @@ def pytest_addoption(parser):
 LONGEST_FIRST = (
     "test_bench.py::test_bench_cli_quick_writes_every_loader_and_metric",
     "test_device.py::test_device_leg_passes_under_the_simulator",
-    "test_bench.py::test_every_compared_loader_delivers_the_reference_batches",
-    "test_workers.py::test_torch_rng_is_seeded_per_worker_even_under_spawn",
-    "test_fork.py::test_every_loader_descriptor_is_close_on_exec_and_workers_hold_no_other_slab",
-    "test_examples.py::test_train_memmap_example_reduces_the_loss",
-    "test_soak.py::test_soak_with_injected_faults_stays_flat",
     "test_examples.py::test_a_torch_script_switched_by_one_import_sees_the_same_batches_and_losses",
-    "test_examples.py::test_train_numeric_example_reduces_the_loss",
-    "test_resume.py::test_resumed_run_equals_uninterrupted_run",
-    "test_faults.py::test_ctrl_c_in_next_loses_no_sample_of_an_iterable_dataset",
-    "test_lifecycle.py::test_spawn_and_forkserver_workers_load_correct_batches",
-    "test_iterable.py::test_spawn_workers_shard_and_stop_cleanly",
-    "test_faults.py::test_ctrl_c_at_any_line_of_a_staged_next_loses_nothing",
-    "test_datasets.py::test_memmap_dataset_works_with_spawn_and_pickles_only_paths",
-    "test_parity3.py::test_lightning_trains_on_the_order_torchs_dataloader_gives",
-    "test_capacity.py::test_batch_larger_than_shm_fails_at_its_batch_without_sigbus",
     "test_faults.py::test_ctrl_c_at_any_line_of_next_loses_no_batch_error",
-    "test_faults.py::test_ctrl_c_at_any_line_of_next_iter_and_close_loses_nothing",
+    "test_bench.py::test_every_compared_loader_delivers_the_reference_batches",
+    "test_examples.py::test_train_memmap_example_reduces_the_loss",
     "test_distributed.py::test_two_gloo_ranks_split_the_dataset_and_set_epoch_reshuffles",
-    "test_parity3.py::test_too_many_open_files_is_a_runtime_error_naming_ulimit_and_the_fix",
-    "test_pin_stage.py::test_timeout_and_a_dead_worker_are_raised_by_next_through_the_pin_thread",
-    "test_torch_parity.py::test_options_torch_reads_at_iter_take_effect_when_set_after_construction",
-    "test_errors.py::test_timeout_raises_runtime_error_naming_seconds",
-    "test_fault_matrix.py::test_keyboard_interrupt_is_raised_at_once_and_loses_nothing",
-    "test_faults.py::test_ctrl_c_in_iter_after_load_state_dict_keeps_the_resumed_epoch",
+    "test_workers.py::test_torch_rng_is_seeded_per_worker_even_under_spawn",
+    "test_faults.py::test_ctrl_c_at_any_line_of_a_staged_next_loses_nothing",
+    "test_soak.py::test_soak_with_injected_faults_stays_flat",
+    "test_faults.py::test_ctrl_c_at_any_line_of_next_iter_and_close_loses_nothing",
+    "test_faults.py::test_a_ctrl_c_at_any_call_into_c_loses_no_batch_and_strands_no_slot",
+    "test_iterable.py::test_spawn_workers_shard_and_stop_cleanly",
+    "test_parity3.py::test_lightning_trains_on_the_order_torchs_dataloader_gives",
+    "test_faults.py::test_ctrl_c_in_next_loses_no_sample_of_an_iterable_dataset",
+    "test_examples.py::test_train_numeric_example_reduces_the_loss",
+    "test_output.py::test_output_torch_imports_torch_with_the_loader_not_inside_next",
+    "test_capacity.py::test_batch_larger_than_shm_fails_at_its_batch_without_sigbus",
+    "test_resume.py::test_resumed_run_equals_uninterrupted_run",
+    "test_lifecycle.py::test_close_racing_iteration_from_another_thread_is_only_ever_loader_closed_error",
+    "test_datasets.py::test_memmap_dataset_works_with_spawn_and_pickles_only_paths",
+    "test_iterable.py::test_the_epoch_ends_without_a_wait_when_the_streams_end",
+    "test_fork.py::test_every_loader_descriptor_is_close_on_exec_and_workers_hold_no_other_slab",
+    "test_faults.py::test_a_signal_that_arrives_during_a_garbage_collection_is_not_swallowed",
+    "test_datasets.py::test_gather_is_compiled_in_the_parent_before_fork_workers_start",
+    "test_bench.py::test_bench_rounds_go_over_every_workload_in_turn",
 )
 
 
