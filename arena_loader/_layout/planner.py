@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import LayoutError, SampleShapeError, SampleTypeError
+from .flat import take_flat
 from .numbers import (
     AS_TENSOR_DTYPES,
     as_tensor_list,
@@ -287,10 +288,11 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any],
         # (A first sample that is a str or bytes takes anything after it, None too: torch
         # hands the list out as it is.)
         takes_none = type(spec) is ObjectLeaf
-        for sample, index in zip(samples[1:], indices[1:]):
-            if sample is None and not takes_none:
-                reject_none(sample, f"dataset[{index!r}]", collated=True)
-            flatten(spec, sample, raw_columns, objects, index)
+        if not take_flat(spec, samples[1:], raw_columns, objects):
+            for sample, index in zip(samples[1:], indices[1:]):
+                if sample is None and not takes_none:
+                    reject_none(sample, f"dataset[{index!r}]", collated=True)
+                flatten(spec, sample, raw_columns, objects, index)
         objects = [collate(values, collate_fn_map=builder.extensions) if collate is not None
                    else collate_objects(values, path, in_sequence, indices)
                    for values, path, in_sequence, collate in zip(
