@@ -114,7 +114,8 @@ def _column(values: list, path: str, indices: Sequence[Any],
             values, kind = numbers_of_tensors(values), KIND_TORCH
             types = set(map(type, values))
         dtype = number_dtype(values, path, indices, types)
-        if dtype.kind == "i":
+        # (min and max in C first: a value per call cost 0.5 us a row)
+        if dtype.kind == "i" and not -(2**63) <= min(values) <= max(values) < 2**63:
             for value, index in zip(values, indices):
                 if outside_int64(value):
                     raise LayoutError(f"sample {index!r}: field {path} is {value}, outside the "
