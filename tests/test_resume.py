@@ -154,6 +154,22 @@ def test_mismatched_state_is_an_error_naming_what_differs(name, overrides, diffe
         other.load_state_dict(state)
 
 
+@pytest.mark.timeout(60)
+def test_a_state_whose_base_seed_does_not_replay_is_an_error():
+    """Resuming replays the epoch's draws, and the workers' base seed drawn must be the one
+    saved: a state whose seed does not replay (edited, or saved by a loader drawing
+    otherwise) is a ValueError at iter(), not an epoch silently seeded otherwise."""
+    torch.manual_seed(SEED)
+    with make_loader("workers") as loader:
+        _, state = _stop(loader, 2)
+    assert state["drew_base_seed"] and state["base_seed"] is not None
+    state["base_seed"] = (state["base_seed"] + 1) % 2**63
+    with make_loader("workers") as loader:
+        loader.load_state_dict(state)
+        with pytest.raises(ValueError, match="base seed must be replayed"):
+            iter(loader)
+
+
 def test_empty_state_changes_nothing():
     """torchdata's rule: load_state_dict({}) is a no-op."""
     torch.manual_seed(SEED)
@@ -220,6 +236,41 @@ def test_persistent_workers_resumed_between_epochs_start_the_next_epoch_whole():
         loader.load_state_dict(state)
         assert [b.tolist() for b in loader] == uninterrupted
     assert sorted(i for batch in uninterrupted for i in batch) == list(range(8))
+
+
+@pytest.mark.timeout(60)
+def test_a_state_taken_early_in_a_later_epoch_resumes_the_workers_not_yet_heard_from():
+    """A state taken in the second epoch after one batch (worker 0's): worker 1 has handed
+    out nothing of this epoch, so its replica resumes from the epoch's start, not from its
+    state at the end of the last epoch (the Stateful pattern's end point: loaded, worker 1's
+    share of the resumed epoch was empty)."""
+    options = dict(batch_size=2, num_workers=2)
+    with ArenaLoader(ResumePointStream(), **options) as loader:
+        assert len(list(loader)) == 4
+        iterator = iter(loader)
+        head = [next(iterator).tolist()]
+        state = loader.state_dict()
+        rest = [b.tolist() for b in iterator]
+    with ArenaLoader(ResumePointStream(), **options) as loader:
+        loader.load_state_dict(state)
+        assert [b.tolist() for b in loader] == rest
+    assert sorted(i for batch in head + rest for i in batch) == list(range(8))
+
+
+@pytest.mark.parametrize("name", ["workers", "iterable_stateful"])
+def test_state_dict_right_after_load_state_dict_is_the_loaded_state(name):
+    """As torchdata's StatefulDataLoader: until the loaded state's epoch hands out a batch
+    (before iter(), or with an iterator dropped unused), state_dict() is that state, not
+    this loader's own position."""
+    torch.manual_seed(SEED)
+    with make_loader(name) as loader:
+        _, state = _stop(loader, 2)
+    with make_loader(name) as loader:
+        loader.load_state_dict(state)
+        assert loader.state_dict() == state
+        unused = iter(loader)
+        assert loader.state_dict() == state
+        del unused
 
 
 @pytest.mark.parametrize(("how", "num_workers"), [("deepcopy", 0), ("pickle", 1)])
@@ -580,21 +631,27 @@ def test_an_iterator_dropped_unused_leaves_the_loaded_state_to_the_next_iter(nam
 
 
 class UnevenShards:
-    """An iterable-style dataset whose worker k yields ``sizes[k]`` items (k * 1000 + i)."""
+    """An iterable-style dataset whose worker k yields ``sizes[k]`` items (k * 1000 + i);
+    ``log``: a file each ``__iter__`` appends its worker's id to."""
 
-    def __init__(self, sizes: list[int]):
+    def __init__(self, sizes: list[int], log: Path | None = None):
         self.sizes = sizes
+        self.log = log
 
     def __iter__(self):
         worker = get_worker_info().id
+        if self.log is not None:
+            with open(self.log, "a") as log:
+                log.write(f"{worker}\n")
         return iter(range(worker * 1000, worker * 1000 + self.sizes[worker]))
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_whose_stream_ended_before_the_state_starts_the_next_epoch_whole():
+def test_a_worker_whose_stream_ended_before_the_state_starts_the_next_epoch_whole(tmp_path):
     """Persistent workers, a stateless iterable: worker 0's stream had ended when the state
-    was taken, so it is not asked in the resumed epoch; its iterator of the next epoch starts
-    afresh instead of skipping the batch it had handed out in the interrupted one."""
+    was taken, so it is not asked in the resumed epoch (its ``__iter__`` is not called, as
+    in the uninterrupted run, where its iterator had ended); its iterator of the next epoch
+    starts afresh instead of skipping the batch it had handed out in the interrupted one."""
     def rows(batches):
         return [batch.tolist() for batch in batches]
 
@@ -605,10 +662,16 @@ def test_a_worker_whose_stream_ended_before_the_state_starts_the_next_epoch_whol
         head = rows(next(iterator) for _ in range(3))
         state = loader.state_dict()
         del iterator
-    with ArenaLoader(UnevenShards([2, 6, 0]), **options) as loader:
+    assert state["workers"][0]["ended"]
+    log = tmp_path / "iters.log"
+    with ArenaLoader(UnevenShards([2, 6, 0], log), **options) as loader:
         loader.load_state_dict(state)
-        tail = rows(loader) + rows(loader)
+        tail = rows(loader)
+        resumed_epoch_iters = log.read_text().split()
+        tail += rows(loader)
     assert head + tail == whole
+    assert "0" not in resumed_epoch_iters  # (its one __iter__ is the next epoch's)
+    assert log.read_text().split().count("0") == 1
 
 
 @pytest.mark.timeout(60)
