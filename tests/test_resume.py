@@ -144,6 +144,7 @@ def test_state_dict_is_plain_json_data(name):
     ("in_process", {"dataset": "short"}, f"dataset_length is {SAMPLES} in the state and "
                                          f"{SAMPLES - 1} here"),
     ("iterable_stateful", {"num_workers": 1}, "num_workers is 2 in the state and 1 here"),
+    ("in_process", {"drop_last": True}, "drop_last is False in the state and True here"),
     ("in_order_generator", {"generator": None}, "generators is"),
 ])
 def test_mismatched_state_is_an_error_naming_what_differs(name, overrides, differs):
@@ -271,6 +272,70 @@ def test_state_dict_right_after_load_state_dict_is_the_loaded_state(name):
         unused = iter(loader)
         assert loader.state_dict() == state
         del unused
+
+
+def test_a_state_taken_in_a_resumed_epoch_names_that_epoch_and_resumes_again():
+    """A state taken after batches of a resumed epoch: its epoch and batch count are that
+    epoch's (as an uninterrupted run's state), and it resumes in turn."""
+    torch.manual_seed(SEED)
+    whole = resume_driver.run_whole("in_process")
+    per_epoch = len(whole) // 2
+    torch.manual_seed(SEED)
+    with make_loader("in_process") as loader:
+        list(loader)
+        _, state = _stop(loader, 2)  # epoch 1, two batches in
+    with make_loader("in_process") as loader:
+        loader.load_state_dict(state)
+        iterator = iter(loader)
+        assert rows(next(iterator)) == whole[per_epoch + 2]
+        again = loader.state_dict()
+        del iterator
+    assert (again["epoch"], again["batches_yielded"]) == (1, 3)
+    with make_loader("in_process") as loader:
+        loader.load_state_dict(again)
+        assert [rows(b) for b in loader] == whole[per_epoch + 3:]
+        assert loader.state_dict()["epoch"] == 2
+
+
+def test_a_second_load_state_dict_after_a_resumed_epoch_began_is_the_one_resumed():
+    """load_state_dict(a), batches of that epoch, then load_state_dict(b) (a checkpoint
+    restored again): the next iter() resumes b, not a new epoch."""
+    torch.manual_seed(SEED)
+    whole = resume_driver.run_whole("in_process", epochs=1)
+    torch.manual_seed(SEED)
+    with make_loader("in_process") as loader:
+        _, at_two = _stop(loader, 2)
+    torch.manual_seed(SEED)
+    with make_loader("in_process") as loader:
+        _, at_three = _stop(loader, 3)
+    with make_loader("in_process") as loader:
+        loader.load_state_dict(at_two)
+        iterator = iter(loader)
+        assert [rows(next(iterator)) for _ in range(2)] == whole[2:4]
+        del iterator
+        loader.load_state_dict(at_three)
+        assert [rows(b) for b in loader] == whole[3:]
+
+
+@pytest.mark.timeout(60)
+def test_an_epoch_being_iterated_goes_on_after_load_state_dict_and_a_new_iter():
+    """Persistent workers: load_state_dict() and a new iter() while an iterator is still in
+    its epoch (torchdata's load_state_dict drops only the loader's reference to it): the new
+    iterator gets new workers, and the old one finishes its epoch on its own, not closed."""
+    with ArenaLoader(_Rows(), batch_size=8, shuffle=True, num_workers=2,
+                     persistent_workers=True,
+                     generator=torch.Generator().manual_seed(SEED)) as loader:
+        state = loader.state_dict()  # before the first epoch
+        first = [b[:, 0].tolist() for b in loader]
+        old = iter(loader)
+        seen = [next(old)[:, 0].tolist() for _ in range(3)]
+        loader.load_state_dict(state)
+        new = iter(loader)
+        assert next(new)[:, 0].tolist() == first[0]
+        seen += [b[:, 0].tolist() for b in old]
+        assert sorted(i for b in seen for i in b) == list(range(64))
+        assert [b[:, 0].tolist() for b in new] == first[1:]
+        del old, new
 
 
 @pytest.mark.parametrize(("how", "num_workers"), [("deepcopy", 0), ("pickle", 1)])
@@ -434,6 +499,25 @@ def test_state_dict_with_required_arguments_is_not_torchdatas_protocol(workers):
     with ArenaLoader(ArgumentStateStream(), batch_size=2, num_workers=workers) as loader:
         loader.load_state_dict(state)
         assert [b.tolist() for b in loader] == torch_batches[3:]
+
+
+def test_a_state_dict_with_no_signature_to_read_is_torchdatas_protocol():
+    """A ``state_dict`` whose signature cannot be read (a builtin, as a compiled extension's
+    method may be) is trusted to take no arguments: its state is saved, not skipped."""
+    from arena_loader._resume_stream import is_stateful
+
+    class BuiltinState:
+        state_dict = dict  # (inspect.signature(dict) raises ValueError)
+
+        def load_state_dict(self, state):
+            pass
+
+    class ArgumentState(BuiltinState):
+        def state_dict(self, num_samples):
+            return {}
+
+    assert is_stateful(BuiltinState())
+    assert not is_stateful(ArgumentState())
 
 
 class _YieldCountingDistributedSampler:
@@ -663,6 +747,7 @@ def test_a_worker_whose_stream_ended_before_the_state_starts_the_next_epoch_whol
         state = loader.state_dict()
         del iterator
     assert state["workers"][0]["ended"]
+    assert state["batches_yielded"] == 3 < state["next_idx"]  # (ended marks: idx, no batch)
     log = tmp_path / "iters.log"
     with ArenaLoader(UnevenShards([2, 6, 0], log), **options) as loader:
         loader.load_state_dict(state)
