@@ -501,6 +501,113 @@ def test_state_dict_with_required_arguments_is_not_torchdatas_protocol(workers):
         assert [b.tolist() for b in loader] == torch_batches[3:]
 
 
+class _CountingIterator:
+    """An iterator with torchdata's Stateful methods (its dataset has none): 0, 1, ... 9."""
+
+    def __init__(self):
+        self.i = 0
+
+    def __next__(self):
+        if self.i >= 10:
+            raise StopIteration
+        self.i += 1
+        return self.i - 1
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+
+
+class _StatefulIteratorStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return _CountingIterator()
+
+
+class _OwnIteratorStream(torch.utils.data.IterableDataset):
+    """Its own iterator: ``__iter__`` starts it over and returns it (a hand-written stream)."""
+
+    def __init__(self):
+        self.i = 0
+
+    def __iter__(self):
+        self.i = 0
+        return self
+
+    __next__ = _CountingIterator.__next__
+    state_dict = _CountingIterator.state_dict
+    load_state_dict = _CountingIterator.load_state_dict
+
+
+class _ContinuingStream(_OwnIteratorStream):
+    """Its own iterator, never starting over: each epoch is the next three numbers."""
+
+    def __init__(self):
+        self.i, self.end = 0, 0
+
+    def __iter__(self):
+        self.end = self.i + 3
+        return self
+
+    def __next__(self):
+        if self.i >= self.end:
+            raise StopIteration
+        self.i += 1
+        return self.i - 1
+
+    def state_dict(self):
+        return {"i": self.i, "end": self.end}
+
+    def load_state_dict(self, state):
+        self.i, self.end = state["i"], state["end"]
+
+
+_TEN_IN_TWOS = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+
+
+def test_a_stream_that_is_its_own_iterator_carries_its_state_into_the_next_epoch():
+    """``num_workers=0``: a state taken at an epoch's end, resumed, goes on as the dataset
+    object went on (torchdata's StatefulDataLoader gives [3, 4, 5] too), mid-epoch also."""
+    with ArenaLoader(_ContinuingStream(), batch_size=1) as loader:
+        assert [b.tolist() for b in loader] == [[0], [1], [2]]
+        at_end = loader.state_dict()
+        iterator = iter(loader)
+        assert next(iterator).tolist() == [3]
+        mid = loader.state_dict()
+        del iterator
+    for state, rest in ((at_end, [[3], [4], [5]]), (mid, [[4], [5]])):
+        with ArenaLoader(_ContinuingStream(), batch_size=1) as loader:
+            loader.load_state_dict(state)
+            assert [b.tolist() for b in loader] == rest
+            assert [b.tolist() for b in loader] == [[6], [7], [8]]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("dataset", [_StatefulIteratorStream, _OwnIteratorStream])
+def test_an_iterators_own_state_resumes_it(dataset, workers):
+    """torchdata's order for a replica: the dataset's state, then ``iter()``, then the
+    iterator's state. An iterator with state of its own resumes where it was, not from its
+    start; so does a dataset that is its own iterator, whose state torchdata takes as the
+    iterator's (loaded after ``iter()``, which starts it over: loaded before, the resumed
+    epoch began again at [0, 1]). A state taken at the epoch's end starts the next epoch
+    whole: the ended iterator's state is not carried into it (with ``num_workers=0`` the
+    next epoch was empty)."""
+    def batches(loader, stop=None):
+        iterator = iter(loader)
+        return [next(iterator).tolist() for _ in range(stop)] if stop else \
+            [b.tolist() for b in iterator]
+
+    for stop, tail in ((2, _TEN_IN_TWOS[2:]), (5, []), (None, _TEN_IN_TWOS)):
+        with ArenaLoader(dataset(), batch_size=2, num_workers=workers) as loader:
+            assert batches(loader, stop) == _TEN_IN_TWOS[:stop]
+            state = loader.state_dict()
+        with ArenaLoader(dataset(), batch_size=2, num_workers=workers) as loader:
+            loader.load_state_dict(state)
+            assert [batches(loader), batches(loader)] == [tail, _TEN_IN_TWOS], stop
+
+
 def test_a_state_dict_with_no_signature_to_read_is_torchdatas_protocol():
     """A ``state_dict`` whose signature cannot be read (a builtin, as a compiled extension's
     method may be) is trusted to take no arguments: its state is saved, not skipped."""
