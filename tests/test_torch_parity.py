@@ -14,7 +14,12 @@ import pytest
 
 from arena_loader import ArenaLoader, get_worker_info
 from arena_loader._options import LoaderOptions
-from arena_loader.samplers import DistributedSampler, SubsetRandomSampler, WeightedRandomSampler
+from arena_loader.samplers import (
+    DistributedSampler,
+    RandomSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from .datasets import (
     BatchedFetchDataset,
@@ -531,6 +536,26 @@ def test_subset_random_sampler_permutes_the_subset():
     torch_seeded = [list(SubsetRandomSampler(indices, torch.Generator().manual_seed(4)))
                     for _ in range(2)]
     assert torch_seeded[0] == torch_seeded[1]
+
+
+@pytest.mark.parametrize("loader_draws", [False, True])
+def test_a_numpy_drawn_random_sampler_covers_every_index_as_torchs_does(loader_draws):
+    """Drawn from numpy (an int seed): ``num_samples`` past the dataset's length is whole
+    permutations and then part of one (each index ``num_samples // n`` or one time more, as
+    torch's), and with ``replacement`` every index can be drawn, the last one too. Drawn by
+    the sampler's ``iter()`` and by a loader's batches (one array for the epoch)."""
+    def drawn(sampler):
+        if not loader_draws:
+            return list(sampler)
+        return [int(i) for batch in ArenaLoader(np.arange(5), batch_size=4, sampler=sampler)
+                for i in np.asarray(batch)]
+
+    counts = np.bincount(drawn(RandomSampler(range(5), num_samples=11, generator=0)),
+                         minlength=5)
+    assert counts.sum() == 11 and set(counts) == {2, 3}
+    with_replacement = drawn(RandomSampler(range(5), replacement=True, num_samples=400,
+                                           generator=0))
+    assert len(with_replacement) == 400 and set(with_replacement) == set(range(5))
 
 
 def test_weighted_random_sampler_follows_the_weights():
