@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from arena_loader import ArenaLoader, get_worker_info
+from arena_loader import ArenaLoader, get_worker_info, samplers
 from tests import resume_driver
 from tests.resume_driver import (
     BATCH_SIZE,
@@ -744,6 +744,62 @@ def test_a_stateful_sampler_without_set_epoch_resumes_mid_epoch_from_its_own_pos
     assert resumed == whole
 
 
+class _PrivateEpochStatefulSampler:
+    """Stateful, with a ``set_epoch`` that keeps its epoch privately (no int ``epoch``
+    attribute): not DistributedSampler's kind, so its own state, the indices yielded,
+    resumes it, as torchdata's StatefulDataLoader resumes any Stateful sampler."""
+
+    def __init__(self, size: int):
+        self.size, self._epoch, self.yielded, self.resume_at = size, 0, 0, None
+
+    def __len__(self):
+        return self.size
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+
+    def __iter__(self):
+        start, self.resume_at = self.resume_at or 0, None
+        self.yielded = start
+        for index in np.random.default_rng(self._epoch).permutation(self.size)[start:]:
+            self.yielded += 1
+            yield int(index)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._epoch, "yielded": self.yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._epoch, self.resume_at = state["epoch"], state["yielded"]
+
+
+@pytest.mark.parametrize("sampler", [
+    lambda: samplers.RandomSampler(range(11), generator=0),
+    lambda: samplers.SubsetRandomSampler(list(range(11)), generator=0),
+    lambda: samplers.WeightedRandomSampler([1.0 + i for i in range(11)], 11, generator=0),
+], ids=["RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler"])
+def test_our_numpy_drawn_samplers_resume_in_a_later_epoch(sampler):
+    """Our random samplers with a seed draw from numpy generators of their own: the state
+    holds each as of the epoch's start, so a resume in the second epoch draws that epoch's
+    order, not the first's again."""
+    def make():
+        return ArenaLoader(list(range(11)), sampler=sampler(), batch_size=3)
+
+    whole, resumed = _whole_and_resumed_in_the_second_epoch(make)
+    assert resumed == whole
+
+
+def test_a_stateful_sampler_with_a_set_epoch_of_its_own_resumes_from_its_own_position():
+    """A Stateful sampler whose ``set_epoch`` keeps no int ``epoch`` resumes from its state
+    as of the last batch received (taken for DistributedSampler's kind, its epoch was read
+    as None and given back to ``set_epoch``: another order)."""
+    def make():
+        return ArenaLoader(list(range(11)), sampler=_PrivateEpochStatefulSampler(11),
+                           batch_size=3)
+
+    whole, resumed = _whole_and_resumed_in_the_second_epoch(make)
+    assert resumed == whole
+
+
 def _whole_and_resumed_in_the_second_epoch(make, reseed=lambda: None):
     """Three epochs of ``make()``'s loader, and the same cut after two batches of the second
     epoch and resumed by a new loader from its state (``reseed`` runs before each of the
@@ -780,14 +836,18 @@ class _GlobalDrawSampler:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("sampler", [_GlobalDrawSampler,
+                                     lambda: torch.utils.data.RandomSampler(range(12))],
+                         ids=["no_generator_attribute", "generator_None"])
 def test_a_sampler_drawing_from_torchs_global_rng_resumes_beside_the_loaders_generator(
-        workers):
+        workers, sampler):
     """The loader has a ``generator`` (its workers' seeds), the sampler none of its own and
     draws from torch's global RNG: the state holds that RNG as of the epoch's start, so the
     resumed epoch, in a process whose global RNG is elsewhere, is the uninterrupted one (it
-    was held only when the loader or a sampler said ``generator=None``)."""
+    was held only when the loader or a sampler said ``generator=None``; a sampler with no
+    ``generator`` attribute, torchsampler's, was missed)."""
     def make():
-        return ArenaLoader(list(range(12)), sampler=_GlobalDrawSampler(), batch_size=3,
+        return ArenaLoader(list(range(12)), sampler=sampler(), batch_size=3,
                            num_workers=workers, generator=torch.Generator().manual_seed(1))
 
     whole, resumed = _whole_and_resumed_in_the_second_epoch(
