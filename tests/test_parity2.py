@@ -467,6 +467,21 @@ def test_the_callers_generator_moves_at_torchs_moments_batch_by_batch(size, drop
     assert states(ArenaLoader) == states(tud.DataLoader)
 
 
+@pytest.mark.parametrize(("replacement", "num_samples"), [(False, 12), (True, 70)])
+def test_batches_across_torchs_chunks_are_torchs(replacement, num_samples):
+    """Our RandomSampler with the caller's torch.Generator, drawing more than one chunk
+    (``randperm`` per dataset length, ``randint`` per 32): batches that span two chunks
+    hold torch's indices, and the generator moves as torch's, batch by batch."""
+    def batches(loader_class, sampler_class):
+        generator = torch.Generator().manual_seed(3)
+        sampler = sampler_class(range(5), replacement=replacement, num_samples=num_samples,
+                                generator=generator)
+        return [(np.asarray(b).tolist(), generator.get_state().tolist())
+                for b in loader_class(IndexDataset(5), batch_size=3, sampler=sampler)]
+
+    assert batches(ArenaLoader, RandomSampler) == batches(tud.DataLoader, tud.RandomSampler)
+
+
 @pytest.mark.timeout(60)
 def test_shuffle_order_with_workers_equals_torchs():
     """With worker processes too: torch's order and torch's RNG state afterwards."""

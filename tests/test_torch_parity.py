@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -470,8 +471,12 @@ def test_distributed_shuffle_splits_the_dataset_between_ranks():
         assert len(truncated) == len(set(truncated)) == size // num_replicas * num_replicas
 
 
-def test_distributed_shuffle_depends_only_on_seed_and_epoch():
-    """The same (seed, epoch) reproduces the order; a new epoch or seed changes it."""
+@pytest.mark.parametrize("torch_imported", [True, False])
+def test_distributed_shuffle_depends_only_on_seed_and_epoch(torch_imported, monkeypatch):
+    """The same (seed, epoch) reproduces the order; a new epoch or seed changes it; in a
+    program without torch too (numpy's permutation of (seed, epoch))."""
+    if not torch_imported:
+        monkeypatch.setitem(sys.modules, "torch", None)  # (as the sampler sees no torch)
     first = shuffled_shares(50, 2, seed=3, epoch=0)
     assert first == shuffled_shares(50, 2, seed=3, epoch=0)
     assert first != shuffled_shares(50, 2, seed=3, epoch=1)
