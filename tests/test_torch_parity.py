@@ -496,6 +496,13 @@ def test_distributed_rank_out_of_range_raises_like_torch():
                                              rf"\[0, {num_replicas - 1}\], got rank={rank} with "
                                              rf"num_replicas={num_replicas}"):
             DistributedSampler(range(8), num_replicas, rank)
+    for num_replicas in (0, -2, True, 2.0):  # (torch: an "Invalid rank" ValueError, or none)
+        with pytest.raises(ValueError, match=rf"num_replicas must be a positive int, got "
+                                             rf"{num_replicas!r}$"):
+            DistributedSampler(range(8), num_replicas, 0)
+    for seed in (True, "3", 1.5):  # (torch's fails later, in iter(): manual_seed(seed + epoch))
+        with pytest.raises(TypeError, match=rf"seed must be an int, got {type(seed).__name__}"):
+            DistributedSampler(range(8), 2, 0, seed=seed)
 
 
 def test_distributed_sampler_takes_numpy_integers_like_torch():
