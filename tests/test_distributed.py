@@ -177,7 +177,8 @@ def test_loader_set_epoch_reaches_the_batch_sampler_the_sampler_or_the_dataset()
 
 def test_the_every_rank_loads_all_warning_needs_several_ranks(monkeypatch):
     """An initialised process group of one rank (a single-GPU run under torchrun) does not
-    warn that every rank loads the whole dataset; two ranks do."""
+    warn that every rank loads the whole dataset; two ranks do, unless the loader has a
+    batch_sampler of the user's (which may share out the data itself)."""
     import warnings
 
     import numpy as np
@@ -191,14 +192,16 @@ def test_the_every_rank_loads_all_warning_needs_several_ranks(monkeypatch):
         def get_world_size(self):
             return self.size
 
-    for size, warned in ((1, False), (2, True)):
+    for size, options, warned in ((1, dict(batch_size=2), False),
+                                  (2, dict(batch_size=2), True),
+                                  (2, dict(batch_sampler=[[0, 1], [2, 3]]), False)):
         monkeypatch.setattr(_distributed, "initialized_distributed", lambda size=size: World(size))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with ArenaLoader(np.arange(4), batch_size=2) as loader:
+            with ArenaLoader(np.arange(4), **options) as loader:
                 list(loader)  # (it warns at iter())
         found = [w for w in caught if "every rank loads the whole dataset" in str(w.message)]
-        assert len(found) == warned, size
+        assert len(found) == warned, (size, options)
 
 
 def test_a_datapipe_loader_outlives_its_process_group_and_copies_like_torchs():
