@@ -570,6 +570,32 @@ def test_a_numpy_drawn_random_sampler_covers_every_index_as_torchs_does(loader_d
     assert len(with_replacement) == 400 and set(with_replacement) == set(range(5))
 
 
+class _KeyTypes:
+    """Sample ``i`` is ``[i, 1 if the key was a numpy integer else 0]``."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return np.array([int(index), isinstance(index, np.integer)], np.int64)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("batches", [
+    lambda: [[np.int64(i), np.int64(i + 1)] for i in range(0, 8, 2)],
+    lambda: [np.arange(i, i + 2) for i in range(0, 8, 2)],
+], ids=["lists_of_numpy_ints", "numpy_arrays"])
+def test_a_batch_samplers_numpy_keys_reach_the_dataset_as_torchs_do(batches, num_workers):
+    """A batch_sampler of the user's yielding numpy integers (lists of them, or arrays): the
+    dataset gets numpy integers, as from torch's DataLoader, not Python ints."""
+    def keys(cls):
+        return [np.asarray(b).tolist() for b in cls(_KeyTypes(), batch_sampler=batches(),
+                                                     num_workers=num_workers)]
+
+    assert keys(ArenaLoader) == keys(tud.DataLoader)
+    assert all(flag == 1 for batch in keys(ArenaLoader) for _, flag in batch)
+
+
 def test_weighted_random_sampler_follows_the_weights():
     """Zero weights are never drawn; frequencies follow the weights; a seed reproduces."""
     weights = [0.0, 1.0, 3.0, 0.0, 6.0]
