@@ -20,6 +20,8 @@ DATA = ImageDataset(10)
     # (torch takes 0, so its "should be non-negative" would be wrong here: ours alone)
     (dict(num_workers=1, prefetch_factor=0), ValueError, r"^prefetch_factor must be >= 1, "
                                                          r"got 0; use prefetch_factor=None"),
+    (dict(batch_size=0), ValueError, r"batch_size must be a positive int, got 0; use "
+                                     r"batch_size=None to disable automatic batching"),
     (dict(slots=0), ValueError, r"slots must be >= 1, got 0; pass a positive int, or "
                                 r"slots=None"),
     (dict(held_batch_limit=0), ValueError, r"held_batch_limit must be >= 1, got 0"),
