@@ -292,7 +292,7 @@ class LoaderResume:
             else:
                 lives_on = _replicas_live_on(loader)
                 last = self.position.workers if self.position is not None else None
-                workers = [WorkerPosition(state=last[w].state if lives_on and last else None)
+                workers = [last[w].carried() if lives_on and last else WorkerPosition()
                            for w in range(count)]
         if pending is None:
             self.position = EpochPosition(0, workers, None)
@@ -324,7 +324,7 @@ class LoaderResume:
             carried = None
             if position is not None and position.workers is not None:
                 lives_on = _replicas_live_on(loader)
-                carried = [WorkerPosition(state=w.state if lives_on else None).as_state()
+                carried = [(w.carried() if lives_on else WorkerPosition()).as_state()
                            for w in position.workers]
             elif loader.options.iterable:
                 carried = [WorkerPosition().as_state()

@@ -111,16 +111,19 @@ class ReplicaStream:
 def state_reader(dataset: Any, stream: Any) -> Callable[[], bytes] | None:
     """For a replica with state (its dataset's, its iterator's, or both): what reads it after
     each batch, pickled to travel; None for one without (which costs nothing per batch).
-    Which parts have state is found once, here."""
+    Which parts have state is found once, here. A dataset that is its own iterator gives its
+    state as both: torchdata loads it after ``iter()`` (which may start it over: loaded only
+    before, the resumed epoch began again), and an epoch's end carries it as a dataset's."""
     of_dataset = is_stateful(dataset)
-    of_stream = stream is not dataset and is_stateful(stream)
+    own = stream is dataset
+    of_stream = not own and is_stateful(stream)
     if not (of_dataset or of_stream):
         return None
 
     def read() -> bytes:
-        return pickle.dumps({"dataset": dataset.state_dict() if of_dataset else None,
-                             "iterator": stream.state_dict() if of_stream else None},
-                            protocol=5)
+        state = dataset.state_dict() if of_dataset else None
+        return pickle.dumps({"dataset": state, "iterator": state if own else
+                             stream.state_dict() if of_stream else None}, protocol=5)
     return read
 
 
@@ -135,6 +138,14 @@ class WorkerPosition:
     def as_state(self) -> dict[str, Any]:
         return {"batches": self.batches, "ended": self.ended,
                 "state": None if self.state is None else pickle.loads(self.state)}
+
+    def carried(self) -> WorkerPosition:
+        """What the replica carries into its next epoch (``num_workers=0``: the same dataset
+        object starts it): its dataset's state, not the ended iterator's (a new iterator
+        starts the epoch, as torchdata's does; loaded, it made the epoch empty)."""
+        saved = None if self.state is None else pickle.loads(self.state)["dataset"]
+        return WorkerPosition(None if saved is None else pickle.dumps(
+            {"dataset": saved, "iterator": None}, protocol=5))
 
     @classmethod
     def from_state(cls, saved: dict[str, Any]) -> WorkerPosition:

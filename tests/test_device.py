@@ -28,6 +28,7 @@ DATA = ImageDataset(6, shape=(3,))
     ("cuda:-1", ValueError, "'cuda:-1'"),
     ("cuda:one", ValueError, "'cuda:one'"),
     ("CUDA", ValueError, "'CUDA'"),
+    ("cuda:\u00b2", ValueError, "'cuda:\u00b2'"),  # (a digit to str.isdigit, not to int())
     (0, TypeError, "int 0"),
 ])
 def test_bad_device_is_an_error_naming_device(device, error, shown):

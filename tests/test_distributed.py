@@ -167,6 +167,40 @@ def test_loader_set_epoch_reaches_the_batch_sampler_the_sampler_or_the_dataset()
     assert (batches.epochs, indices.epochs, data.epochs) == ([4], [5], [])
     ArenaLoader(data, batch_size=2).set_epoch(6)
     assert data.epochs == [6]
+    # A batch sampler without set_epoch around one with it (torch's BatchSampler around a
+    # DistributedSampler): the inner sampler gets it, not the dataset.
+    inner = EpochSampler()
+    ArenaLoader(data, batch_sampler=torch.utils.data.BatchSampler(inner, 2, False)).set_epoch(7)
+    assert (inner.epochs, data.epochs) == ([7], [6])
+
+
+def test_the_every_rank_loads_all_warning_needs_several_ranks(monkeypatch):
+    """An initialised process group of one rank (a single-GPU run under torchrun) does not
+    warn that every rank loads the whole dataset; two ranks do, unless the loader has a
+    batch_sampler of the user's (which may share out the data itself)."""
+    import warnings
+
+    import numpy as np
+
+    from arena_loader import ArenaLoader, _distributed
+
+    class World:
+        def __init__(self, size):
+            self.size = size
+
+        def get_world_size(self):
+            return self.size
+
+    for size, options, warned in ((1, dict(batch_size=2), False),
+                                  (2, dict(batch_size=2), True),
+                                  (2, dict(batch_sampler=[[0, 1], [2, 3]]), False)):
+        monkeypatch.setattr(_distributed, "initialized_distributed", lambda size=size: World(size))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with ArenaLoader(np.arange(4), **options) as loader:
+                list(loader)  # (it warns at iter())
+        found = [w for w in caught if "every rank loads the whole dataset" in str(w.message)]
+        assert len(found) == warned, (size, options)
 
 
 def test_a_datapipe_loader_outlives_its_process_group_and_copies_like_torchs():

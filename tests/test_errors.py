@@ -367,6 +367,22 @@ def test_timeout_message_names_the_worker_and_pid():
         del iterator
 
 
+@pytest.mark.timeout(30)
+def test_timeout_message_names_only_the_batch_next_waits_for():
+    """Several batches in flight, two workers stuck: in order, next() waits for one batch,
+    and the timeout error names that one alone (not every batch in flight)."""
+    with ArenaLoader(SlowDataset(8, {2, 4}, 2), batch_size=2, num_workers=2,
+                     timeout=0.3) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        pid = iterator.worker_pids[1]
+        with pytest.raises(LoaderTimeoutError, match=rf"waiting for batch idx=1 \(indices "
+                                                     rf"\[2, 3\]\) from worker 1 \(pid {pid}\), "
+                                                     r"which is still running"):
+            next(iterator)
+        del iterator
+
+
 class CorruptSampleError(Exception):
     """A user-defined exception type: it must come back as itself, not as RuntimeError."""
 

@@ -112,6 +112,59 @@ def test_sampler_error_is_raised_after_the_batches_before_it(num_workers):
         del iterator
 
 
+class _RaisingOnceIterator:
+    """0 .. 9, an iterator object (not a generator): raises once at 5, and would go on."""
+
+    def __init__(self):
+        self.i, self.raised = 0, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i == 5 and not self.raised:
+            self.raised = True
+            raise LookupError("sampler broke at 5")
+        if self.i >= 10:
+            raise StopIteration
+        self.i += 1
+        return self.i - 1
+
+
+class _SamplerRaisingOnce:
+    def __len__(self):
+        return 10
+
+    def __iter__(self):
+        return _RaisingOnceIterator()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sampler_whose_iterator_raises_once_ends_the_epoch_there(num_workers):
+    """A sampler's iterator that raises and could go on (an object, not a generator): the
+    epoch ends after its error, as torch's BatchSampler (a generator, finished by the error)
+    ends it; the indices drawn for the failed batch are not handed out."""
+    import torch.utils.data
+
+    def outcomes(loader):
+        found, iterator = [], iter(loader)
+        for _ in range(8):
+            try:
+                found.append(np.asarray(next(iterator)).tolist())
+            except StopIteration:
+                return found
+            except LookupError as exc:
+                found.append(str(exc))
+        return found
+
+    expected = [[0, 1], [2, 3], "sampler broke at 5"]
+    assert outcomes(torch.utils.data.DataLoader(list(range(10)), batch_size=2,
+                                                sampler=_SamplerRaisingOnce())) == expected
+    with ArenaLoader(list(range(10)), batch_size=2, num_workers=num_workers,
+                     sampler=_SamplerRaisingOnce()) as loader:
+        assert outcomes(loader) == expected
+
+
 class NegativeLength(ImageDataset):
     """A dataset whose ``__len__`` is wrong: ``len()`` raises ValueError."""
 

@@ -17,7 +17,11 @@ DATA = ImageDataset(10)
 @pytest.mark.parametrize("kwargs, error, pattern", [
     (dict(num_workers=1.5), TypeError, r"num_workers must be an int"),
     (dict(timeout=True), TypeError, r"timeout must be a number of seconds, got bool"),
-    (dict(num_workers=1, prefetch_factor=0), ValueError, r"prefetch_factor must be >= 1"),
+    # (torch takes 0, so its "should be non-negative" would be wrong here: ours alone)
+    (dict(num_workers=1, prefetch_factor=0), ValueError, r"^prefetch_factor must be >= 1, "
+                                                         r"got 0; use prefetch_factor=None"),
+    (dict(batch_size=0), ValueError, r"batch_size must be a positive int, got 0; use "
+                                     r"batch_size=None to disable automatic batching"),
     (dict(slots=0), ValueError, r"slots must be >= 1, got 0; pass a positive int, or "
                                 r"slots=None"),
     (dict(held_batch_limit=0), ValueError, r"held_batch_limit must be >= 1, got 0"),

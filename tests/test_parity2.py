@@ -451,6 +451,38 @@ def test_shuffle_order_equals_torchs_for_the_same_seed(with_generator):
             assert len(set(ours[0][0])) == len(ours[0][0]) == size - size % 3 * drop_last
 
 
+@pytest.mark.parametrize(("size", "drop_last"), [(8, False), (9, False), (9, True)])
+def test_the_callers_generator_moves_at_torchs_moments_batch_by_batch(size, drop_last):
+    """shuffle=True with the caller's torch.Generator, num_workers=0: after each batch (and
+    at the epoch's end) the generator is where torch's DataLoader leaves it. torch draws a
+    last, empty chunk when a batch first asks past the end, not with a batch that ends
+    exactly there."""
+    def states(cls):
+        generator = torch.Generator().manual_seed(5)
+        found = []
+        for batch in cls(IndexDataset(size), batch_size=4, shuffle=True, drop_last=drop_last,
+                         generator=generator):
+            found.append((np.asarray(batch).tolist(), generator.get_state().tolist()))
+        return [*found, generator.get_state().tolist()]
+
+    assert states(ArenaLoader) == states(tud.DataLoader)
+
+
+@pytest.mark.parametrize(("replacement", "num_samples"), [(False, 12), (True, 70)])
+def test_batches_across_torchs_chunks_are_torchs(replacement, num_samples):
+    """Our RandomSampler with the caller's torch.Generator, drawing more than one chunk
+    (``randperm`` per dataset length, ``randint`` per 32): batches that span two chunks
+    hold torch's indices, and the generator moves as torch's, batch by batch."""
+    def batches(loader_class, sampler_class):
+        generator = torch.Generator().manual_seed(3)
+        sampler = sampler_class(range(5), replacement=replacement, num_samples=num_samples,
+                                generator=generator)
+        return [(np.asarray(b).tolist(), generator.get_state().tolist())
+                for b in loader_class(IndexDataset(5), batch_size=3, sampler=sampler)]
+
+    assert batches(ArenaLoader, RandomSampler) == batches(tud.DataLoader, tud.RandomSampler)
+
+
 @pytest.mark.timeout(60)
 def test_shuffle_order_with_workers_equals_torchs():
     """With worker processes too: torch's order and torch's RNG state afterwards."""

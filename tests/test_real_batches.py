@@ -473,6 +473,24 @@ class BadStream(torch.utils.data.IterableDataset):
             yield np.zeros(3 if bad else 2)
 
 
+class OneBadItemStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for i in range(6):
+            yield np.zeros(3 if i == 4 else 2)
+
+
+def test_an_iterable_error_in_a_later_batch_names_the_items_by_their_stream_position():
+    """num_workers=0: a sample of the third batch is named by its place in the stream
+    (items 4 and 5), not its place in the batch."""
+    from arena_loader import SampleShapeError
+
+    with ArenaLoader(OneBadItemStream(), batch_size=2) as loader, \
+            pytest.raises(SampleShapeError, match=r"sample item 5 of the iterator: field sample "
+                                                  r"has shape \[2\] but sample item 4 of the"):
+        for batch in loader:
+            del batch
+
+
 @pytest.mark.parametrize("num_workers", WORKERS)
 def test_iterable_errors_name_the_worker_and_the_stream_position(num_workers):
     from arena_loader import LayoutError

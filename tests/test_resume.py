@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from arena_loader import ArenaLoader, get_worker_info
+from arena_loader import ArenaLoader, get_worker_info, samplers
 from tests import resume_driver, zygote
 from tests.resume_driver import (
     BATCH_SIZE,
@@ -143,6 +143,7 @@ def test_state_dict_is_plain_json_data(name):
     ("in_process", {"dataset": "short"}, f"dataset_length is {SAMPLES} in the state and "
                                          f"{SAMPLES - 1} here"),
     ("iterable_stateful", {"num_workers": 1}, "num_workers is 2 in the state and 1 here"),
+    ("in_process", {"drop_last": True}, "drop_last is False in the state and True here"),
     ("in_order_generator", {"generator": None}, "generators is"),
 ])
 def test_mismatched_state_is_an_error_naming_what_differs(name, overrides, differs):
@@ -151,6 +152,22 @@ def test_mismatched_state_is_an_error_naming_what_differs(name, overrides, diffe
         state = loader.state_dict()
     with make_loader(name, **overrides) as other, pytest.raises(ValueError, match=differs):
         other.load_state_dict(state)
+
+
+@pytest.mark.timeout(60)
+def test_a_state_whose_base_seed_does_not_replay_is_an_error():
+    """Resuming replays the epoch's draws, and the workers' base seed drawn must be the one
+    saved: a state whose seed does not replay (edited, or saved by a loader drawing
+    otherwise) is a ValueError at iter(), not an epoch silently seeded otherwise."""
+    torch.manual_seed(SEED)
+    with make_loader("workers") as loader:
+        _, state = _stop(loader, 2)
+    assert state["drew_base_seed"] and state["base_seed"] is not None
+    state["base_seed"] = (state["base_seed"] + 1) % 2**63
+    with make_loader("workers") as loader:
+        loader.load_state_dict(state)
+        with pytest.raises(ValueError, match="base seed must be replayed"):
+            iter(loader)
 
 
 def test_empty_state_changes_nothing():
@@ -219,6 +236,105 @@ def test_persistent_workers_resumed_between_epochs_start_the_next_epoch_whole():
         loader.load_state_dict(state)
         assert [b.tolist() for b in loader] == uninterrupted
     assert sorted(i for batch in uninterrupted for i in batch) == list(range(8))
+
+
+@pytest.mark.timeout(60)
+def test_a_state_taken_early_in_a_later_epoch_resumes_the_workers_not_yet_heard_from():
+    """A state taken in the second epoch after one batch (worker 0's): worker 1 has handed
+    out nothing of this epoch, so its replica resumes from the epoch's start, not from its
+    state at the end of the last epoch (the Stateful pattern's end point: loaded, worker 1's
+    share of the resumed epoch was empty)."""
+    options = dict(batch_size=2, num_workers=2)
+    with ArenaLoader(ResumePointStream(), **options) as loader:
+        assert len(list(loader)) == 4
+        iterator = iter(loader)
+        head = [next(iterator).tolist()]
+        state = loader.state_dict()
+        rest = [b.tolist() for b in iterator]
+    with ArenaLoader(ResumePointStream(), **options) as loader:
+        loader.load_state_dict(state)
+        assert [b.tolist() for b in loader] == rest
+    assert sorted(i for batch in head + rest for i in batch) == list(range(8))
+
+
+@pytest.mark.parametrize("name", ["workers", "iterable_stateful"])
+def test_state_dict_right_after_load_state_dict_is_the_loaded_state(name):
+    """As torchdata's StatefulDataLoader: until the loaded state's epoch hands out a batch
+    (before iter(), or with an iterator dropped unused), state_dict() is that state, not
+    this loader's own position."""
+    torch.manual_seed(SEED)
+    with make_loader(name) as loader:
+        _, state = _stop(loader, 2)
+    with make_loader(name) as loader:
+        loader.load_state_dict(state)
+        assert loader.state_dict() == state
+        unused = iter(loader)
+        assert loader.state_dict() == state
+        del unused
+
+
+def test_a_state_taken_in_a_resumed_epoch_names_that_epoch_and_resumes_again():
+    """A state taken after batches of a resumed epoch: its epoch and batch count are that
+    epoch's (as an uninterrupted run's state), and it resumes in turn."""
+    torch.manual_seed(SEED)
+    whole = resume_driver.run_whole("in_process")
+    per_epoch = len(whole) // 2
+    torch.manual_seed(SEED)
+    with make_loader("in_process") as loader:
+        list(loader)
+        _, state = _stop(loader, 2)  # epoch 1, two batches in
+    with make_loader("in_process") as loader:
+        loader.load_state_dict(state)
+        iterator = iter(loader)
+        assert rows(next(iterator)) == whole[per_epoch + 2]
+        again = loader.state_dict()
+        del iterator
+    assert (again["epoch"], again["batches_yielded"]) == (1, 3)
+    with make_loader("in_process") as loader:
+        loader.load_state_dict(again)
+        assert [rows(b) for b in loader] == whole[per_epoch + 3:]
+        assert loader.state_dict()["epoch"] == 2
+
+
+def test_a_second_load_state_dict_after_a_resumed_epoch_began_is_the_one_resumed():
+    """load_state_dict(a), batches of that epoch, then load_state_dict(b) (a checkpoint
+    restored again): the next iter() resumes b, not a new epoch."""
+    torch.manual_seed(SEED)
+    whole = resume_driver.run_whole("in_process", epochs=1)
+    torch.manual_seed(SEED)
+    with make_loader("in_process") as loader:
+        _, at_two = _stop(loader, 2)
+    torch.manual_seed(SEED)
+    with make_loader("in_process") as loader:
+        _, at_three = _stop(loader, 3)
+    with make_loader("in_process") as loader:
+        loader.load_state_dict(at_two)
+        iterator = iter(loader)
+        assert [rows(next(iterator)) for _ in range(2)] == whole[2:4]
+        del iterator
+        loader.load_state_dict(at_three)
+        assert [rows(b) for b in loader] == whole[3:]
+
+
+@pytest.mark.timeout(60)
+def test_an_epoch_being_iterated_goes_on_after_load_state_dict_and_a_new_iter():
+    """Persistent workers: load_state_dict() and a new iter() while an iterator is still in
+    its epoch (torchdata's load_state_dict drops only the loader's reference to it): the new
+    iterator gets new workers, and the old one finishes its epoch on its own, not closed."""
+    with ArenaLoader(_Rows(), batch_size=8, shuffle=True, num_workers=2,
+                     persistent_workers=True,
+                     generator=torch.Generator().manual_seed(SEED)) as loader:
+        state = loader.state_dict()  # before the first epoch
+        first = [b[:, 0].tolist() for b in loader]
+        old = iter(loader)
+        seen = [next(old)[:, 0].tolist() for _ in range(3)]
+        loader.load_state_dict(state)
+        new = iter(loader)
+        assert next(new)[:, 0].tolist() == first[0]
+        seen += [b[:, 0].tolist() for b in old]
+        assert sorted(i for b in seen for i in b) == list(range(64))
+        assert [b[:, 0].tolist() for b in new] == first[1:]
+        del old, new
 
 
 @pytest.mark.parametrize(("how", "num_workers"), [("deepcopy", 0), ("pickle", 1)])
@@ -384,6 +500,132 @@ def test_state_dict_with_required_arguments_is_not_torchdatas_protocol(workers):
         assert [b.tolist() for b in loader] == torch_batches[3:]
 
 
+class _CountingIterator:
+    """An iterator with torchdata's Stateful methods (its dataset has none): 0, 1, ... 9."""
+
+    def __init__(self):
+        self.i = 0
+
+    def __next__(self):
+        if self.i >= 10:
+            raise StopIteration
+        self.i += 1
+        return self.i - 1
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+
+
+class _StatefulIteratorStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return _CountingIterator()
+
+
+class _OwnIteratorStream(torch.utils.data.IterableDataset):
+    """Its own iterator: ``__iter__`` starts it over and returns it (a hand-written stream)."""
+
+    def __init__(self):
+        self.i = 0
+
+    def __iter__(self):
+        self.i = 0
+        return self
+
+    __next__ = _CountingIterator.__next__
+    state_dict = _CountingIterator.state_dict
+    load_state_dict = _CountingIterator.load_state_dict
+
+
+class _ContinuingStream(_OwnIteratorStream):
+    """Its own iterator, never starting over: each epoch is the next three numbers."""
+
+    def __init__(self):
+        self.i, self.end = 0, 0
+
+    def __iter__(self):
+        self.end = self.i + 3
+        return self
+
+    def __next__(self):
+        if self.i >= self.end:
+            raise StopIteration
+        self.i += 1
+        return self.i - 1
+
+    def state_dict(self):
+        return {"i": self.i, "end": self.end}
+
+    def load_state_dict(self, state):
+        self.i, self.end = state["i"], state["end"]
+
+
+_TEN_IN_TWOS = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+
+
+def test_a_stream_that_is_its_own_iterator_carries_its_state_into_the_next_epoch():
+    """``num_workers=0``: a state taken at an epoch's end, resumed, goes on as the dataset
+    object went on (torchdata's StatefulDataLoader gives [3, 4, 5] too), mid-epoch also."""
+    with ArenaLoader(_ContinuingStream(), batch_size=1) as loader:
+        assert [b.tolist() for b in loader] == [[0], [1], [2]]
+        at_end = loader.state_dict()
+        iterator = iter(loader)
+        assert next(iterator).tolist() == [3]
+        mid = loader.state_dict()
+        del iterator
+    for state, rest in ((at_end, [[3], [4], [5]]), (mid, [[4], [5]])):
+        with ArenaLoader(_ContinuingStream(), batch_size=1) as loader:
+            loader.load_state_dict(state)
+            assert [b.tolist() for b in loader] == rest
+            assert [b.tolist() for b in loader] == [[6], [7], [8]]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("dataset", [_StatefulIteratorStream, _OwnIteratorStream])
+def test_an_iterators_own_state_resumes_it(dataset, workers):
+    """torchdata's order for a replica: the dataset's state, then ``iter()``, then the
+    iterator's state. An iterator with state of its own resumes where it was, not from its
+    start; so does a dataset that is its own iterator, whose state torchdata takes as the
+    iterator's (loaded after ``iter()``, which starts it over: loaded before, the resumed
+    epoch began again at [0, 1]). A state taken at the epoch's end starts the next epoch
+    whole: the ended iterator's state is not carried into it (with ``num_workers=0`` the
+    next epoch was empty)."""
+    def batches(loader, stop=None):
+        iterator = iter(loader)
+        return [next(iterator).tolist() for _ in range(stop)] if stop else \
+            [b.tolist() for b in iterator]
+
+    for stop, tail in ((2, _TEN_IN_TWOS[2:]), (5, []), (None, _TEN_IN_TWOS)):
+        with ArenaLoader(dataset(), batch_size=2, num_workers=workers) as loader:
+            assert batches(loader, stop) == _TEN_IN_TWOS[:stop]
+            state = loader.state_dict()
+        with ArenaLoader(dataset(), batch_size=2, num_workers=workers) as loader:
+            loader.load_state_dict(state)
+            assert [batches(loader), batches(loader)] == [tail, _TEN_IN_TWOS], stop
+
+
+def test_a_state_dict_with_no_signature_to_read_is_torchdatas_protocol():
+    """A ``state_dict`` whose signature cannot be read (a builtin, as a compiled extension's
+    method may be) is trusted to take no arguments: its state is saved, not skipped."""
+    from arena_loader._resume_stream import is_stateful
+
+    class BuiltinState:
+        state_dict = dict  # (inspect.signature(dict) raises ValueError)
+
+        def load_state_dict(self, state):
+            pass
+
+    class ArgumentState(BuiltinState):
+        def state_dict(self, num_samples):
+            return {}
+
+    assert is_stateful(BuiltinState())
+    assert not is_stateful(ArgumentState())
+
+
 class _YieldCountingDistributedSampler:
     """torchdata's ``StatefulDistributedSampler``, in plain Python: the order comes from the
     seed and ``set_epoch``; ``state_dict()`` is the indices yielded this iteration, reset only
@@ -501,6 +743,62 @@ def test_a_stateful_sampler_without_set_epoch_resumes_mid_epoch_from_its_own_pos
     assert resumed == whole
 
 
+class _PrivateEpochStatefulSampler:
+    """Stateful, with a ``set_epoch`` that keeps its epoch privately (no int ``epoch``
+    attribute): not DistributedSampler's kind, so its own state, the indices yielded,
+    resumes it, as torchdata's StatefulDataLoader resumes any Stateful sampler."""
+
+    def __init__(self, size: int):
+        self.size, self._epoch, self.yielded, self.resume_at = size, 0, 0, None
+
+    def __len__(self):
+        return self.size
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+
+    def __iter__(self):
+        start, self.resume_at = self.resume_at or 0, None
+        self.yielded = start
+        for index in np.random.default_rng(self._epoch).permutation(self.size)[start:]:
+            self.yielded += 1
+            yield int(index)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._epoch, "yielded": self.yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._epoch, self.resume_at = state["epoch"], state["yielded"]
+
+
+@pytest.mark.parametrize("sampler", [
+    lambda: samplers.RandomSampler(range(11), generator=0),
+    lambda: samplers.SubsetRandomSampler(list(range(11)), generator=0),
+    lambda: samplers.WeightedRandomSampler([1.0 + i for i in range(11)], 11, generator=0),
+], ids=["RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler"])
+def test_our_numpy_drawn_samplers_resume_in_a_later_epoch(sampler):
+    """Our random samplers with a seed draw from numpy generators of their own: the state
+    holds each as of the epoch's start, so a resume in the second epoch draws that epoch's
+    order, not the first's again."""
+    def make():
+        return ArenaLoader(list(range(11)), sampler=sampler(), batch_size=3)
+
+    whole, resumed = _whole_and_resumed_in_the_second_epoch(make)
+    assert resumed == whole
+
+
+def test_a_stateful_sampler_with_a_set_epoch_of_its_own_resumes_from_its_own_position():
+    """A Stateful sampler whose ``set_epoch`` keeps no int ``epoch`` resumes from its state
+    as of the last batch received (taken for DistributedSampler's kind, its epoch was read
+    as None and given back to ``set_epoch``: another order)."""
+    def make():
+        return ArenaLoader(list(range(11)), sampler=_PrivateEpochStatefulSampler(11),
+                           batch_size=3)
+
+    whole, resumed = _whole_and_resumed_in_the_second_epoch(make)
+    assert resumed == whole
+
+
 def _whole_and_resumed_in_the_second_epoch(make, reseed=lambda: None):
     """Three epochs of ``make()``'s loader, and the same cut after two batches of the second
     epoch and resumed by a new loader from its state (``reseed`` runs before each of the
@@ -537,14 +835,18 @@ class _GlobalDrawSampler:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("sampler", [_GlobalDrawSampler,
+                                     lambda: torch.utils.data.RandomSampler(range(12))],
+                         ids=["no_generator_attribute", "generator_None"])
 def test_a_sampler_drawing_from_torchs_global_rng_resumes_beside_the_loaders_generator(
-        workers):
+        workers, sampler):
     """The loader has a ``generator`` (its workers' seeds), the sampler none of its own and
     draws from torch's global RNG: the state holds that RNG as of the epoch's start, so the
     resumed epoch, in a process whose global RNG is elsewhere, is the uninterrupted one (it
-    was held only when the loader or a sampler said ``generator=None``)."""
+    was held only when the loader or a sampler said ``generator=None``; a sampler with no
+    ``generator`` attribute, torchsampler's, was missed)."""
     def make():
-        return ArenaLoader(list(range(12)), sampler=_GlobalDrawSampler(), batch_size=3,
+        return ArenaLoader(list(range(12)), sampler=sampler(), batch_size=3,
                            num_workers=workers, generator=torch.Generator().manual_seed(1))
 
     whole, resumed = _whole_and_resumed_in_the_second_epoch(
@@ -579,21 +881,27 @@ def test_an_iterator_dropped_unused_leaves_the_loaded_state_to_the_next_iter(nam
 
 
 class UnevenShards:
-    """An iterable-style dataset whose worker k yields ``sizes[k]`` items (k * 1000 + i)."""
+    """An iterable-style dataset whose worker k yields ``sizes[k]`` items (k * 1000 + i);
+    ``log``: a file each ``__iter__`` appends its worker's id to."""
 
-    def __init__(self, sizes: list[int]):
+    def __init__(self, sizes: list[int], log: Path | None = None):
         self.sizes = sizes
+        self.log = log
 
     def __iter__(self):
         worker = get_worker_info().id
+        if self.log is not None:
+            with open(self.log, "a") as log:
+                log.write(f"{worker}\n")
         return iter(range(worker * 1000, worker * 1000 + self.sizes[worker]))
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_whose_stream_ended_before_the_state_starts_the_next_epoch_whole():
+def test_a_worker_whose_stream_ended_before_the_state_starts_the_next_epoch_whole(tmp_path):
     """Persistent workers, a stateless iterable: worker 0's stream had ended when the state
-    was taken, so it is not asked in the resumed epoch; its iterator of the next epoch starts
-    afresh instead of skipping the batch it had handed out in the interrupted one."""
+    was taken, so it is not asked in the resumed epoch (its ``__iter__`` is not called, as
+    in the uninterrupted run, where its iterator had ended); its iterator of the next epoch
+    starts afresh instead of skipping the batch it had handed out in the interrupted one."""
     def rows(batches):
         return [batch.tolist() for batch in batches]
 
@@ -604,10 +912,20 @@ def test_a_worker_whose_stream_ended_before_the_state_starts_the_next_epoch_whol
         head = rows(next(iterator) for _ in range(3))
         state = loader.state_dict()
         del iterator
-    with ArenaLoader(UnevenShards([2, 6, 0]), **options) as loader:
+    assert state["workers"][0]["ended"]
+    assert state["batches_yielded"] == 3 < state["next_idx"]  # (ended marks: idx, no batch)
+    log = tmp_path / "iters.log"
+    with ArenaLoader(UnevenShards([2, 6, 0], log), **options) as loader:
         loader.load_state_dict(state)
-        tail = rows(loader) + rows(loader)
+        iterator = iter(loader)
+        tail = rows([next(iterator)])
+        assert loader.state_dict()["batches_yielded"] == 4  # (resumed: ended marks not counted)
+        tail += rows(iterator)
+        resumed_epoch_iters = log.read_text().split()
+        tail += rows(loader)
     assert head + tail == whole
+    assert "0" not in resumed_epoch_iters  # (its one __iter__ is the next epoch's)
+    assert log.read_text().split().count("0") == 1
 
 
 @pytest.mark.timeout(60)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,12 @@ import pytest
 
 from arena_loader import ArenaLoader, get_worker_info
 from arena_loader._options import LoaderOptions
-from arena_loader.samplers import DistributedSampler, SubsetRandomSampler, WeightedRandomSampler
+from arena_loader.samplers import (
+    DistributedSampler,
+    RandomSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from .datasets import (
     BatchedFetchDataset,
@@ -465,8 +471,12 @@ def test_distributed_shuffle_splits_the_dataset_between_ranks():
         assert len(truncated) == len(set(truncated)) == size // num_replicas * num_replicas
 
 
-def test_distributed_shuffle_depends_only_on_seed_and_epoch():
-    """The same (seed, epoch) reproduces the order; a new epoch or seed changes it."""
+@pytest.mark.parametrize("torch_imported", [True, False])
+def test_distributed_shuffle_depends_only_on_seed_and_epoch(torch_imported, monkeypatch):
+    """The same (seed, epoch) reproduces the order; a new epoch or seed changes it; in a
+    program without torch too (numpy's permutation of (seed, epoch))."""
+    if not torch_imported:
+        monkeypatch.setitem(sys.modules, "torch", None)  # (as the sampler sees no torch)
     first = shuffled_shares(50, 2, seed=3, epoch=0)
     assert first == shuffled_shares(50, 2, seed=3, epoch=0)
     assert first != shuffled_shares(50, 2, seed=3, epoch=1)
@@ -486,6 +496,13 @@ def test_distributed_rank_out_of_range_raises_like_torch():
                                              rf"\[0, {num_replicas - 1}\], got rank={rank} with "
                                              rf"num_replicas={num_replicas}"):
             DistributedSampler(range(8), num_replicas, rank)
+    for num_replicas in (0, -2, True, 2.0):  # (torch: an "Invalid rank" ValueError, or none)
+        with pytest.raises(ValueError, match=rf"num_replicas must be a positive int, got "
+                                             rf"{num_replicas!r}$"):
+            DistributedSampler(range(8), num_replicas, 0)
+    for seed in (True, "3", 1.5):  # (torch's fails later, in iter(): manual_seed(seed + epoch))
+        with pytest.raises(TypeError, match=rf"seed must be an int, got {type(seed).__name__}"):
+            DistributedSampler(range(8), 2, 0, seed=seed)
 
 
 def test_distributed_sampler_takes_numpy_integers_like_torch():
@@ -531,6 +548,52 @@ def test_subset_random_sampler_permutes_the_subset():
     torch_seeded = [list(SubsetRandomSampler(indices, torch.Generator().manual_seed(4)))
                     for _ in range(2)]
     assert torch_seeded[0] == torch_seeded[1]
+
+
+@pytest.mark.parametrize("loader_draws", [False, True])
+def test_a_numpy_drawn_random_sampler_covers_every_index_as_torchs_does(loader_draws):
+    """Drawn from numpy (an int seed): ``num_samples`` past the dataset's length is whole
+    permutations and then part of one (each index ``num_samples // n`` or one time more, as
+    torch's), and with ``replacement`` every index can be drawn, the last one too. Drawn by
+    the sampler's ``iter()`` and by a loader's batches (one array for the epoch)."""
+    def drawn(sampler):
+        if not loader_draws:
+            return list(sampler)
+        return [int(i) for batch in ArenaLoader(np.arange(5), batch_size=4, sampler=sampler)
+                for i in np.asarray(batch)]
+
+    counts = np.bincount(drawn(RandomSampler(range(5), num_samples=11, generator=0)),
+                         minlength=5)
+    assert counts.sum() == 11 and set(counts) == {2, 3}
+    with_replacement = drawn(RandomSampler(range(5), replacement=True, num_samples=400,
+                                           generator=0))
+    assert len(with_replacement) == 400 and set(with_replacement) == set(range(5))
+
+
+class _KeyTypes:
+    """Sample ``i`` is ``[i, 1 if the key was a numpy integer else 0]``."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return np.array([int(index), isinstance(index, np.integer)], np.int64)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("batches", [
+    lambda: [[np.int64(i), np.int64(i + 1)] for i in range(0, 8, 2)],
+    lambda: [np.arange(i, i + 2) for i in range(0, 8, 2)],
+], ids=["lists_of_numpy_ints", "numpy_arrays"])
+def test_a_batch_samplers_numpy_keys_reach_the_dataset_as_torchs_do(batches, num_workers):
+    """A batch_sampler of the user's yielding numpy integers (lists of them, or arrays): the
+    dataset gets numpy integers, as from torch's DataLoader, not Python ints."""
+    def keys(cls):
+        return [np.asarray(b).tolist() for b in cls(_KeyTypes(), batch_sampler=batches(),
+                                                     num_workers=num_workers)]
+
+    assert keys(ArenaLoader) == keys(tud.DataLoader)
+    assert all(flag == 1 for batch in keys(ArenaLoader) for _, flag in batch)
 
 
 def test_weighted_random_sampler_follows_the_weights():
