@@ -213,6 +213,34 @@ def test_tensor_rows_promote_past_the_first_rows_dtype_as_torch_does_in_its_main
     assert got[0]["u"].dtype == torch.int64 and got[0]["v"].dtype == torch.float32
 
 
+class StackRefuses:
+    """float32[2] tensor rows; sample 5 has 3 values, and every row ``i % 3 == 1`` needs
+    grad (torch.stack refuses to write either into an ``out=`` tensor)."""
+
+    def __len__(self):
+        return 9
+
+    def __getitem__(self, i):
+        row = torch.full((3 if i == 5 else 2,), float(i))
+        return row.requires_grad_(True) if i % 3 == 1 else row
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_tensor_rows_that_one_stack_refuses_are_walked(num_workers):
+    """Tensor rows of one dtype are written into the slot by one torch.stack; a batch whose
+    rows it refuses is walked row by row: a row that needs grad is stored detached, with its
+    values, and a row of another shape is the SampleShapeError naming the sample."""
+    from arena_loader.errors import SampleShapeError
+
+    with ArenaLoader(StackRefuses(), batch_size=3, num_workers=num_workers) as loader:
+        iterator = iter(loader)
+        assert np.asarray(next(iterator)).tolist() == [[0, 0], [1, 1], [2, 2]]
+        with pytest.raises(SampleShapeError, match=r"sample 5: field sample has shape \[3\]"):
+            next(iterator)
+        assert np.asarray(next(iterator)).tolist() == [[6, 6], [7, 7], [8, 8]]
+
+
 @pytest.mark.parametrize("num_workers", WORKERS)
 def test_numpy_strings_of_different_widths(num_workers):
     expected = [f"{'w' * (1 + i)}" for i in range(10)]

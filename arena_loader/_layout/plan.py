@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -184,6 +185,9 @@ class Prepared:
             if type(column) is EqualRows:
                 write_equal_rows(storage, column, field)
                 continue
+            if type(column) is TensorRows:
+                write_tensor_rows(storage, column, field)
+                continue
             flat = storage[field.offset: field.offset + field.nbytes].view(field.dtype)
             if type(column) is list:
                 write_rows(flat, column, field)
@@ -209,6 +213,28 @@ class EqualRows:
     def __init__(self, rows: list, explain: Callable[[], Any]):
         self.rows = rows
         self.explain = explain  # a call that raises the named error when the write fails
+
+
+class TensorRows:
+    """Plain CPU tensors of one dtype: written by one ``torch.stack`` into the field's view
+    (as torch's workers stack into shared memory), which checks the shapes. A row it refuses
+    (another shape, a grad, another device) is walked instead: ``walk()`` gives the rows as
+    numpy (a grad detached, a device left) or raises the error that names the sample."""
+
+    __slots__ = ("rows", "walk")
+
+    def __init__(self, rows: list, walk: Callable[[], list]):
+        self.rows = rows
+        self.walk = walk
+
+
+def write_tensor_rows(storage: np.ndarray, column: TensorRows, field: FieldPlacement) -> None:
+    out = np.ndarray(field.shape, field.dtype, storage, field.offset)
+    torch = sys.modules["torch"]
+    try:
+        torch.stack(column.rows, out=torch.from_numpy(out))
+    except (RuntimeError, TypeError, ValueError):
+        out[...] = column.walk()
 
 
 def promote_to(rows: list, dtype: np.dtype) -> bool:
