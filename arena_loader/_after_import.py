@@ -11,6 +11,7 @@ that, so nothing differs but the time.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Callable
 from importlib.abc import MetaPathFinder
@@ -40,12 +41,7 @@ class _AfterImport(MetaPathFinder):
             return None
         if self in sys.meta_path:
             sys.meta_path.remove(self)  # once: an import after this one is a plain import
-        spec = None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
-            if spec is not None:
-                break
+        spec = importlib.util.find_spec(fullname)  # (the finders after this one)
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec  # (not found, or a loader of another kind: imported as it is)

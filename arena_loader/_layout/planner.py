@@ -298,9 +298,9 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any],
         objects = [[v] for v in builder.object_values]
         # (A first sample that is a str or bytes takes anything after it, None too: torch
         # hands the list out as it is.)
-        takes_none = type(spec) is ObjectLeaf
-        if not take_flat(spec, samples[1:], raw_columns, objects):
-            for sample, index in zip(samples[1:], indices[1:]):
+        takes_none, rest = type(spec) is ObjectLeaf, samples[1:]
+        if not take_flat(spec, rest, raw_columns, objects):
+            for sample, index in zip(rest, indices[1:]):
                 if sample is None and not takes_none:
                     reject_none(sample, f"dataset[{index!r}]", collated=True)
                 flatten(spec, sample, raw_columns, objects, index)
