@@ -59,6 +59,8 @@ from arena_loader.bench.workloads import (
     standard_workloads,
 )
 
+from . import zygote
+
 ROOT = Path(__file__).parent.parent
 TINY = ["--quick", "--scale", "0.02", "--image-shape", "3,8,8", "--large-batch-mb", "0.25",
         "--jpeg-side", "16", "--rounds", "1", "--min-seconds", "0", "--min-batches", "1",
@@ -483,9 +485,8 @@ def test_bench_cli_quick_writes_every_loader_and_metric(tmp_path):
     """`arena-loader bench --quick` on tiny sizes: JSON with every loader on every workload
     and every metric per round (or why a loader could not run), a table on stdout, a PNG
     chart, and the command that reproduces it."""
-    result = subprocess.run(
-        [sys.executable, "-m", "arena_loader._cli", "bench", *TINY, "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=140, check=False, cwd=ROOT)
+    result = zygote.run(["-m", "arena_loader._cli", "bench", *TINY, "--out", str(tmp_path)],
+                        timeout=140, cwd=ROOT, preload="torch")
     assert result.returncode == 0, result.stderr
     out = json.loads((tmp_path / "bench.json").read_text())
     names = [kind.name for kind in LOADERS]
@@ -523,10 +524,10 @@ def test_bench_cli_quick_writes_every_loader_and_metric(tmp_path):
 def test_bench_rounds_go_over_every_workload_in_turn(tmp_path):
     """Round 1 of every workload comes before round 2 of any: a workload's rounds are spread
     over the run, each on its dataset made anew."""
-    result = subprocess.run(
-        [sys.executable, "-m", "arena_loader._cli", "bench", *TINY, "--rounds", "2",
-         "--workloads", "tiny,memmap", "--loaders", "ArenaLoader", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=50, check=False, cwd=ROOT)
+    result = zygote.run(
+        ["-m", "arena_loader._cli", "bench", *TINY, "--rounds", "2", "--workloads",
+         "tiny,memmap", "--loaders", "ArenaLoader", "--out", str(tmp_path)],
+        timeout=50, cwd=ROOT, preload="torch")
     assert result.returncode == 0, result.stderr
     order = re.findall(r"^round (\d)/2 (\w+)", result.stderr, re.MULTILINE)
     assert order == [("1", "tiny"), ("1", "memmap"), ("2", "tiny"), ("2", "memmap")]

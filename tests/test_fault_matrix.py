@@ -1,12 +1,12 @@
 """The fault matrix: every fault x num_workers {1, 3} x persistent_workers {off, on}, none
 skipped (torch's `_test_proper_exit` skips its worker-kill case because it can hang).
 
-Each case runs in its own process (tests/fault_driver.py, in a new session, under a hard
-timeout) and reports as JSON what the main process saw: the error's type, message and
-attributes, how long after the fault it was raised, which workers were alive at that moment,
-the batches delivered before and after, and what was left once the loader was closed. Each
-test then checks, after the driver exited, that none of its worker pids runs and that no
-/dev/shm object of the driver's is left.
+Each case runs in its own process (tests/fault_driver.py, forked from a warm interpreter by
+tests/zygote.py, in a new session, under a hard timeout) and reports as JSON what the main
+process saw: the error's type, message and attributes, how long after the fault it was
+raised, which workers were alive at that moment, the batches delivered before and after, and
+what was left once the loader was closed. Each test then checks, after the driver exited,
+that none of its worker pids runs and that no /dev/shm object of the driver's is left.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import pytest
 from arena_loader._process import JOIN_TIMEOUT_S
 from arena_loader._slab import NAME_PREFIX, SHM_DIR
 
+from . import zygote
 from .conftest import wait_until
 from .fault_driver import BATCHES, FAULT_IDX, TIMEOUT_S, running
 
@@ -50,19 +51,13 @@ FAULT_MESSAGE_BATCH = f"batch idx={FAULT_IDX} (indices [10, 11])"
 
 def run_driver(fault: str, num_workers: int, persistent: bool) -> dict[str, Any]:
     """Run one case; check the common guarantees; return the driver's report."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.fault_driver", "matrix", fault, str(num_workers),
+    proc = zygote.run(
+        ["-m", "tests.fault_driver", "matrix", fault, str(num_workers),
          "1" if persistent else "0"],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=CASE_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0 and err == "", f"driver failed ({proc.returncode}):\n{err}"
-    report = json.loads(out.splitlines()[-1])
+        timeout=CASE_TIMEOUT_S, cwd=REPO_ROOT, start_new_session=True)
+    assert proc.returncode == 0 and proc.stderr == "", (
+        f"driver failed ({proc.returncode}):\n{proc.stderr}")
+    report = json.loads(proc.stdout.splitlines()[-1])
     assert report["warmup"]["delivered"] == EVERY_BATCH and not report["warmup"]["errors"]
     assert report["leftovers"] == {"children": [], "shm_objects": [], "slab_mappings": [],
                                    "threads": []}

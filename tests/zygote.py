@@ -46,10 +46,12 @@ def warm_pids() -> set[int]:
 
 
 def run(args: list[str], *, timeout: float, preload: str = "base", env: dict | None = None,
-        cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+        cwd: str | os.PathLike | None = None,
+        start_new_session: bool = False) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)``, in a
-    child of a warm interpreter that imported ``PRELOADS[preload]``. Raises
-    ``subprocess.TimeoutExpired`` (the child killed) past ``timeout`` seconds."""
+    child of a warm interpreter that imported ``PRELOADS[preload]``; the result's ``pid`` is
+    the child's. Raises ``subprocess.TimeoutExpired`` (the child killed) past ``timeout``
+    seconds."""
     env = dict(os.environ if env is None else env)
     key = (preload, tuple((name, env.get(name)) for name in IMPORT_TIME_ENV))
     warm = _WARM.get(key)
@@ -58,7 +60,7 @@ def run(args: list[str], *, timeout: float, preload: str = "base", env: dict | N
     with tempfile.TemporaryDirectory(prefix="zygote-") as scratch:
         out, err = Path(scratch, "out"), Path(scratch, "err")
         request = {"args": list(args), "env": env, "cwd": str(cwd or os.getcwd()),
-                   "out": str(out), "err": str(err)}
+                   "out": str(out), "err": str(err), "setsid": start_new_session}
         child = None
         try:
             warm.stdin.write(json.dumps(request).encode() + b"\n")
@@ -70,8 +72,10 @@ def run(args: list[str], *, timeout: float, preload: str = "base", env: dict | N
                 _reply(warm, 10.0)
                 raise subprocess.TimeoutExpired([sys.executable, *args], timeout,
                                                 out.read_text(), err.read_text())
-            return subprocess.CompletedProcess([sys.executable, *args], reply["status"],
+            done = subprocess.CompletedProcess([sys.executable, *args], reply["status"],
                                                out.read_text(), err.read_text())
+            done.pid = child
+            return done
         except BaseException:
             # Anything else (an interrupt, the test's own timeout): the warm one may be
             # mid-call, so it goes, with its child; the next call starts another.
@@ -170,6 +174,8 @@ def _become(request: dict) -> None:
     import runpy
     import types
 
+    if request["setsid"]:
+        os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
     out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
