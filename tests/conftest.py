@@ -20,7 +20,6 @@ from arena_loader._slab import NAME_PREFIX, SHM_DIR
 
 from . import zygote
 
-
 # Ctrl-C is part of what the suite tests. Started with SIGINT ignored (a background job of a
 # non-interactive shell, `nohup ... &`), Python installs no handler for it, and nor do the
 # interpreters the tests start, which inherit the ignored signal: every KeyboardInterrupt test
@@ -48,7 +47,9 @@ def pytest_addoption(parser):
 # so the suite ends on short tests and neither process waits long for the other's last one.
 # Spread, not all first: two of them at once (each several processes busy) would leave the
 # short tests, many of which wait, to run side by side later with cores idle. A name no
-# longer here only runs in its place; update the list from a run's --durations.
+# longer here only runs in its place; update the list from a run's --durations. Those of
+# them that grow the test process (GROWS_MEMORY, below) run with the others of that list at
+# the suite's end instead, their long ones first.
 LONGEST_FIRST = (
     "test_bench.py::test_bench_cli_quick_writes_every_loader_and_metric",
     "test_device.py::test_device_leg_passes_under_the_simulator",
