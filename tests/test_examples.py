@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -45,12 +44,9 @@ def test_a_torch_script_switched_by_one_import_sees_the_same_batches_and_losses(
     import differs): same number of batches, same shuffled order, same losses, and the model
     learns."""
     outputs = {}
-    # One intra-op thread, as the other examples set: torch's default (one per core) beside
-    # the loader's workers and the other tests made the same run take 0.5 s or 7 s.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for loader in ("torch", "arena"):
         result = zygote.run([str(EXAMPLES / "switch_from_torch.py"), loader], timeout=100,
-                            env=env, preload="torch")
+                            preload="torch")
         assert result.returncode == 0, result.stderr[-3000:]
         outputs[loader] = result.stdout.strip().rpartition(" time ")[0].partition(" ")[2]
     assert outputs["torch"] == outputs["arena"]
