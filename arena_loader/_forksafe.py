@@ -21,6 +21,7 @@ mapping (``_slab.map_shared`` does) and ``keep_across_fork`` for each region a u
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ctypes
 import logging
@@ -138,7 +139,7 @@ def handing_over(fds: list[int]):
 
 
 @contextlib.contextmanager
-def interrupts_deferred():
+def interrupts_deferred(in_finalizer: bool = False):
     """A Ctrl-C while a worker process starts is raised once it has started, not inside the
     start. During a fork, the main thread's next Python code is in the at-fork hooks (ours,
     logging's), where Python swallows what the SIGINT handler raises ("Exception ignored in"):
@@ -147,7 +148,10 @@ def interrupts_deferred():
     (CPython's race: torch's workers have it too). Inside this block the handler only records
     the signal (a forked child inherits that handler until ``worker_main`` ignores SIGINT); the
     caller's own handler gets it at the end. In another thread there is nothing to do: the
-    handler runs in the main thread, outside this thread's hooks."""
+    handler runs in the main thread, outside this thread's hooks. ``in_finalizer``: the block
+    is in a finalizer, where what the handler raises would be swallowed too (and so would a
+    signal sent again at once: CPython runs a pending handler at the finalizer's next line),
+    so another thread sends it once the finalizer has returned (``redeliver``)."""
     caught: list[Any] = []
     previous = None
     # (None: a handler set outside Python, which could not be put back; it is left alone)
@@ -159,12 +163,25 @@ def interrupts_deferred():
         yield
     finally:
         if previous is not None:
+            later = bool(caught) and in_finalizer and callable(previous)
+            if later:
+                redeliver()  # (its thread started while a new Ctrl-C is still only recorded)
             signal.signal(signal.SIGINT, previous)
-            if caught:
+            if caught and not later:
                 if callable(previous):
                     previous(signal.SIGINT, caught[0])  # (the default raises KeyboardInterrupt)
                 elif previous == signal.SIG_DFL:
                     os.kill(os.getpid(), signal.SIGINT)
+
+
+REDELIVER_DELAY_S = 0.001
+
+
+def redeliver() -> None:
+    """A SIGINT for the main thread from another thread, a moment later: by then the main
+    thread has left the finalizer (its last lines take microseconds). Should it be inside
+    another finalizer of ours, that one defers and sends it on in turn."""
+    threading.Timer(REDELIVER_DELAY_S, _thread.interrupt_main).start()
 
 
 def register_mapping(owner: Any, address: int, nbytes: int) -> None:

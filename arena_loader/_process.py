@@ -9,6 +9,7 @@ import os
 import resource
 import signal
 import socket
+import sys
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -66,6 +67,28 @@ def torch_crash_text(pid: int | None, exitcode: int | None) -> str:
     return text
 
 
+def interactive_main_hint(context: Any, setup: WorkerSetup) -> str:
+    """Why a spawn / forkserver worker died before loading anything, when it did: the
+    dataset's class (or the collate_fn, worker_init_fn) lives in an interactive ``__main__``
+    (a Jupyter notebook, ``python -c``), which a fresh interpreter cannot import, so unpickling
+    the worker's arguments fails (``Can't get attribute ...``, on the worker's stderr only)."""
+    method = getattr(context, "get_start_method", lambda: "fork")()
+    if method == "fork" or getattr(sys.modules.get("__main__"), "__file__", None):
+        return ""
+    dataset = getattr(setup.filler, "dataset", None)
+    collate_fn = getattr(setup.filler, "collate_fn", None)
+    found = [f"{role} {getattr(obj, '__qualname__', obj)!r}"
+             for role, obj in (("the dataset's class", type(dataset)),
+                               ("collate_fn", collate_fn), ("worker_init_fn", setup.worker_init_fn))
+             if getattr(obj, "__module__", None) == "__main__"]
+    if not found:
+        return ""
+    return (f"; {' and '.join(found)} is defined in __main__ (a notebook or an interactive "
+            f"session), which a {method!r} worker cannot import, so it died unpickling it: "
+            "define it in a .py file and import it from there, or pass "
+            "multiprocessing_context='fork'")
+
+
 class WorkerGroup:
     """``num_workers`` processes, each with a private doorbell pipe (the order ring's, see
     ``_pipeline.order``) and result pipe. Asking them to stop is the order ring's job (a STOP
@@ -73,6 +96,7 @@ class WorkerGroup:
 
     def __init__(self, context: Any, setups: list[WorkerSetup]):
         self.processes: list[Any] = []
+        self.main_hint = interactive_main_hint(context, setups[0]) if setups else ""
         self.task_conns: list[Connection] = []
         self.result_conns: list[Connection] = []
         self.fd_sockets: list[socket.socket] = []  # one-off segments' descriptors arrive here
@@ -144,9 +168,10 @@ class WorkerGroup:
                                                   for idx, indices in owed)
                    if owed else " while idle")
         message = (f"DataLoader worker {worker_id} (pid {process.pid}) "
-                   f"{describe_exit(exitcode, _running(process))}{loading}; to see the failing "
-                   "sample's error, "
-                   "load those indices with num_workers=0")
+                   f"{describe_exit(exitcode, _running(process))}{loading}"
+                   + (self.main_hint if exitcode == 1 and self.main_hint else
+                      "; to see the failing sample's error, load those indices with "
+                      "num_workers=0"))
         if exitcode == -signal.SIGBUS:
             message += (". A SIGBUS in a worker usually means shared memory ran out: check free "
                         "space in /dev/shm (docker run --shm-size=...) or lower `slots`")

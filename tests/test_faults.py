@@ -1681,6 +1681,44 @@ def test_ctrl_cs_between_batches_all_reach_the_loop():
     assert (int(caught), in_order, swallowed.strip()) == (int(fired), "True", "[]"), done.stdout
 
 
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_while_a_dropped_iterator_joins_its_workers_reaches_the_program(monkeypatch):
+    """`it = iter(loader)` in a loop (a notebook cell) drops the old iterator, whose finalizer
+    joins its workers for tens of ms: a Ctrl-C then (the kernel's interrupt button) was raised
+    inside the finalizer and swallowed ("Exception ignored in: <finalize object>"), so the loop
+    went on and the cell hung until a second interrupt (trial24). It reaches the program once
+    the workers are down and the finalizer has returned, and the loader goes on with whole
+    epochs."""
+    from arena_loader._process import WorkerGroup
+
+    original = WorkerGroup.shutdown
+
+    def interrupted(self, graceful=True):
+        signal.raise_signal(signal.SIGINT)  # the Ctrl-C, as the finalizer joins the workers
+        return original(self, graceful)
+
+    loader = ArenaLoader(ImageDataset(16), batch_size=4, num_workers=2)
+    it = iter(loader)
+    next(it)
+    monkeypatch.setattr(WorkerGroup, "shutdown", interrupted)
+    caught = 0
+    try:
+        it = None  # the finalizer runs here; the Ctrl-C comes once it has returned
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+    except KeyboardInterrupt:
+        caught += 1
+    monkeypatch.undo()
+    assert caught == 1
+    assert wait_until(lambda: not live_children())
+    expected = reference_epoch(ImageDataset(16), 4, False)
+    got = list(loader)
+    assert len(got) == len(expected) and all(np.array_equal(a, b) for a, b in zip(got, expected))
+    del got
+    loader.close()
+
+
 def _interrupt_sweep():
     """benchmarks/interrupt_sweep.py (its harness: a KeyboardInterrupt as the k-th call into C
     of an arena_loader frame returns), loaded by path."""

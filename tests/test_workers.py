@@ -217,3 +217,40 @@ def test_torch_rng_is_seeded_per_worker_even_under_spawn():
     assert [row[1] for row in spawned] == [0, 0, 1, 1]  # each worker's first sample imports it
     assert [row[2:] for row in spawned] == [[0, 2, 1, 0], [1, 2, 1, 1], [0, 2, 1, 0],
                                             [1, 2, 1, 1]]
+
+
+MAIN_CLASS_PROGRAM = '''
+import numpy as np
+from arena_loader import ArenaLoader, WorkerCrashedError
+
+class NotebookDataset:  # defined in __main__, as a notebook cell or `python -c` defines it
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return np.full(3, i, dtype=np.float32)
+
+try:
+    list(ArenaLoader(NotebookDataset(), batch_size=2, num_workers=1,
+                     multiprocessing_context=%r))
+except WorkerCrashedError as exc:
+    print("CRASHED", exc)
+'''
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_spawned_worker_of_a_main_defined_dataset_names_the_class_and_the_fix(context):
+    """A dataset class defined in an interactive __main__ (a Jupyter notebook, `python -c`)
+    cannot be unpickled by a spawn / forkserver worker, which dies with code 1 before loading
+    anything: the error names the class and the fix (a module file, or fork), not a failing
+    sample, and keeps torch's words."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", MAIN_CLASS_PROGRAM % context],
+                         capture_output=True, text=True, timeout=50).stdout
+    assert out.startswith("CRASHED"), out
+    assert "NotebookDataset" in out and "__main__" in out
+    assert "multiprocessing_context='fork'" in out and ".py file" in out
+    assert "to see the failing sample's error" not in out
+    assert "exited unexpectedly" in out  # torch's words

@@ -9,12 +9,22 @@ from typing import Any
 
 from .._arena import ArenaSource
 from .._fetch import BatchFiller
+from .._forksafe import interrupts_deferred
 from .._iterator_length import LoaderLength
 from .._options import LoaderOptions
 from .._resume import EpochPlan
 from ..snapshot import IteratorSnapshot
 from .session import Session
 from .window import StageLag
+
+
+def close_dropped(session: Session) -> None:
+    """The finalizer's close: it joins the workers (tens of ms), and a Ctrl-C meanwhile (`it =
+    iter(loader)` in a loop drops the last iterator) would be raised inside the finalizer and
+    swallowed, the close cut short; it is held until the close is done, then sent again once
+    the finalizer has returned (``_forksafe.redeliver``)."""
+    with interrupts_deferred(in_finalizer=True):
+        session.close()
 
 
 class MultiProcessIterator(LoaderLength):
@@ -27,7 +37,7 @@ class MultiProcessIterator(LoaderLength):
         # A persistent iterator's epochs end without finishing the session: its face calls
         # this directly (one call less per batch).
         self.next_batch = self._session.next_batch
-        self._finalizer = weakref.finalize(self, self._session.close)
+        self._finalizer = weakref.finalize(self, close_dropped, self._session)
         try:
             self._session.start_epoch(plan)
         except BaseException:
