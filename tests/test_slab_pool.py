@@ -13,6 +13,7 @@ from arena_loader import LoaderClosedError, ShmCapacityError
 from arena_loader._pool import SlotPool, SlotState
 from arena_loader._slab import (
     NAME_PREFIX,
+    Segment,
     Slab,
     open_shared,
     remove_names_of,
@@ -123,7 +124,8 @@ def test_a_reserved_slab_allocated_again_at_its_size_is_unchanged_and_closed_if_
         monkeypatch):
     """``allocate`` made again at the same size (a claim an interrupt cut short) keeps the
     mapping it made; another size is refused. A reserved slab whose allocation fails (no
-    room) is closed, its descriptor with it: it is no use to the workers holding it."""
+    room) is closed, its descriptor with it: it is no use to the workers holding it; so is
+    a one-off segment's."""
     slab = Slab.reserve()
     slab.allocate(2 * 4096, slots=2)
     array = slab.array
@@ -142,6 +144,9 @@ def test_a_reserved_slab_allocated_again_at_its_size_is_unchanged_and_closed_if_
     with pytest.raises(ShmCapacityError, match="posix_fallocate"):
         failing.allocate(4096)
     assert failing.closed and not our_shm_descriptors()
+    with pytest.raises(ShmCapacityError, match="posix_fallocate"):
+        Segment(4096)  # (a one-off segment: its descriptor closed too)
+    assert not our_shm_descriptors()
 
 
 def test_the_names_a_dead_process_left_are_removed_and_no_other_process_names():
