@@ -283,3 +283,16 @@ def test_collate_fn_memmap_slices_still_go_into_the_slot():
         batch = next(iter(loader))
         assert type(batch) is np.ndarray
         np.testing.assert_array_equal(batch, [[0, 1, 2], [1, 2, 3]])
+
+
+def test_drop_last_drops_the_short_last_batch_of_a_user_sampler_as_torch_does():
+    """A user's sampler (not one of ours) grouped into batches: with drop_last the short last
+    batch is dropped, as torch's BatchSampler drops it."""
+    import torch.utils.data
+
+    sampler = [6, 5, 4, 3, 2, 1, 0]  # any iterable of indices is a sampler
+    expected = [batch.tolist() for batch in torch.utils.data.DataLoader(
+        list(range(7)), batch_size=3, drop_last=True, sampler=sampler)]
+    with ArenaLoader(list(range(7)), batch_size=3, drop_last=True, sampler=sampler) as loader:
+        assert [np.asarray(batch).tolist() for batch in loader] == expected == [[6, 5, 4],
+                                                                                [3, 2, 1]]

@@ -273,9 +273,62 @@ def test_killed_worker_raises_with_pid_and_signal_promptly(signum, tmp_path):
     assert error.pid in pids and error.exitcode == -signum
     assert f"pid {error.pid}" in str(error) and signal.Signals(signum).name in str(error)
     assert "batch idx=4 (indices [8, 9])" in str(error)
+    assert (f"In torch's words: DataLoader worker (pid(s) {error.pid}) exited unexpectedly; "
+            f"DataLoader worker (pid {error.pid}) is killed by signal: "
+            f"{signal.strsignal(signum)}. ") in str(error)
     if signum == signal.SIGBUS:
         assert "/dev/shm" in str(error)
     assert detected_after_s < 0.5, f"crash took {detected_after_s:.3f} s to surface"
+
+
+class _ExitsWithCode(ImageDataset):
+    def __init__(self, n: int, code: int):
+        super().__init__(n)
+        self.code = code
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index == 5:
+            os._exit(self.code)
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_worker_that_exits_mid_batch_is_a_crash_naming_its_exit_code(code):
+    """A worker gone with an exit status while it owed a batch: the message names the code
+    (0 too: not "was killed by" a signal 0), then says it in torch's words."""
+    with ArenaLoader(_ExitsWithCode(12, code), batch_size=2, num_workers=1) as loader:
+        with pytest.raises(WorkerCrashedError) as info:
+            list(loader)
+    error = info.value
+    assert error.exitcode == code
+    assert f"exited with code {code} while loading batch idx=2 (indices [4, 5])" in str(error)
+    torch_words = f"DataLoader worker (pid(s) {error.pid}) exited unexpectedly"
+    if code:
+        torch_words += (f"; DataLoader worker (pid {error.pid}) exited unexpectedly with exit "
+                        f"code {code}. Details are lost due to multiprocessing.")
+    assert f"In torch's words: {torch_words}" in str(error)
+
+
+def test_a_worker_that_cannot_map_the_sized_slab_reports_why(monkeypatch):
+    """A (forked) worker whose mapping of the slab fails once the first batch sized it:
+    its own error reaches next() with its type and worker id, not a bare worker crash."""
+    from arena_loader import ShmCapacityError
+    from arena_loader._slab import SlabHandle
+
+    real_map = SlabHandle.map
+
+    def no_room(self, nbytes=None):
+        if nbytes is None:  # (the order ring's)
+            return real_map(self)
+        raise ShmCapacityError(12, "mmap: Cannot allocate memory (test)")
+
+    monkeypatch.setattr(SlabHandle, "map", no_room)
+    with ArenaLoader(ImageDataset(16), batch_size=2, num_workers=2,
+                     multiprocessing_context="fork") as loader:
+        with pytest.raises(ShmCapacityError, match=r"(?s)^Caught ShmCapacityError in "
+                                                   r"DataLoader worker process \d.*test\)") as info:
+            list(loader)
+    assert info.value.worker_id in (0, 1) and info.value.batch_idx is None
 
 
 def test_a_worker_killed_while_making_a_segment_leaves_no_name_in_dev_shm():

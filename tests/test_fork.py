@@ -506,8 +506,10 @@ def test_too_many_workers_for_the_descriptor_limit_is_a_clear_error(descriptor_l
     limit = max(64, _open_fd_count() + 32)
     descriptor_limit(limit)
     loader = ArenaLoader(FullDataset(8), batch_size=2, num_workers=16, slots=40, timeout=10)
-    with pytest.raises(DescriptorLimitError, match=rf"num_workers=16 needs about \d+ more file "
-                       rf"descriptors.*`ulimit -n` allows {limit}.*smaller num_workers") as caught:
+    # (4 per worker, and a margin of 16; counted before a worker starts: "are open already")
+    with pytest.raises(DescriptorLimitError, match=rf"num_workers=16 needs about 80 more file "
+                       rf"descriptors.*`ulimit -n` allows {limit} \(\d+ are open already\)"
+                       r".*smaller num_workers") as caught:
         next(iter(loader))
     assert caught.value.errno == errno.EMFILE
     assert not live_children()

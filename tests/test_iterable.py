@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.utils.data
 
-from arena_loader import ArenaLoader
+from arena_loader import ArenaLoader, SampleShapeError
 
 from .datasets import ShardedStream, as_torch_iterable
 
@@ -131,6 +131,32 @@ def test_error_inside_the_stream_names_the_worker_and_the_epoch_goes_on():
     assert "from its iterator of the dataset" in errors[0]
     assert set(range(1, 20, 2)) <= set(seen)  # worker 1's whole shard
     assert {0, 2} <= set(seen) and not {4, 6} & set(seen)  # batch [4, 6] failed whole
+
+
+class _ShapeSlipStream:
+    """Six rows per worker an epoch; in its second epoch (persistent workers), worker 1's
+    item 5 has another shape."""
+
+    epochs = 0
+
+    def __iter__(self):
+        from arena_loader import get_worker_info
+
+        self.epochs += 1  # (this worker's replica)
+        worker = get_worker_info().id
+        for item in range(6):
+            yield np.zeros(3 if (self.epochs, worker, item) == (2, 1, 5) else 2)
+
+
+def test_a_later_epochs_error_names_the_item_by_its_place_in_that_epochs_stream():
+    """Persistent workers: items are counted from the start of each epoch's iterator, one per
+    row (not per batch, not on from the last epoch), so the error names item 5."""
+    with ArenaLoader(_ShapeSlipStream(), batch_size=2, num_workers=2,
+                     persistent_workers=True) as loader:
+        assert len(list(loader)) == 6
+        with pytest.raises(SampleShapeError, match=r"sample item 5 of worker 1's iterator: "
+                                                   r"field sample has shape \[3\]"):
+            list(loader)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -101,7 +101,7 @@ def test_completion_records_split_across_reads_are_parsed_whole_and_plans_shared
 def test_reorderer_hands_out_in_idx_order_and_takes_back_an_interrupted_batch():
     """in_order: batches leave by idx whatever order they arrive in; one put back is next
     again. in_order=False: arrival order, and one put back is next again there too (not
-    behind the batches that arrived after it)."""
+    behind the batches that arrived after it; two put back, the first one first)."""
 
     class Done:
         def __init__(self, idx):
@@ -126,6 +126,12 @@ def test_reorderer_hands_out_in_idx_order_and_takes_back_an_interrupted_batch():
     unordered.taken(first)
     unordered.unget(first)
     assert [unordered.take().idx for _ in range(3)] == [2, 0, 1]
+    for idx in (5, 6):  # two taken, then both put back: they come again as they came
+        unordered.arrive(Done(idx))
+    first, second = unordered.take(), unordered.take()
+    unordered.unget(second)
+    unordered.unget(first)
+    assert [unordered.take().idx for _ in range(2)] == [5, 6]
 
 
 def test_reconcile_frees_slots_no_batch_owns_and_relists_free_ones():
@@ -171,6 +177,34 @@ def test_a_record_of_no_batch_its_worker_was_loading_is_an_error_never_a_batch()
     assert filed(0, 2, mine) is None
     assert filed(0, 3, mine) == (0, mine, [6, 7])
     assert pool.state(mine) is SlotState.FILLED and pool.state(other) is SlotState.ASSIGNED
+
+
+def test_accept_settles_a_record_filed_already_and_takes_a_batch_that_fills_its_slot():
+    """``accept``: a record whose batch is filed but still listed in flight (an arrival cut
+    short) is settled, out of flight, and not filed twice; a batch of exactly the slot's
+    size is a batch in its slot (not an overflow); while draining, a batch of the last epoch
+    leaves flight and gives its slot back."""
+    from types import SimpleNamespace
+
+    from arena_loader._pipeline.completions import Completion
+    from arena_loader._pipeline.intake import accept
+
+    pool = SlotPool(np.zeros(3 * 64, np.uint8), 64, 3)
+    arena = SimpleNamespace(pool=pool, slot_nbytes=64)
+    slots = [pool.acquire() for _ in range(3)]
+    order = Reorderer(in_order=True)
+    order.in_flight.update({idx: (0, slots[idx], [idx]) for idx in range(3)})
+    feed = SimpleNamespace(send_idx=3)
+
+    def filed(idx, nbytes, draining=False):
+        completion = Completion(0, LOADED, idx, slots[idx], b"", SimpleNamespace(nbytes=nbytes))
+        return accept(completion, order, feed, None, arena, draining)
+
+    order.done[0] = object()  # filed; the arrival was cut short before it left flight
+    assert filed(0, 32) is None and 0 not in order.in_flight
+    assert filed(1, 64) == (0, slots[1], [1]) and pool.state(slots[1]) is SlotState.FILLED
+    assert filed(2, 32, draining=True) is None
+    assert 2 not in order.in_flight and pool.state(slots[2]) is SlotState.FREE
 
 
 @pytest.mark.parametrize("drop_last", [False, True])

@@ -11,7 +11,14 @@ import pytest
 
 from arena_loader import LoaderClosedError, ShmCapacityError
 from arena_loader._pool import SlotPool, SlotState
-from arena_loader._slab import NAME_PREFIX, Slab, open_shared, shm_available_bytes
+from arena_loader._slab import (
+    NAME_PREFIX,
+    Segment,
+    Slab,
+    open_shared,
+    remove_names_of,
+    shm_available_bytes,
+)
 
 from .conftest import our_shm_descriptors
 
@@ -102,6 +109,63 @@ def test_slab_larger_than_dev_shm_fails_at_construction():
                                                r"--shm-size.*fewer `slots`"):
         Slab(too_big, slots=8)
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(NAME_PREFIX)]
+
+
+def test_a_lazy_slab_larger_than_dev_shm_fails_at_construction_too():
+    """A lazy slab reserves no page at construction, so only the size check can refuse it:
+    one page more than /dev/shm has is refused then, not left to fail at a slot's first use."""
+    too_big = shm_available_bytes() + 64 * 4096
+    with pytest.raises(ShmCapacityError, match="checked before allocating"):
+        Slab(too_big, slots=2, lazy=True)
+    assert not our_shm_descriptors()
+
+
+def test_a_reserved_slab_allocated_again_at_its_size_is_unchanged_and_closed_if_it_fails(
+        monkeypatch):
+    """``allocate`` made again at the same size (a claim an interrupt cut short) keeps the
+    mapping it made; another size is refused. A reserved slab whose allocation fails (no
+    room) is closed, its descriptor with it: it is no use to the workers holding it; so is
+    a one-off segment's."""
+    slab = Slab.reserve()
+    slab.allocate(2 * 4096, slots=2)
+    array = slab.array
+    slab.allocate(2 * 4096, slots=2)
+    assert slab.array is array and slab.nbytes == 2 * 4096
+    with pytest.raises(ValueError, match="already allocated"):
+        slab.allocate(4096)
+    slab.close()
+    del array  # (the mapping goes with its last view)
+
+    def no_space(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    failing = Slab.reserve()
+    with pytest.raises(ShmCapacityError, match="posix_fallocate"):
+        failing.allocate(4096)
+    assert failing.closed and not our_shm_descriptors()
+    with pytest.raises(ShmCapacityError, match="posix_fallocate"):
+        Segment(4096)  # (a one-off segment: its descriptor closed too)
+    assert not our_shm_descriptors()
+
+
+def test_the_names_a_dead_process_left_are_removed_and_no_other_process_names():
+    """``remove_names_of(pid)`` removes the names made by ``pid`` only: not those of a
+    process whose pid starts with the same digits (a live one's name is in use)."""
+    pid = os.getpid()
+    names = [f"/{NAME_PREFIX}{pid}_probe", f"/{NAME_PREFIX}{pid}7_probe"]
+    for name in names:
+        os.close(posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=4096).fd)
+    try:
+        remove_names_of(pid)
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(NAME_PREFIX)] == [
+            names[1][1:]]
+    finally:
+        for name in names:
+            try:
+                posix_ipc.unlink_shared_memory(name)
+            except posix_ipc.ExistentialError:
+                pass
 
 
 def test_fallocate_failure_is_a_capacity_error(monkeypatch):

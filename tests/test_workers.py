@@ -43,6 +43,58 @@ def test_workers_draw_different_random_numbers_and_seeds_reproduce():
     assert first != other
 
 
+class _InitArgProbe(ImageDataset):
+    """Each sample: the loading worker's id and what ``_record_init_arg`` was called with."""
+
+    init_arg = -1
+
+    def __getitem__(self, index: int) -> dict:
+        return {"worker": get_worker_info().id, "init_arg": self.init_arg}
+
+
+def _record_init_arg(worker_id: int) -> None:
+    get_worker_info().dataset.init_arg = worker_id  # (this worker's copy of the dataset)
+
+
+def _fail_init_in_worker_1(worker_id: int) -> None:
+    if worker_id == 1:
+        fail_init(worker_id)
+
+
+def test_worker_init_fn_error_names_the_worker_it_failed_in():
+    """Only worker 1's worker_init_fn raises: the error names worker 1, not another."""
+    with ArenaLoader(ImageDataset(8), batch_size=2, num_workers=2,
+                     worker_init_fn=_fail_init_in_worker_1) as loader:
+        with pytest.raises(FileNotFoundError) as info:
+            list(loader)
+    assert info.value.worker_id == 1
+    assert str(info.value).startswith("Caught FileNotFoundError in DataLoader worker process 1.")
+
+
+def _init_raising_stop_iteration(worker_id: int) -> None:
+    raise StopIteration("no shard for this worker")
+
+
+def test_worker_init_fn_raising_stop_iteration_is_a_runtime_error_not_an_empty_epoch():
+    """StopIteration out of worker_init_fn reaches next() as a RuntimeError (the worker's
+    traceback in it): raised as itself, it would end the epoch as if it were empty."""
+    with ArenaLoader(ImageDataset(8), batch_size=2, num_workers=1,
+                     worker_init_fn=_init_raising_stop_iteration) as loader:
+        with pytest.raises(RuntimeError, match=r"(?s)^Caught StopIteration in DataLoader "
+                                               r"worker process 0\..*no shard for this worker"):
+            list(loader)
+
+
+def test_worker_init_fn_is_called_with_its_workers_id():
+    """worker_init_fn(worker_id) gets the id of the worker it runs in, as torch's does: a
+    dataset that opens shard ``worker_id`` there must not have every worker open shard 0."""
+    with ArenaLoader(_InitArgProbe(12), batch_size=2, num_workers=3,
+                     worker_init_fn=_record_init_arg) as loader:
+        batches = [(b["worker"].tolist(), b["init_arg"].tolist()) for b in loader]
+    assert {worker for workers, _ in batches for worker in workers} == {0, 1, 2}
+    assert all(workers == args for workers, args in batches), batches
+
+
 @pytest.mark.parametrize("worker_mode", ["process", "thread"])
 @pytest.mark.parametrize("num_workers", [1, 3])
 def test_worker_init_fn_error_is_raised_with_its_type(num_workers, worker_mode):
