@@ -163,9 +163,11 @@ def interrupts_deferred(in_finalizer: bool = False):
     finally:
         if previous is not None:
             later = bool(caught) and in_finalizer and callable(previous)
-            if later:
-                redeliver()  # (its thread started while a new Ctrl-C is still only recorded)
-            signal.signal(signal.SIGINT, previous)
+            try:
+                if later:  # (its thread started while a new Ctrl-C is still only recorded)
+                    redeliver()  # (no thread at interpreter exit: the handler is back all the same)
+            finally:
+                signal.signal(signal.SIGINT, previous)
             if caught and not later:
                 if callable(previous):
                     previous(signal.SIGINT, caught[0])  # (the default raises KeyboardInterrupt)

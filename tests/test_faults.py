@@ -1681,6 +1681,22 @@ def test_ctrl_cs_between_batches_all_reach_the_loop():
     assert (int(caught), in_order, swallowed.strip()) == (int(fired), "True", "[]"), done.stdout
 
 
+def test_a_finalizers_ctrl_c_that_cannot_be_sent_again_leaves_the_handler_as_it_was(monkeypatch):
+    """No thread for the re-send (``Thread.start`` refuses at interpreter exit): the error
+    goes up, and SIGINT's handler is the program's again, not the one that only records."""
+    from arena_loader import _forksafe
+
+    def no_thread():
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(_forksafe, "redeliver", no_thread)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(RuntimeError, match="new thread"):
+        with _forksafe.interrupts_deferred(in_finalizer=True):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 @pytest.mark.timeout(60)
 def test_a_ctrl_c_while_a_dropped_iterator_joins_its_workers_reaches_the_program(monkeypatch):
     """`it = iter(loader)` in a loop (a notebook cell) drops the old iterator, whose finalizer
