@@ -19,6 +19,7 @@ from arena_loader._layout import (
     prepare_batch,
     prepare_samples,
 )
+from arena_loader._layout.records import STRUCTURES_KEPT
 
 from .datasets import NestedDataset, stack_reference
 
@@ -237,6 +238,27 @@ def test_the_structure_is_sent_once_per_encoder():
     second = encoder.encode(prepared.plan, 1, 0, 0, segment=False)
     assert len(second) < len(first)
     assert decoder.decode(first).plan.spec == decoder.decode(second).plan.spec
+
+
+def test_structures_kept_are_bounded_and_an_evicted_one_comes_back_whole():
+    """A collate_fn whose batches each have a structure of their own (one array in places
+    that vary from batch to batch) must not grow either side's table for good: past
+    STRUCTURES_KEPT the oldest id is reused, and a structure met again after its eviction
+    is sent again, so every record still decodes to its own structure."""
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    plans = [prepare_samples([{f"k{i}": np.zeros(2)}] * 2, [0, 1]).plan
+             for i in range(3 * STRUCTURES_KEPT)]
+    for idx, plan in enumerate(plans + plans[:5] + plans[-3:]):
+        record = decoder.decode(encoder.encode(plan, idx, 0, 0, segment=False))
+        assert record.plan.spec == plan.spec
+        assert decoder.kept <= STRUCTURES_KEPT
+    assert decoder.kept == STRUCTURES_KEPT
+    # still named: its record carries no structure; one evicted by plans[:5] carries it
+    named = encoder.encode(plans[-1], 10**6, 0, 0, segment=False)
+    evicted = encoder.encode(plans[2 * STRUCTURES_KEPT], 10**6 + 1, 0, 0, segment=False)
+    assert len(named) < len(evicted)
+    assert decoder.decode(named).plan.spec == plans[-1].spec
+    assert decoder.decode(evicted).plan.spec == plans[2 * STRUCTURES_KEPT].spec
 
 
 def plan_and_write(samples, indices):

@@ -1,5 +1,7 @@
 """The plan on the wire: a fixed-size header and one small record per field; each structure
-is pickled once per worker and then named by its id."""
+is pickled once per worker and then named by its id (up to ``STRUCTURES_KEPT`` of them: the
+oldest one's id is given to a new one past that, so a collate_fn whose every batch has a
+structure of its own costs a bounded amount of memory on both sides)."""
 
 from __future__ import annotations
 
@@ -21,12 +23,18 @@ FLAG_TORCH = 1
 FLAG_SEGMENT = 2  # the storage is a one-off segment whose descriptor follows on the side
 FLAG_COLLATED = 4
 FLAG_CONVERTED = 8  # one unbatched sample, no collate_fn (Plan.converted)
+# Structures a worker names by id (and the main process keeps, per worker). Most loaders
+# have one; a batch whose leaves repeat one array in places that vary (``_one_field_per_
+# object``: a pooled dataset's sample drawn twice into one batch) has a structure of its own.
+STRUCTURES_KEPT = 64
+INLINE = 0xFFFFFFFF  # a structure sent with its record and kept by no one
 
 
 class PlanEncoder:
     """A worker's side: plans as records; each structure is sent once and then named by id."""
 
     def __init__(self) -> None:
+        # structure -> its id, oldest first (dicts keep insertion order)
         self._structure_ids: dict[Any, int] = {}
         self._dtype_bytes: dict[tuple[np.dtype, str], bytes] = {}
         self._last: tuple[Any, bytes] = (None, b"")  # batches of one shape share a Plan
@@ -42,14 +50,17 @@ class PlanEncoder:
 
     def _encode(self, plan: Plan, idx: int, slot: int, worker_id: int, segment: bool) -> bytes:
         try:
-            sid = self._structure_ids.get(plan.spec)
+            ids = self._structure_ids
+            sid = ids.get(plan.spec)
             structure = b""
             if sid is None:
-                sid = len(self._structure_ids)
                 structure = _pickle_structure(plan.spec)
-                self._structure_ids[plan.spec] = sid
+                # The oldest structure's id, once STRUCTURES_KEPT are named: the decoder
+                # replaces what it kept under it as it reads this record.
+                sid = len(ids) if len(ids) < STRUCTURES_KEPT else ids.pop(next(iter(ids)))
+                ids[plan.spec] = sid
         except TypeError:  # a structure that does not hash (unhashable keys): send it each time
-            sid, structure = 0xFFFFFFFF, _pickle_structure(plan.spec)
+            sid, structure = INLINE, _pickle_structure(plan.spec)
         flags = (FLAG_TORCH if plan.torch else 0) | (FLAG_SEGMENT if segment else 0) | (
             FLAG_COLLATED if plan.collated else 0) | (FLAG_CONVERTED if plan.converted else 0)
         parts = [RECORD_MAGIC, HEADER.pack(idx, slot, worker_id, 0, flags, len(plan.fields), sid,
@@ -110,6 +121,11 @@ class PlanDecoder:
         self._structures: dict[int, Any] = {}
         self._dtypes: dict[bytes, tuple[np.dtype, str]] = {}  # descriptor -> (dtype, torch)
 
+    @property
+    def kept(self) -> int:
+        """Structures kept (at most ``STRUCTURES_KEPT``)."""
+        return len(self._structures)
+
     def decode(self, payload: bytes) -> Record:
         if payload[:1] != RECORD_MAGIC or len(payload) < 1 + HEADER.size:
             raise ValueError(f"not a batch record ({len(payload)} bytes starting "
@@ -122,7 +138,7 @@ class PlanDecoder:
         if structure_len:
             spec = _load_structure(payload[pos: pos + structure_len], idx, worker_id)
             pos += structure_len
-            if sid != 0xFFFFFFFF:
+            if sid != INLINE:
                 self._structures[sid] = spec
         else:
             spec = self._structures[sid]
