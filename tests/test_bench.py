@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import gc
 import importlib
+import importlib.util
 import json
 import os
 import pickle
@@ -518,6 +519,12 @@ def test_bench_cli_quick_writes_every_loader_and_metric(tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Targets" in result.stdout and ARENA in result.stdout
     assert "round 1/1" in result.stderr  # progress lines while it runs
+    # benchmarks/summary.py: a row per workload ArenaLoader ran, the figures bench.json holds
+    summary = _load_script("summary").summary(out)
+    for workload, peers in out["ratios"].items():
+        speed = peers["torch default collate"]["steady_batches_per_s"]
+        assert f"| {workload} | " in summary and f"{speed['median']:.3g}x [" in summary
+    assert summary.count("| met |") + summary.count("| **missed** |") == len(out["targets"])
 
 
 @pytest.mark.timeout(60)
@@ -665,3 +672,12 @@ def test_the_environment_names_the_huge_page_option_dev_shm_is_mounted_with(tmp_
         mounts.write_text("\n".join(lines) + "\n")
         assert harness.shm_huge_pages(str(mounts)) == expected, lines
     assert harness.shm_huge_pages(str(tmp_path / "absent")) == "unknown"
+
+
+def _load_script(name):
+    """A script of benchmarks/, loaded by path (the folder is no package)."""
+    path = ROOT / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
