@@ -261,6 +261,29 @@ def test_structures_kept_are_bounded_and_an_evicted_one_comes_back_whole():
     assert decoder.decode(evicted).plan.spec == plans[2 * STRUCTURES_KEPT].spec
 
 
+def test_batches_whose_repeated_arrays_differ_share_one_structure_and_keep_identity():
+    """A collate_fn's batch holding one array in two places (a pooled or cached dataset's
+    sample drawn twice: the bench's detect workload) is one field in both places, as torch's
+    pickling keeps it. Which places repeat changes from batch to batch; the structure does
+    not, so it travels once, and each record says which field each place is."""
+    a, b, c = (np.full(3, value, np.float32) for value in (1, 2, 3))
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    records = []
+    for idx, batch in enumerate([(a, a, b), (a, b, b), (a, b, c), (c, b, c)]):
+        prepared = prepare_batch(batch, "batch")
+        storage = np.zeros(prepared.plan.nbytes, np.uint8)
+        prepared.write(storage)
+        payload = encoder.encode(prepared.plan, idx, 0, 0, segment=False)
+        records.append(payload)
+        plan = decoder.decode(payload).plan
+        out = plan.assemble(storage, plan.objects(storage))
+        assert [row.tolist() for row in out] == [row.tolist() for row in batch]
+        assert [x is y for x, y in itertools.combinations(out, 2)] == [
+            x is y for x, y in itertools.combinations(batch, 2)]
+    assert len(records[1]) < len(records[0])  # the structure went with the first only
+    assert decoder.kept == 1
+
+
 def plan_and_write(samples, indices):
     """Plan ``samples`` and write them: for rows of one array dtype the write is where
     numpy checks every row's shape (in C), so either step may raise the batch's error."""

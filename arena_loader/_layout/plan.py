@@ -93,13 +93,19 @@ class Plan:
     """Where one batch's fields and object leaves are in its storage, and its structure."""
 
     __slots__ = ("collated", "converted", "fields", "leaf_objects", "nbytes", "objects_len",
-                 "objects_offset", "raw", "single", "spec", "torch")
+                 "objects_offset", "positions", "raw", "single", "spec", "torch")
 
     def __init__(self, spec: Any, fields: tuple[FieldPlacement, ...], objects_offset: int,
                  objects_len: int, nbytes: int, torch: bool, collated: bool = True,
-                 converted: bool = False, live_objects: bool = False):
+                 converted: bool = False, live_objects: bool = False,
+                 positions: tuple[int, ...] | None = None):
         self.spec = spec
         self.fields = fields
+        # The field of each of the spec's field leaves, where one field is in several places
+        # (an array twice in a collate_fn's batch: ``planner._one_field_per_object``); None:
+        # leaf k is field k. The spec stays the one of its structure, so that batches whose
+        # repeats differ share it (each structure travels once: records.PlanEncoder).
+        self.positions = positions
         self.objects_offset = objects_offset
         # bytes of the pickled object-leaf lists (0: none, or ``live_objects``: the objects
         # themselves are handed to the consumer, num_workers=0, as torch's are)
@@ -154,6 +160,8 @@ class Plan:
             else:
                 view = storage.field(f.offset, f.nbytes, f.dtype, f.shape)
             views.append(view if convert is None else convert(view, f))
+        if self.positions is not None:  # one object in each of its places
+            views = [views[field] for field in self.positions]
         return rebuild(self.spec, views, objects)
 
 

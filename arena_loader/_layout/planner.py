@@ -43,9 +43,7 @@ from .spec import (
     PYTHON_NUMBER_DTYPES,
     TORCH_COLLATE_TYPE_ERROR,
     FieldLeaf,
-    MappingNode,
     ObjectLeaf,
-    SequenceNode,
     SpecBuilder,
     collate_extensions,
     collate_objects,
@@ -211,7 +209,8 @@ def _leaf_placement(value: Any, path: str, label: str,
 
 def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
             objects: list | None, collated: bool, converted: bool = False,
-            object_paths: Sequence[str] = (), live: bool = False) -> Prepared:
+            object_paths: Sequence[str] = (), live: bool = False,
+            positions: tuple[int, ...] | None = None) -> Prepared:
     """``live``: the batch stays in this process (num_workers=0), so its object leaves are
     handed out as they are, as torch's are there: not pickled (a lossy pickle, such as
     BatchEncoding's, an object's identity, or one that does not pickle, all kept)."""
@@ -231,7 +230,7 @@ def _finish(spec: Any, columns: list, placements: list[FieldPlacement],
     nbytes = max(FIELD_ALIGNMENT, align(offset + (len(pickled) if pickled else 0)))
     live = bool(live and objects)
     plan = Plan(spec, tuple(fields), objects_offset, len(pickled) if pickled else 0, nbytes,
-                torch, collated, converted, live)
+                torch, collated, converted, live, positions)
     return Prepared(plan, columns, pickled, objects if live else None)
 
 
@@ -326,25 +325,27 @@ def prepare_batch(batch: Any, label: str, converted: bool = False,
     batch, a sample with ``batch_size=None``) is handed out as None, as torch does."""
     builder = SpecBuilder(keep_state=True, converted=converted)
     spec = builder.build(batch, "batch")
-    values, paths = builder.field_values, builder.field_paths
+    values, paths, positions = builder.field_values, builder.field_paths, None
     if len(set(map(id, values))) < len(values):  # (one C pass: batches seldom have any)
-        spec, values, paths = _one_field_per_object(spec, values, paths)
+        values, paths, positions = _one_field_per_object(values, paths)
     columns, placements = [], []
     for value, path in zip(values, paths):
         column, placement = _leaf_placement(value, path, label, converted)
         columns.append(column)
         placements.append(placement)
     return _finish(spec, columns, placements, builder.object_values, collated=False,
-                   converted=converted, object_paths=builder.object_paths, live=live)
+                   converted=converted, object_paths=builder.object_paths, live=live,
+                   positions=positions)
 
 
-def _one_field_per_object(spec: Any, values: list, paths: list) -> tuple[Any, list, list]:
+def _one_field_per_object(values: list, paths: list) -> tuple[list, list, tuple[int, ...]]:
     """One array or tensor in two places of a collate_fn's batch or an unbatched sample
     (``{"input_ids": ids, "labels": ids}``, pytorch-forecasting's target in ``x`` and ``y``)
     is one field, handed out as one object in both places, as torch's is (its workers'
     pickling keeps identity). A Python number met twice too (immutable, one value either
     way); not a numpy scalar, which ``batch_size=None`` makes a tensor of per place, each
-    with its own memory, as torch's ``default_convert`` does."""
+    with its own memory, as torch's ``default_convert`` does. Returns the fields' values and
+    paths, and the field of each leaf (``Plan.positions``)."""
     fields: dict[int, int] = {}  # id -> its new field
     firsts: list[int] = []  # per new field: its first place
     renumbered = []
@@ -354,19 +355,7 @@ def _one_field_per_object(spec: Any, values: list, paths: list) -> tuple[Any, li
         if field == len(firsts):
             firsts.append(position)
         renumbered.append(field)
-    return (_renumbered(spec, renumbered), [values[i] for i in firsts],
-            [paths[i] for i in firsts])
-
-
-def _renumbered(node: Any, fields: list[int]) -> Any:
-    if type(node) is FieldLeaf:
-        return FieldLeaf(fields[node.index])
-    if type(node) is ObjectLeaf:
-        return node
-    children = tuple([_renumbered(child, fields) for child in node.children])
-    if type(node) is SequenceNode:
-        return SequenceNode(node.type, children, node.path)
-    return MappingNode(node.type, node.keys, children, node.path, node.shell, node.fields_only)
+    return [values[i] for i in firsts], [paths[i] for i in firsts], tuple(renumbered)
 
 
 def prepare_rows(sample: Any, rows: int, index: Any) -> tuple[Prepared, Any]:

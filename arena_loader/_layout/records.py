@@ -23,6 +23,8 @@ FLAG_TORCH = 1
 FLAG_SEGMENT = 2  # the storage is a one-off segment whose descriptor follows on the side
 FLAG_COLLATED = 4
 FLAG_CONVERTED = 8  # one unbatched sample, no collate_fn (Plan.converted)
+FLAG_POSITIONS = 16  # a field in several places: each leaf's field follows the fields
+_COUNT = struct.Struct("<I")
 # Structures a worker names by id (and the main process keeps, per worker). Most loaders
 # have one; a batch whose leaves repeat one array in places that vary (``_one_field_per_
 # object``: a pooled dataset's sample drawn twice into one batch) has a structure of its own.
@@ -61,8 +63,10 @@ class PlanEncoder:
                 ids[plan.spec] = sid
         except TypeError:  # a structure that does not hash (unhashable keys): send it each time
             sid, structure = INLINE, _pickle_structure(plan.spec)
+        positions = plan.positions
         flags = (FLAG_TORCH if plan.torch else 0) | (FLAG_SEGMENT if segment else 0) | (
-            FLAG_COLLATED if plan.collated else 0) | (FLAG_CONVERTED if plan.converted else 0)
+            FLAG_COLLATED if plan.collated else 0) | (FLAG_CONVERTED if plan.converted else 0) | (
+            FLAG_POSITIONS if positions is not None else 0)
         parts = [RECORD_MAGIC, HEADER.pack(idx, slot, worker_id, 0, flags, len(plan.fields), sid,
                                            len(structure), plan.nbytes, plan.objects_offset,
                                            plan.objects_len), structure]
@@ -76,6 +80,9 @@ class PlanEncoder:
             append(_FIELD.pack(f.offset, f.kind, len(shape), len(descr)))
             append(descr)
             append(_shape_struct(len(shape)).pack(*shape))
+        if positions is not None:
+            append(_COUNT.pack(len(positions)))
+            append(struct.pack(f"<{len(positions)}I", *positions))
         return b"".join(parts)
 
 
@@ -156,12 +163,17 @@ class PlanDecoder:
             shape = _shape_struct(ndim).unpack_from(payload, pos)
             pos += 8 * ndim
             fields.append(FieldPlacement(known[0], shape, offset, kind, known[1]))
+        positions = None
+        if flags & FLAG_POSITIONS:
+            (count,) = _COUNT.unpack_from(payload, pos)
+            positions = struct.unpack_from(f"<{count}I", payload, pos + _COUNT.size)
+            pos += _COUNT.size + 4 * count
         if pos != len(payload):
             raise ValueError(f"batch record of {len(payload)} bytes has {len(payload) - pos} "
                              "bytes after its last field")
         plan = Plan(spec, tuple(fields), objects_offset, objects_len, nbytes,
                     bool(flags & FLAG_TORCH), bool(flags & FLAG_COLLATED),
-                    bool(flags & FLAG_CONVERTED))
+                    bool(flags & FLAG_CONVERTED), positions=positions)
         return Record(idx, slot, worker_id, False, bool(flags & FLAG_SEGMENT), plan)
 
 
