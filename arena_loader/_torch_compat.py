@@ -206,18 +206,20 @@ class UnusedIteratorDraws:
         return cls(generators)
 
     def watch(self, iterator: Any, delivered: Callable[[], int], lock: Any,
-              on_give_back: Callable[[], None] | None = None) -> None:
+              on_give_back: Callable[[], None] | None = None) -> weakref.finalize | None:
         """At the end of ``iter(loader)``: when ``iterator`` dies, give the draws back if
         ``delivered()`` (batches the loader handed out, or a later ``iter()``) has not moved
         and no generator moved, holding ``lock`` (the loader's ``iter()`` lock: not while
         another thread's ``iter()`` runs, which keeps them). ``on_give_back``: what else must
-        be undone (a persistent iterator made with the returned base seed)."""
+        be undone (a persistent iterator made with the returned base seed). Returns the
+        watch (None: nothing drawn), which a later ``iter()`` detaches: it keeps the draws."""
         self._after = [g.get_state() for g in self._generators]
         if all(_equal_states(a, b) for a, b in zip(self._before, self._after)):
-            return  # this iter() drew nothing
+            return None  # this iter() drew nothing
         finalizer = weakref.finalize(iterator, self._died, delivered, delivered(), lock,
                                      on_give_back)
         finalizer.atexit = False
+        return finalizer
 
     @staticmethod
     def settle() -> None:

@@ -195,12 +195,18 @@ class LiveIterators:
         # an unused iterator's draws are given back holding it, so never in the middle of one.
         self.lock = threading.RLock()
         self.begun = 0  # iter() calls past their give-backs: a later one keeps earlier draws
+        self._watch: weakref.finalize | None = None  # the last iter()'s draws, if given back
 
     def settle(self) -> None:
         """At the start of ``iter()``: the deferred give-backs, then this ``iter()`` counts
-        (an iterator made before it may no longer give its draws back)."""
+        (an iterator made before it may no longer give its draws back, so its watch goes:
+        the persistent face is the same object every epoch while it lives, and a watch
+        left on it per epoch held that epoch's position and draws until the face died)."""
         UnusedIteratorDraws.settle()
         self.begun += 1
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.detach()
 
     def add(self, iterator: Any) -> None:
         self.live.add(iterator)
@@ -250,8 +256,8 @@ class LiveIterators:
                 later = live is not None and live.begun != begun
                 return source.delivered_count() + position.finished + later
 
-            draws.watch(epoch, used, self.lock,
-                        drop_persistent if new_persistent is not None else None)
+            self._watch = draws.watch(epoch, used, self.lock,
+                                      drop_persistent if new_persistent is not None else None)
         return epoch
 
     def close_persistent(self) -> None:

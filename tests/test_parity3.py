@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 
 import arena_loader.errors
 from arena_loader import ArenaLoader, SampleTypeError, WorkerCrashedError
+from arena_loader._resume_stream import EpochPosition
+from arena_loader._torch_compat import UnusedIteratorDraws
 
 from . import zygote
 from .test_real_batches import assert_same as assert_same_values
@@ -511,6 +513,40 @@ def test_an_epoch_that_ended_empty_keeps_its_random_draws(num_workers, persisten
     for seed in (None, 3):
         assert draws_after_empty_epochs(ArenaLoader, seed) == \
             draws_after_empty_epochs(tud.DataLoader, seed)
+
+
+@pytest.mark.timeout(60)
+def test_an_iterator_held_as_the_next_persistent_epoch_begins_keeps_nothing_per_epoch():
+    """``it = iter(loader)`` every epoch (the last epoch's iterator still bound while the next
+    ``iter()`` runs, or kept alive by a reference cycle: an error caught in the loop) with
+    persistent workers and a shuffle: ``iter()`` gives back the same face while it lives, and
+    each ``iter()`` watched that face anew for an unused give-back of its random draws, so one
+    finalizer per epoch (with the epoch's position and the generators' saved states) stayed
+    for as long as the loop ran (found by trial25: +1 of each an epoch). The order stays
+    torch's."""
+    def alive() -> tuple[int, int]:
+        gc.collect()
+        kinds = collections.Counter(type(o) for o in gc.get_objects())
+        return kinds[UnusedIteratorDraws], kinds[EpochPosition]
+
+    def epochs(cls, count: int, counts: list) -> list[list[int]]:
+        torch.manual_seed(0)
+        loader = cls(Indices(), batch_size=4, shuffle=True, num_workers=1,
+                     persistent_workers=True)
+        order = []
+        for epoch in range(count):
+            it = iter(loader)
+            order.append([int(x) for batch in it for x in batch.reshape(-1)])
+            if epoch in (2, count - 1):
+                counts.append(alive())
+        del it
+        if hasattr(loader, "close"):
+            loader.close()
+        return order
+
+    counts: list = []
+    assert epochs(ArenaLoader, 10, counts) == epochs(tud.DataLoader, 10, [])
+    assert counts[1] == counts[0], f"(draws watched, positions) after 3 and 10 epochs: {counts}"
 
 
 @pytest.mark.timeout(60)
