@@ -153,6 +153,9 @@ def _serve(preloads: list[str]) -> dict:
         importlib.import_module(name)
     gc.collect()
     gc.freeze()  # (as conftest does: a child's collections walk only what it makes)
+    from tests import hugepages
+
+    hugepages.collapse()  # (as conftest does: cheaper forks, tests/hugepages.py)
     write = sys.stdout.write
     write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
