@@ -785,6 +785,23 @@ def _starts_with_nop(frame) -> bool:
     return 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] == _NOP
 
 
+_NOT_TARGETS: dict = {}  # (code object, instruction offset) -> _not_a_target's answer
+
+
+def _not_a_target(frame) -> bool:
+    """The line the frame is at is no point to inject a Ctrl-C at (``_InterruptAt``): a `with`
+    or `try:` line, one that starts with a NOP, or one inside an inlined comprehension.
+    Answered once per instruction: a sweep asks at every line of every next(), and working
+    it out each time took ~20% of a sweep's CPU."""
+    key = (frame.f_code, frame.f_lasti)
+    answer = _NOT_TARGETS.get(key)
+    if answer is None:
+        answer = _NOT_TARGETS[key] = linecache.getline(
+            frame.f_code.co_filename, frame.f_lineno).lstrip().startswith(("with ", "try:")) \
+            or _starts_with_nop(frame) or _in_inlined_comprehension(frame)
+    return answer
+
+
 class _InterruptAt:
     """A trace function raising KeyboardInterrupt at the k-th line run in arena_loader's own
     code (our samplers' too: ``SlicedBatches``) in the main thread, once per armed next()."""
@@ -812,9 +829,7 @@ class _InterruptAt:
             # body in a `with` block (CPython 3.11): the NOP is outside the exception table,
             # so the trace's exception skipped the `with`'s exit and left session.lock held
             # (seen only with a pin or device thread: the main thread re-enters that RLock).
-            if linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip()\
-                    .startswith(("with ", "try:")) or _starts_with_nop(frame) \
-                    or _in_inlined_comprehension(frame):
+            if _not_a_target(frame):
                 return self
             self.count += 1
             if self.count == self.k:
