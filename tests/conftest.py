@@ -18,7 +18,7 @@ import pytest
 from arena_loader._pipeline.order import ORDER_TAG
 from arena_loader._slab import NAME_PREFIX, SHM_DIR
 
-from . import zygote
+from . import hugepages, zygote
 
 # Ctrl-C is part of what the suite tests. Started with SIGINT ignored (a background job of a
 # non-interactive shell, `nohup ... &`), Python installs no handler for it, and nor do the
@@ -34,6 +34,9 @@ def pytest_collection_finish(session):
     # tests made (a full collection over torch's objects costs ~0.1 s, twice per test).
     gc.collect()
     gc.freeze()
+    # Forked ~1,000 times by each of the two pytest processes: its memory on 2 MiB pages
+    # makes each fork, and the worker's exit, about half as costly (tests/hugepages.py).
+    hugepages.collapse()
 
 
 def pytest_addoption(parser):
@@ -250,6 +253,7 @@ def no_leaks():
     # test makes. (Frozen only at collection's end, a worker that had run the bench tests
     # held ~500k objects and each teardown took 0.14 s: 120 s of the suite's 230.)
     gc.freeze()
+    hugepages.collapse_grown()  # (what such a module added, on 2 MiB pages too)
 
 
 @pytest.fixture

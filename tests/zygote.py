@@ -3,13 +3,14 @@
 descriptors, signals and interpreter exit) but not a cold start.
 
 A cold start imports what the warm one has imported already: numpy and arena_loader (~0.6 s
-of CPU on the 2-core machine), torch (~3 s more, and torch.optim's dynamo as much again),
-numba's CUDA simulator (~0.8 s). The suite ran ~40 such interpreters. The warm one (one per
-pytest process and kind: ``preload`` and the environment variables read at import) forks a
-child per call; the child takes the call's argv, environment, working directory and output
-files, runs it as ``python`` would run it (``-c``, ``-m`` or a script, as ``__main__``) and
-exits through the interpreter's own exit (atexit handlers and finalizers run), with the
-status ``python`` would give. What differs from a cold start is only what is imported
+of CPU on the 2-core machine), torch (~3 s more, and ~2.3 s for torch._dynamo, which the
+first optimizer made imports, torch.optim imported or not), numba's CUDA simulator (~0.8 s).
+The suite ran ~40 such interpreters. The warm one (one per pytest process and kind:
+``preload`` and the environment variables read at import) forks a child per call; the child
+takes the call's argv, environment, working directory and output files, runs it as
+``python`` would run it (``-c``, ``-m`` or a script, as ``__main__``) and exits through the
+interpreter's own exit (atexit handlers and finalizers run), with the status ``python``
+would give. What differs from a cold start is only what is imported
 already, so a test that checks what an import does (torch imported or not, numba's CUDA
 loaded or not) keeps its own ``subprocess.run``.
 """
@@ -34,7 +35,7 @@ IMPORT_TIME_ENV = ("NUMBA_ENABLE_CUDASIM", "OMP_NUM_THREADS")
 _TESTS = ("numpy", "arena_loader", "tests.datasets", "tests.test_faults")
 PRELOADS = {
     "base": _TESTS,
-    "torch": (*_TESTS, "torch", "torch.nn", "torch.optim", "torch.utils.data"),
+    "torch": (*_TESTS, "torch", "torch.nn", "torch.optim", "torch.utils.data", "torch._dynamo"),
     "sim": (*_TESTS, "numba.cuda"),  # with NUMBA_ENABLE_CUDASIM=1: the simulator
 }
 _WARM: dict[tuple, subprocess.Popen] = {}
@@ -153,6 +154,9 @@ def _serve(preloads: list[str]) -> dict:
         importlib.import_module(name)
     gc.collect()
     gc.freeze()  # (as conftest does: a child's collections walk only what it makes)
+    from tests import hugepages
+
+    hugepages.collapse()  # (as conftest does: cheaper forks, tests/hugepages.py)
     write = sys.stdout.write
     write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
