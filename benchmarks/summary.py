@@ -16,14 +16,10 @@ import argparse
 import json
 from pathlib import Path
 
+from arena_loader.bench.report import times, verdict
+
 PEERS = ("torch default collate", "queue pickling", "SPDL arena", "floor", "copy limit")
 SPEED, MEMORY = "steady_batches_per_s", "peak_memory_mb"
-
-
-def ratio(value: dict | None) -> str:
-    if not value:
-        return "-"
-    return f"{value['median']:.3g}x [{value['min']:.3g}-{value['max']:.3g}]"
 
 
 def summary(run: dict) -> str:
@@ -37,17 +33,15 @@ def summary(run: dict) -> str:
     ours = {r["workload"]: r for r in run["results"] if r["loader"] == "ArenaLoader"}
     for workload, peers in run["ratios"].items():
         mine = ours.get(workload)
-        if mine is None or not mine.get("available", True):
+        if mine is None or not mine["available"]:
             continue
-        speed = mine[SPEED]["median"] if isinstance(mine[SPEED], dict) else mine[SPEED]
-        cells = [workload, f"{speed:,.0f}"]
-        cells += [ratio(peers.get(peer, {}).get(SPEED)) for peer in PEERS]
-        cells.append(ratio(peers.get("torch default collate", {}).get(MEMORY)))
+        cells = [workload, f"{mine[SPEED]['median']:,.0f}"]
+        cells += [times(peers.get(peer, {}).get(SPEED)) for peer in PEERS]
+        cells.append(times(peers.get("torch default collate", {}).get(MEMORY)))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| target | median [min-max] | |", "|---|---|---|"]
     for target in run["targets"]:
-        lines.append(f"| {target['target']} | {ratio(target['ratio'])} | "
-                     f"{'met' if target['met'] else '**missed**'} |")
+        lines.append(f"| {target['target']} | {times(target['ratio'])} | {verdict(target)} |")
     return "\n".join(lines)
 
 

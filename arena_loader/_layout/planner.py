@@ -348,14 +348,14 @@ def _one_field_per_object(values: list, paths: list) -> tuple[list, list, tuple[
     paths, and the field of each leaf (``Plan.positions``)."""
     fields: dict[int, int] = {}  # id -> its new field
     firsts: list[int] = []  # per new field: its first place
-    renumbered = []
+    positions = []  # per leaf: its field
     for position, value in enumerate(values):
         key = -1 - position if isinstance(value, np.generic) else id(value)
         field = fields.setdefault(key, len(fields))
         if field == len(firsts):
             firsts.append(position)
-        renumbered.append(field)
-    return [values[i] for i in firsts], [paths[i] for i in firsts], tuple(renumbered)
+        positions.append(field)
+    return [values[i] for i in firsts], [paths[i] for i in firsts], tuple(positions)
 
 
 def prepare_rows(sample: Any, rows: int, index: Any) -> tuple[Prepared, Any]:

@@ -23,8 +23,8 @@ FLAG_TORCH = 1
 FLAG_SEGMENT = 2  # the storage is a one-off segment whose descriptor follows on the side
 FLAG_COLLATED = 4
 FLAG_CONVERTED = 8  # one unbatched sample, no collate_fn (Plan.converted)
-FLAG_POSITIONS = 16  # a field in several places: each leaf's field follows the fields
-_COUNT = struct.Struct("<I")
+# A field in several places: after the fields, the leaves' count, then each leaf's field
+FLAG_POSITIONS = 16
 # Structures a worker names by id (and the main process keeps, per worker). Most loaders
 # have one; a batch whose leaves repeat one array in places that vary (``_one_field_per_
 # object``: a pooled dataset's sample drawn twice into one batch) has a structure of its own.
@@ -81,8 +81,7 @@ class PlanEncoder:
             append(descr)
             append(_shape_struct(len(shape)).pack(*shape))
         if positions is not None:
-            append(_COUNT.pack(len(positions)))
-            append(struct.pack(f"<{len(positions)}I", *positions))
+            append(_shape_struct(len(positions) + 1).pack(len(positions), *positions))
         return b"".join(parts)
 
 
@@ -165,9 +164,9 @@ class PlanDecoder:
             fields.append(FieldPlacement(known[0], shape, offset, kind, known[1]))
         positions = None
         if flags & FLAG_POSITIONS:
-            (count,) = _COUNT.unpack_from(payload, pos)
-            positions = struct.unpack_from(f"<{count}I", payload, pos + _COUNT.size)
-            pos += _COUNT.size + 4 * count
+            (count,) = _shape_struct(1).unpack_from(payload, pos)
+            positions = _shape_struct(count).unpack_from(payload, pos + 8)
+            pos += 8 * (count + 1)
         if pos != len(payload):
             raise ValueError(f"batch record of {len(payload)} bytes has {len(payload) - pos} "
                              "bytes after its last field")
