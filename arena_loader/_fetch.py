@@ -10,12 +10,10 @@ from typing import Any
 import numpy as np
 
 from ._layout import (
-    CastRows,
     Prepared,
     prepare_batch,
     prepare_rows,
     prepare_samples,
-    promote_to,
     rows_view,
 )
 from ._messages import add_note, listed
@@ -143,42 +141,39 @@ class BatchFiller:
         ``__getitems__`` and a collate_fn: what one call returns goes to the collate_fn as it
         is (a batched read may return one structure for the whole batch, not one sample per
         index), and the lanes' calls could not be put together into it."""
+        started = self.begin(indices, threads, storage_for) if threads is not None else None
+        return started() if started is not None else self._translated(self._fetch, indices)
+
+    def begin(self, indices: Any, threads: SampleThreads,
+              storage_for: Callable[[int], np.ndarray] | None) -> Callable[..., Fetched] | None:
+        """The threads start loading the batch of ``indices`` (``fetch``); the call returned
+        gives it (``between``, if passed, runs once this thread's own rows are loaded, before
+        it waits for the others'). None where the batch is not loaded by the threads."""
+        if self._read_into is not None or (self._getitems is not None
+                                           and self.collate_fn is not None):
+            return None
         try:
-            if threads is not None and self._read_into is None and (
-                    self._getitems is None or self.collate_fn is None):
-                return self._fetch_concurrently(indices, threads, storage_for)
-            return self._fetch(indices)
+            finish = self._begin_concurrently(indices, threads, storage_for)
+        except Exception as exc:
+            error = exc
+
+            def finish(_indices: Any, _between: Callable[[], None] | None = None) -> Fetched:
+                raise error
+        return lambda between=None: self._translated(
+            lambda batch_indices: finish(batch_indices, between), indices)
+
+    def _translated(self, fetch: Callable[..., Fetched], indices: Any) -> Fetched:
+        try:
+            return fetch(indices)
         except StopIteration as exc:  # escaping from __next__ it would end the epoch silently
             raise RuntimeError(f"the dataset or collate_fn raised StopIteration while loading "
                                f"indices {indices!r}; raise IndexError or another error "
                                "instead") from exc
         except IndexError as exc:
-            explained = self._explain_index_error(indices, exc)
+            explained = _explain_index_error(self, indices, exc)
             if explained is None:
                 raise
             raise explained from exc
-
-    def _explain_index_error(self, indices: Any, exc: IndexError) -> IndexError | None:
-        """An IndexError that says whether the sampler left range(len(dataset)) or the
-        dataset has fewer samples than its len() claims. Only on this error path: indices
-        are never checked up front, since torch lets a dataset accept any key."""
-        try:
-            length = len(self.dataset)
-        except Exception:
-            return None
-        wanted = list(indices) if self.auto_collation else [indices]
-        if not all(isinstance(i, (int, np.integer)) for i in wanted):
-            return None  # keys that are not positions: nothing to compare with len()
-        outside = [int(i) for i in wanted if not 0 <= i < length]
-        if outside:
-            return IndexError(
-                f"{self.index_source} yielded sample index {outside[0]} (in indices "
-                f"{indices!r}), but len(dataset) is {length}; a sampler must yield indices in "
-                f"range(len(dataset)): fix the sampler, or the dataset's __len__ ({exc})")
-        return IndexError(
-            f"the dataset raised IndexError loading indices {indices!r}, which are within "
-            f"len(dataset) = {length}; if it holds fewer samples than __len__ says, make "
-            f"__len__ agree with __getitem__ ({exc})")
 
     def _fetch(self, indices: Any) -> Fetched:
         if self._read_into is not None:
@@ -208,8 +203,9 @@ class BatchFiller:
             return Fetched(rows=len(samples), samples=samples)
         return Fetched(rows=len(samples), samples=None, batch=self.collate_fn(samples))
 
-    def _fetch_concurrently(self, indices: Any, threads: SampleThreads,
-                            storage_for: Callable[[int], np.ndarray] | None) -> Fetched:
+    def _begin_concurrently(self, indices: Any, threads: SampleThreads,
+                            storage_for: Callable[[int], np.ndarray] | None
+                            ) -> Callable[..., Fetched]:
         indices = list(indices)
         rows, count = len(indices), threads.count
         # Rows written in place overlap the copies with other threads' waits: with one
@@ -256,13 +252,17 @@ class BatchFiller:
                     failure.record(row, exc)
                     return
 
-        threads.run(load_share)
-        failure.raise_if_any()
-        if writer is not None and writer.done():
-            return Fetched(rows=rows, samples=None, written=writer.prepared)
-        if self.collate_fn is None:
-            return Fetched(rows=rows, samples=samples)
-        return Fetched(rows=rows, samples=None, batch=self.collate_fn(samples))
+        job = threads.submit(load_share)
+
+        def finish(_indices: Any, between: Callable[[], None] | None = None) -> Fetched:
+            threads.finish(job, between)
+            failure.raise_if_any()
+            if writer is not None and writer.done():
+                return Fetched(rows=rows, samples=None, written=writer.prepared)
+            if self.collate_fn is None:
+                return Fetched(rows=rows, samples=samples)
+            return Fetched(rows=rows, samples=None, batch=self.collate_fn(samples))
+        return finish
 
     def prepare(self, fetched: Fetched, indices: Any, live: bool = False) -> Prepared:
         """The batch's plan (fields, shapes, dtypes, objects) and what to write (``live``:
@@ -302,62 +302,28 @@ class BatchFiller:
                                "instead") from exc
 
 
-class SameShapeRows:
-    """The commonest batch, straight: samples that are each one array of the dtype and shape
-    of the last batch the general path wrote as equal rows (``Prepared.equal_rows``), as many,
-    into a slot. Checked as ``prepare_samples`` checks them (the dtypes promote to the
-    first's: ``promote_to``; every row has the first's shape: the write, in C) and answered
-    with that batch's plan record, so no plan is built. Anything else (or a check that
-    fails) is left to the general path, which names the sample at fault."""
-
-    __slots__ = ("_dtype", "_outs", "_rows", "_shape", "_slab", "_slot_nbytes", "plan_record")
-
-    def __init__(self) -> None:
-        self.forget()
-
-    def forget(self) -> None:
-        """The slab was mapped anew: nothing learned holds."""
-        self._dtype: np.dtype | None = None
-        self._shape: tuple[int, ...] = ()
-        self._rows = 0
-        # Per slot: the batch's array over it, and how large rows go in (or None).
-        self._outs: dict[int, tuple[np.ndarray, CastRows | None]] = {}
-        self._slab: np.ndarray | None = None
-        self._slot_nbytes = 0
-        self.plan_record = b""
-
-    def learn(self, prepared: Prepared, plan_record: bytes, slab: np.ndarray,
-              slot_nbytes: int) -> None:
-        """``prepared`` (equal rows) was just written into a slot of ``slab``."""
-        field = prepared.plan.fields[0]
-        if (field.dtype, field.shape) != (self._dtype, (self._rows, *self._shape)):
-            self._outs = {}  # arrays of the old shape (a new slab: ``forget``)
-        self._dtype, self._shape, self._rows = field.dtype, field.shape[1:], field.shape[0]
-        self._slab, self._slot_nbytes, self.plan_record = slab, slot_nbytes, plan_record
-
-    def write(self, samples: list, slot: int) -> bool:
-        """True: ``samples`` are in ``slot``, laid out as ``plan_record`` says."""
-        dtype = self._dtype
-        if dtype is None or len(samples) != self._rows:
-            return False
-        first = samples[0]
-        if type(first) is not np.ndarray or first.dtype != dtype or first.shape != self._shape:
-            return False
-        if not promote_to(samples, dtype):
-            return False  # promoted: the general path types the batch as torch would
-        outs = self._outs.get(slot)
-        if outs is None:
-            out = np.ndarray((self._rows, *self._shape), dtype, self._slab,
-                             slot * self._slot_nbytes)
-            outs = self._outs[slot] = (out, CastRows.of(out))
-        out, cast = outs
-        if cast is not None and cast.write(samples):
-            return True  # large rows, by the cast loop (_layout/rowcopy.py)
-        try:
-            out[...] = samples  # a row of another shape, or not an array, fails here
-        except (ValueError, TypeError):
-            return False
-        return True
+def _explain_index_error(filler: BatchFiller, indices: Any,
+                         exc: IndexError) -> IndexError | None:
+    """An IndexError that says whether the sampler left range(len(dataset)) or the
+    dataset has fewer samples than its len() claims. Only on this error path: indices
+    are never checked up front, since torch lets a dataset accept any key."""
+    try:
+        length = len(filler.dataset)
+    except Exception:
+        return None
+    wanted = list(indices) if filler.auto_collation else [indices]
+    if not all(isinstance(i, (int, np.integer)) for i in wanted):
+        return None  # keys that are not positions: nothing to compare with len()
+    outside = [int(i) for i in wanted if not 0 <= i < length]
+    if outside:
+        return IndexError(
+            f"{filler.index_source} yielded sample index {outside[0]} (in indices "
+            f"{indices!r}), but len(dataset) is {length}; a sampler must yield indices in "
+            f"range(len(dataset)): fix the sampler, or the dataset's __len__ ({exc})")
+    return IndexError(
+        f"the dataset raised IndexError loading indices {indices!r}, which are within "
+        f"len(dataset) = {length}; if it holds fewer samples than __len__ says, make "
+        f"__len__ agree with __getitem__ ({exc})")
 
 
 def _note_rows(error: BaseException, indices: list, thread: int, count: int) -> None:

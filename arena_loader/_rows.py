@@ -1,7 +1,12 @@
-"""Default collation row by row (two or more of a worker's threads running): the thread
-that fetched a sample writes it into its row of the batch's storage (the slot) at once, so
-the copy into shared memory runs in the worker's threads, overlapped with their waits, and
-is the only copy.
+"""Rows written into a slot with no plan built for the batch.
+
+``SameShapeRows``: samples that are each one array, shaped as the last batch's, written at
+once (the commonest batch).
+
+``RowWriter``: default collation row by row (two or more of a worker's threads running):
+the thread that fetched a sample writes it into its row of the batch's storage (the slot) at
+once, so the copy into shared memory runs in the worker's threads, overlapped with their
+waits, and is the only copy.
 
 The batch's plan is fixed by the first sample to arrive (``prepare_rows``: the plan of
 ``rows`` samples shaped like it). A row is written in place only if its sample matches that
@@ -23,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ._layout import CastRows, Prepared, prepare_rows
+from ._layout import CastRows, Prepared, prepare_rows, promote_to
 from ._layout.spec import PYTHON_NUMBER_DTYPES, SpecBuilder, flatten
 from .errors import LayoutError
 
@@ -123,3 +128,61 @@ def _in_place_leaf(leaf: Any) -> bool:
         return not leaf.dtype.hasobject
     return type(leaf) in PYTHON_NUMBER_DTYPES or (isinstance(leaf, np.generic)
                                          and not isinstance(leaf, np.character))
+
+
+class SameShapeRows:
+    """The commonest batch, straight: samples that are each one array of the dtype and shape
+    of the last batch the general path wrote as equal rows (``Prepared.equal_rows``), as many,
+    into a slot. Checked as ``prepare_samples`` checks them (the dtypes promote to the
+    first's: ``promote_to``; every row has the first's shape: the write, in C) and answered
+    with that batch's plan record, so no plan is built. Anything else (or a check that
+    fails) is left to the general path, which names the sample at fault."""
+
+    __slots__ = ("_dtype", "_outs", "_rows", "_shape", "_slab", "_slot_nbytes", "plan_record")
+
+    def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """The slab was mapped anew: nothing learned holds."""
+        self._dtype: np.dtype | None = None
+        self._shape: tuple[int, ...] = ()
+        self._rows = 0
+        # Per slot: the batch's array over it, and how large rows go in (or None).
+        self._outs: dict[int, tuple[np.ndarray, CastRows | None]] = {}
+        self._slab: np.ndarray | None = None
+        self._slot_nbytes = 0
+        self.plan_record = b""
+
+    def learn(self, prepared: Prepared, plan_record: bytes, slab: np.ndarray,
+              slot_nbytes: int) -> None:
+        """``prepared`` (equal rows) was just written into a slot of ``slab``."""
+        field = prepared.plan.fields[0]
+        if (field.dtype, field.shape) != (self._dtype, (self._rows, *self._shape)):
+            self._outs = {}  # arrays of the old shape (a new slab: ``forget``)
+        self._dtype, self._shape, self._rows = field.dtype, field.shape[1:], field.shape[0]
+        self._slab, self._slot_nbytes, self.plan_record = slab, slot_nbytes, plan_record
+
+    def write(self, samples: list, slot: int) -> bool:
+        """True: ``samples`` are in ``slot``, laid out as ``plan_record`` says."""
+        dtype = self._dtype
+        if dtype is None or len(samples) != self._rows:
+            return False
+        first = samples[0]
+        if type(first) is not np.ndarray or first.dtype != dtype or first.shape != self._shape:
+            return False
+        if not promote_to(samples, dtype):
+            return False  # promoted: the general path types the batch as torch would
+        outs = self._outs.get(slot)
+        if outs is None:
+            out = np.ndarray((self._rows, *self._shape), dtype, self._slab,
+                             slot * self._slot_nbytes)
+            outs = self._outs[slot] = (out, CastRows.of(out))
+        out, cast = outs
+        if cast is not None and cast.write(samples):
+            return True  # large rows, by the cast loop (_layout/rowcopy.py)
+        try:
+            out[...] = samples  # a row of another shape, or not an array, fails here
+        except (ValueError, TypeError):
+            return False
+        return True

@@ -3,7 +3,12 @@ worker loop, plus ``K - 1`` daemon threads ``arena_loader-worker-<id>-thread-<t>
 live as long as the loop.
 
 Per batch, ``run(task)`` calls ``task(t)`` for every lane ``t`` in ``range(K)`` and returns
-when all have returned. Lane ``t`` loads rows ``t, t + K, ...`` of the batch, with lane
+when all have returned; or in two steps, ``submit(task)`` (the extra threads start their
+lanes) then ``finish(job)`` (the caller's lanes, then the wait), so that the worker submits
+its next batch before it finishes this one, and the extra threads go on to it without
+waiting at this batch's end (docs/design.md, "Threads inside workers").
+
+Lane ``t`` loads rows ``t, t + K, ...`` of the batch, with lane
 ``t``'s ``get_worker_info()``: a fixed share, so which lane loads a sample, and so what its
 seeded ``rng`` draws, is the same in every run. ``active`` threads run the K lanes (thread
 ``j`` runs lanes ``j, j + active, ...`` in turn), and ``Pace`` sets ``active`` after each
@@ -31,6 +36,19 @@ from .worker_info import WorkerInfo, set_thread_worker_info, thread_worker_info
 CLOSE_WAIT_S = 2.0
 
 
+class Job:
+    """One batch's lanes (``SampleThreads.submit``): ``finished`` is released once by each
+    extra thread that ran its lanes of it, ``escaped`` holds what they raised."""
+
+    __slots__ = ("active", "began", "escaped", "finished", "task")
+
+    def __init__(self, task: Callable[[int], None], active: int):
+        self.task, self.active = task, active
+        self.began = time.perf_counter_ns()
+        self.finished = threading.Semaphore(0)
+        self.escaped: list[BaseException] = []
+
+
 class SampleThreads:
     """``len(infos)`` threads of one worker; ``infos[t]``: what ``get_worker_info()`` answers
     in thread ``t`` (thread 0, the caller, sets its own)."""
@@ -41,8 +59,7 @@ class SampleThreads:
         self._infos = infos
         self._pace = Pace(self.count) if paced and self.count > 1 else None
         self._tasks: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in infos[1:]]
-        self._finished = threading.Semaphore(0)
-        self._escaped: list[BaseException] = []  # what a task raised in an extra thread
+        self._outstanding: Job | None = None  # submitted and not yet finished (the last)
         self._threads: list[threading.Thread] = []
         try:
             for t, info in enumerate(infos[1:], start=1):
@@ -59,15 +76,15 @@ class SampleThreads:
         set_thread_worker_info(info)
         try:
             while True:
-                got = tasks.get()
-                if got is None:
+                job = tasks.get()
+                if job is None:
                     return
                 try:
-                    self._run_lanes(info.thread_id, *got)
-                except BaseException as exc:  # (tasks catch their own) raised by run(): a
-                    self._escaped.append(exc)  # thread that ended would wait for good
+                    self._run_lanes(info.thread_id, job.task, job.active)
+                except BaseException as exc:  # (tasks catch their own) raised by finish():
+                    job.escaped.append(exc)  # a thread that ended would wait for good
                 finally:
-                    self._finished.release()
+                    job.finished.release()
         finally:
             set_thread_worker_info(None)
             if self._pace is not None:
@@ -77,19 +94,44 @@ class SampleThreads:
         """``task(t)`` for every lane; returns once every call has returned, even when the
         caller's own call raised, so no thread still writes into the batch's storage. What
         a call in another thread raised is raised here then (the caller's own first)."""
-        active, began = self.active, time.perf_counter_ns()
+        self.finish(self.submit(task))
+
+    def submit(self, task: Callable[[int], None]) -> Job:
+        """The extra threads' lanes of ``task`` start (after those of a job submitted
+        before); the caller's own run in ``finish``. A job submitted while another is
+        outstanding runs on as many threads as it, so each lane stays with one thread and
+        meets its batches in order (its rng draws as without the overlap)."""
+        outstanding = self._outstanding
+        active = outstanding.active if outstanding is not None else self.active
+        job = self._outstanding = Job(task, active)
         for tasks in self._tasks[: active - 1]:
-            tasks.put((task, active))
+            tasks.put(job)
+        return job
+
+    def overlaps(self) -> bool:
+        """Whether a job submitted now runs beside the outstanding one on the same threads
+        (after a ``Pace`` change it would not: the caller then submits it once the
+        outstanding one is finished)."""
+        outstanding = self._outstanding
+        return outstanding is None or outstanding.active == self.active
+
+    def finish(self, job: Job, between: Callable[[], None] | None = None) -> None:
+        """The caller's lanes of ``job``, then ``between()`` if given, then the wait for the
+        others' lanes (as ``run``)."""
         try:
-            self._run_lanes(0, task, active)
+            self._run_lanes(0, job.task, job.active)
+            if between is not None:
+                between()
         finally:
-            for _ in range(active - 1):
-                self._finished.acquire()
-            escaped, self._escaped = self._escaped, []
-        if escaped:
-            raise escaped[0]
+            for _ in range(job.active - 1):
+                job.finished.acquire()
+            if self._outstanding is job:
+                self._outstanding = None
+        if job.escaped:
+            raise job.escaped[0]
         if self._pace is not None:
-            self.active = self._pace.next_active(active, time.perf_counter_ns() - began)
+            self.active = self._pace.next_active(job.active,
+                                                 time.perf_counter_ns() - job.began)
 
     def _run_lanes(self, thread: int, task: Callable[[int], None], active: int) -> None:
         """Thread ``thread``'s lanes of this batch, each with its lane's worker info."""

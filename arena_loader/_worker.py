@@ -27,15 +27,17 @@ import numpy as np
 
 from ._after_import import when_imported
 from ._fd_socket import receive_slab, send_segment
-from ._fetch import BatchFiller, Fetched, SameShapeRows, StreamPosition
+from ._fetch import BatchFiller, Fetched, StreamPosition
 from ._forksafe import close_on_exec_inherited, started_by_fork
 from ._layout import PlanEncoder
 from ._messages import BatchFailed, RemoteError, WorkerFailed
 from ._pipeline.completions import Status, encode, write_completion
 from ._pipeline.order import Entry, EntryKind, OrderReader
 from ._resume_stream import ReplicaStream, StreamResume
+from ._rows import SameShapeRows
 from ._sample_threads import SampleThreads
 from ._slab import Segment, SlabHandle, map_shared
+from ._worker_torch import limit_torch_threads, set_up_torch
 from .worker_info import WorkerInfo, set_process_worker_info, thread_info
 
 # How often an idle worker checks that its parent is still alive, in case the parent-death
@@ -109,14 +111,14 @@ def worker_main(setup: WorkerSetup, doorbell: Any, result: Any) -> None:
         state = WorkerState(setup)
         if setup.slot_nbytes:
             state.attach(setup.slot_nbytes)
-        _limit_torch_threads()
+        limit_torch_threads()
         seed = seed_worker(setup.base_seed, setup.worker_id)  # (torch too, if loaded)
         infos = worker_infos(setup, seed)
         set_process_worker_info(infos[0])  # the extra threads set their own, thread-local
         if setup.publish_to_torch:
             # Loaded (fork; or a spawned one whose dataset imported it as it unpickled): set
             # up now. Else as torch's import completes, in whichever code imports it.
-            when_imported("torch", functools.partial(_set_up_torch, seed, infos[0],
+            when_imported("torch", functools.partial(set_up_torch, seed, infos[0],
                                                      "torch" not in sys.modules))
         if setup.worker_init_fn is not None:
             setup.worker_init_fn(setup.worker_id)
@@ -138,43 +140,6 @@ def report_worker_failure(result_fd: int, worker_id: int, exc: BaseException) ->
     """Tell the main process this worker cannot work (start-up, worker_init_fn, attach)."""
     body = ForkingPickler.dumps(WorkerFailed(worker_id, RemoteError.capture(exc)))
     write_completion(result_fd, encode(Status.WORKER_FAILED, -1, -1, bytes(body)))
-
-
-def _set_up_torch(seed: int, info: WorkerInfo, imported_now: bool, torch: Any) -> None:
-    """torch in a worker as in torch's own: one intra-op thread, its RNG seeded (as its
-    import completes: ``imported_now``; seed_worker seeded a loaded one) and its
-    get_worker_info() answering. Inside the importer's ``import torch``: never raises."""
-    try:
-        if imported_now:
-            torch.set_num_threads(1)
-            torch.manual_seed(seed)
-        _publish_to_torch(info)
-    except Exception:  # (a torch too old or too new for these calls: ours answer, not torch's)
-        pass
-
-
-def _limit_torch_threads() -> None:
-    """One intra-op thread per worker, as torch's own workers do: N workers each running
-    torch's full thread pool oversubscribe the cores, and an OpenMP pool inherited from a
-    parent that used it can hang the first parallel op of a forked child."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_num_threads(1)
-
-
-def _publish_to_torch(info: WorkerInfo) -> None:
-    """Make ``torch.utils.data.get_worker_info()`` answer too, when the program uses torch: a
-    dataset written for torch's DataLoader shards by it, and must not see None in a worker
-    (every worker would then yield the whole dataset)."""
-    try:
-        from torch.utils.data._utils import worker as torch_worker
-
-        # Private: get_worker_info() returns this module global, and torch has no public
-        # way to set it (its own worker loop assigns it the same way).
-        torch_worker._worker_info = torch_worker.WorkerInfo(
-            id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=info.dataset)
-    except (ImportError, AttributeError, TypeError):
-        pass  # a torch without that private hook: only arena_loader.get_worker_info() answers
 
 
 def pid_exists(pid: int) -> bool:
@@ -203,7 +168,9 @@ class WorkerState:
         self._resume = setup.stream_resume  # for the first epoch's iterator only
         # worker_threads > 1 (map-style, automatic batching): the worker's extra threads
         self.threads: SampleThreads | None = None
-        self._segment: Segment | None = None  # the current batch's one-off segment, if any
+        # The one-off segment of each batch being loaded that has one (two at a time when
+        # the threads begin a batch before the last one is sent: ``begin``).
+        self._segments: dict[int, Segment] = {}
         self._same_shape = SameShapeRows()  # the commonest batch, without a plan built
 
     def start_threads(self, infos: list[WorkerInfo]) -> None:
@@ -240,13 +207,19 @@ class WorkerState:
         self.slot_nbytes = slot_nbytes
         self._same_shape.forget()
 
+    def begin(self, entry: Entry) -> Callable[..., Fetched] | None:
+        """The extra threads start loading batch ``entry`` (``worker_threads > 1``); the call
+        returned gives it (``load``). None where the threads do not load it."""
+        filler = self.setup.filler
+        if self.threads is None or filler.iterable:
+            return None
+        return filler.begin(entry.indices, self.threads,
+                            lambda nbytes: self._storage(entry, nbytes))
+
     def fetch(self, entry: Entry) -> tuple[Fetched | None, Any]:
         """(the batch, its indices); (None, None) when an iterable's iterator is done."""
         filler = self.setup.filler
         if not filler.iterable:
-            if self.threads is not None:
-                return filler.fetch(entry.indices, self.threads,
-                                    lambda nbytes: self._storage(entry, nbytes)), entry.indices
             return filler.fetch(entry.indices), entry.indices
         if entry.epoch != self._stream_epoch:  # a new epoch (persistent workers): start over
             self._stream, self._stream_epoch, self._position = None, entry.epoch, 0
@@ -264,28 +237,33 @@ class WorkerState:
 
     def _storage(self, entry: Entry, nbytes: int) -> np.ndarray:
         """Where batch ``entry`` of ``nbytes`` bytes goes: its slot, or if it has none or does
-        not fit, a one-off segment (kept in ``_segment`` until sent). Asked again with another
+        not fit, a one-off segment (kept in ``_segments`` until sent). Asked again with another
         size (rows written in place, then planned anew), it gives storage of that size."""
         if entry.slot >= 0 and self.slab is not None and nbytes <= self.slot_nbytes:
-            self._close_segment()
+            self._close_segment(entry.idx)
             start = entry.slot * self.slot_nbytes
             return self.slab[start: start + nbytes]
-        if self._segment is None or self._segment.nbytes != max(nbytes, 1):
-            self._close_segment()
-            self._segment = Segment(nbytes)
-        return self._segment.array[:nbytes]
+        segment = self._segments.get(entry.idx)
+        if segment is None or segment.nbytes != max(nbytes, 1):
+            self._close_segment(entry.idx)
+            segment = self._segments[entry.idx] = Segment(nbytes)
+        return segment.array[:nbytes]
 
-    def _close_segment(self) -> None:
-        segment, self._segment = self._segment, None
+    def _close_segment(self, idx: int) -> None:
+        segment = self._segments.pop(idx, None)
         if segment is not None:
             segment.close()
 
-    def load(self, entry: Entry) -> bytes:
-        """Load batch ``entry.idx``, write it into its slot (or, if it has none or does not
-        fit, a one-off segment sent over the descriptor socket) and return its completion."""
+    def load(self, entry: Entry, started: Callable[..., Fetched] | None = None,
+             between: Callable[[], None] | None = None) -> bytes:
+        """Load batch ``entry.idx`` (``started``: begun by the threads, ``begin``; then
+        ``between`` runs once this thread's rows are in), write it into its slot (or, if it
+        has none or does not fit, a one-off segment sent over the descriptor socket) and
+        return its completion."""
         try:
             filler, slot = self.setup.filler, entry.slot
-            fetched, indices = self.fetch(entry)
+            fetched, indices = (started(between), entry.indices) if started is not None \
+                else self.fetch(entry)
             # The replica's state after this batch goes just before its record.
             # (a replica with state_dict: its state goes with each batch)
             state_of = self._stream.state_of if self._stream is not None else None
@@ -305,14 +283,15 @@ class WorkerState:
             # once written: the first record of a structure carries it, and a write that
             # fails (rows unequal after all) must not leave it recorded as sent.
             plan = self.encoder.encode(prepared.plan, 0, 0, 0, segment=False)
-            if self._segment is None:
+            segment = self._segments.get(entry.idx)
+            if segment is None:
                 if samples is not None and prepared.equal_rows:
                     same_shape.learn(prepared, plan, self.slab, self.slot_nbytes)
                 return state + encode(Status.LOADED, entry.idx, slot, plan)
-            send_segment(self.setup.fd_socket, entry.idx, self._segment)
+            send_segment(self.setup.fd_socket, entry.idx, segment)
             return state + encode(Status.SEGMENT, entry.idx, slot, plan)
         finally:
-            self._close_segment()
+            self._close_segment(entry.idx)
 
 
 def serve(state: WorkerState, reader: OrderReader, result_fd: int,
@@ -328,15 +307,20 @@ def serve(state: WorkerState, reader: OrderReader, result_fd: int,
 def _serve(state: WorkerState, reader: OrderReader, result_fd: int,
            parent_pid: int | None) -> None:
     worker_id = state.setup.worker_id
+    ahead: tuple[Entry, Callable[..., Fetched] | None] | None = None  # (_NextEntry)
     while True:
-        try:
-            entry = reader.next_entry(PARENT_CHECK_S)
-        except EOFError:
-            return
-        if entry is None:
-            if parent_pid is not None and os.getppid() != parent_pid:
-                return  # reparented: the parent is gone
-            continue
+        if ahead is not None:
+            (entry, started), ahead = ahead, None
+        else:
+            try:
+                entry = reader.next_entry(PARENT_CHECK_S)
+            except EOFError:
+                return
+            if entry is None:
+                if parent_pid is not None and os.getppid() != parent_pid:
+                    return  # reparented: the parent is gone
+                continue
+            started = None
         kind = entry.kind
         if kind is EntryKind.STOP:
             return
@@ -347,14 +331,45 @@ def _serve(state: WorkerState, reader: OrderReader, result_fd: int,
                 report_worker_failure(result_fd, worker_id, exc)
                 return
             continue
+        if started is None:
+            started = state.begin(entry)
+        after = _NextEntry(state, reader) if started is not None else None
         try:
-            record = state.load(entry)
+            if after is not None:
+                after.take()  # (published already: its batch begins with this one's)
+            record = state.load(entry, started, after and after.take)
         except Exception as exc:
             body = ForkingPickler.dumps(
                 BatchFailed(entry.idx, entry.slot, worker_id, RemoteError.capture(exc)))
             record = encode(Status.FAILED, entry.idx, entry.slot, bytes(body))
         write_completion(result_fd, record)
         reader.note_sent(len(record))
+        if after is not None:
+            ahead = after.taken
+
+
+class _NextEntry:
+    """With worker_threads > 1: the next entry, taken while this batch loads if the main
+    process has published it by then (as this batch begins, or once this thread's own rows
+    are in), and its batch begun, so the extra threads go on to it instead of waiting for
+    this batch's last rows."""
+
+    __slots__ = ("_reader", "_state", "taken")
+
+    def __init__(self, state: WorkerState, reader: OrderReader):
+        self._state, self._reader = state, reader
+        self.taken: tuple[Entry, Callable[..., Fetched] | None] | None = None
+
+    def take(self) -> None:
+        if self.taken is not None or not self._state.threads.overlaps():
+            return
+        try:
+            entry = self._reader.next_entry_now()
+        except Exception:  # EOFError, or a payload that does not unpickle: not taken, so
+            return  # the loop's next read meets it again, as without threads
+        if entry is not None:  # a new slab (ATTACH) is mapped before a later batch begins
+            self.taken = entry, (None if entry.kind is EntryKind.STOP or entry.kind is
+                                 EntryKind.ATTACH else self._state.begin(entry))
 
 
 def _arm_parent_death_signal() -> None:

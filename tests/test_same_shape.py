@@ -1,4 +1,4 @@
-"""The commonest batch, written straight (``_fetch.SameShapeRows``): once a worker has written
+"""The commonest batch, written straight (``_rows.SameShapeRows``): once a worker has written
 a batch of samples that are each one array, later batches of that dtype and shape skip the
 planner. These batches come after each worker's first, where only the straight path runs:
 every check the planner makes must still hold there."""

@@ -116,7 +116,7 @@ PUBLIC_UNDERSCORED = {"_fields", "_asdict", "_replace", "_make", "_field_default
 # beside it saying why no public way exists (issue 21: at most 3).
 ALLOWED_FOREIGN_PRIVATE = {
     ("arena_loader._process", "_popen"),  # multiprocessing: a reaped process's sentinel
-    ("arena_loader._worker", "_worker_info"),  # torch: what get_worker_info() returns
+    ("arena_loader._worker_torch", "_worker_info"),  # torch: what get_worker_info() returns
     ("arena_loader._datapipe", "_IterDataPipeSerializationWrapper"),  # torch: DataPipes
 }
 

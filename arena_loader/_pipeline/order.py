@@ -312,6 +312,12 @@ class OrderReader:
         self._taken[self._worker] = seq + 1  # the position may be written again
         return Entry(_KINDS[kind], idx, slot, epoch, indices)
 
+    def next_entry_now(self) -> Entry | None:
+        """The next entry if it is published already; None, with no wait, if not."""
+        if self._seq >= self._published[self._worker]:
+            return None
+        return self.next_entry(0.0)
+
     def _sleep(self, timeout_s: float) -> bool:
         """Nothing published: say so (``sleeping``), look again past a fence, and wait on the
         doorbell. True once an entry is published; False after ``timeout_s``."""
