@@ -331,7 +331,7 @@ def _serve(state: WorkerState, reader: OrderReader, result_fd: int,
                 report_worker_failure(result_fd, worker_id, exc)
                 return
             continue
-        if started is None:
+        if started is None and state.threads is not None:  # (no call per batch without)
             started = state.begin(entry)
         after = _NextEntry(state, reader) if started is not None else None
         try:
