@@ -107,12 +107,13 @@ def shm_objects(pid: int) -> dict[int | tuple[str, int], int]:
     with /dev/shm. An object's bytes are the pages it has
     (``st_blocks``, what ``df /dev/shm`` counts), not the size mapped: a slab whose slots are
     reserved as they are first used holds only those (read through ``/proc/<pid>/map_files``;
-    where that cannot be read, the size mapped). Objects held by a file descriptor only
-    count too: a batch torch's worker has put in its queue is an fd that the worker keeps
-    (multiprocessing's resource sharer) until the main process takes the batch, mapped by no
-    process meanwhile; counting mappings alone left out 38.5 of torch's 48 MB of image
-    batches with a consumer slower than its workers (docs/benchmarks.md, "Shared memory
-    held by a file descriptor")."""
+    where that cannot be read, the size mapped; a mapping of a process exiting meanwhile is
+    left out: its objects count through whoever still holds them). Objects held by a file
+    descriptor only count too: a batch torch's worker has put in its queue is an fd that the
+    worker keeps (multiprocessing's resource sharer) until the main process takes the batch,
+    mapped by no process meanwhile; counting mappings alone left out 38.5 of torch's 48 MB of
+    image batches with a consumer slower than its workers (docs/benchmarks.md, "Shared
+    memory held by a file descriptor")."""
     sizes: dict[int | tuple[str, int], int] = {}
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
@@ -131,6 +132,10 @@ def shm_objects(pid: int) -> dict[int | tuple[str, int], int]:
             start, end = (int(x, 16) for x in parts[0].split("-"))
             try:
                 nbytes = os.stat(f"/proc/{pid}/map_files/{parts[0]}").st_blocks * 512
+            except (ProcessLookupError, FileNotFoundError):
+                # The process is exiting (a loader's close) or unmapped it since: going. At
+                # the size mapped, a slab with 4 of 5 slots reserved read as 5 (mem26).
+                continue
             except OSError:
                 nbytes = sizes.get(inode, 0) + end - start
             sizes[inode] = nbytes
