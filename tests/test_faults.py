@@ -369,8 +369,9 @@ def test_close_from_another_thread_wakes_a_waiting_next(request, pin):
     thread (``Tensor.pin_memory`` a copy here)."""
     if pin:
         request.getfixturevalue("fake_pinning")
-    loader = ArenaLoader(SlowDataset(10, range(2, 10), 5), batch_size=2, num_workers=1,
-                         pin_memory=pin, output="torch" if pin else None)
+    dataset = SlowDataset(10, range(2, 10), 5)
+    loader = ArenaLoader(dataset, batch_size=2, num_workers=1, pin_memory=pin,
+                         output="torch" if pin else None)
     iterator = iter(loader)
     next(iterator)
     closer = threading.Timer(0.3, loader.close)
@@ -379,6 +380,7 @@ def test_close_from_another_thread_wakes_a_waiting_next(request, pin):
     with pytest.raises(LoaderClosedError):
         next(iterator)
     assert time.monotonic() - start < 1.0
+    dataset.release()  # (the close() still joining the stuck worker returns sooner)
     closer.join()
     del iterator
 
@@ -1271,6 +1273,7 @@ def test_a_worker_that_dies_while_next_waits_on_another_is_reported_at_once():
         next(iterator)
     assert time.monotonic() - start < 5.0
     killer.join()
+    dataset.release()  # (close() then need not wait for worker 0's join timeout)
     loader.close()
     del iterator
     assert not live_children() and not our_slab_mappings()
