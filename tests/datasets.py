@@ -83,6 +83,9 @@ class Release:
     def set(self) -> None:
         self._flag[0] = 1
 
+    def clear(self) -> None:
+        self._flag[0] = 0
+
     def sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while not self._flag[0]:

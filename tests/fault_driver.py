@@ -39,7 +39,7 @@ import psutil
 from arena_loader import ArenaLoader
 from arena_loader._slab import NAME_PREFIX, SHM_DIR
 
-from .datasets import ImageDataset, make_array
+from .datasets import ImageDataset, Release, make_array
 
 SAMPLES = 24
 BATCH_SIZE = 2
@@ -63,10 +63,16 @@ class FaultPlan:
         self._mapping = mmap.mmap(-1, 64)  # MAP_SHARED: workers see the parent's writes
         self._floats = np.frombuffer(self._mapping, np.float64, count=2, offset=0)
         self._ints = np.frombuffer(self._mapping, np.int64, count=3, offset=16)
+        self._released = Release()
 
     def arm(self, kind: str, index: int, sleep_s: float = SLOW_S) -> None:
         self._floats[:] = (0.0, sleep_s)
         self._ints[:] = (KINDS.index(kind) + 1, index, 0)
+        self._released.clear()
+
+    def release(self) -> None:
+        """A "sleep" fault sleeping now returns at once."""
+        self._released.set()
 
     @property
     def fired_at(self) -> float:
@@ -86,7 +92,7 @@ class FaultPlan:
         if kind == "raise":
             raise ValueError(f"sample {index} is corrupt")
         if kind == "sleep":
-            time.sleep(float(self._floats[1]))
+            self._released.sleep(float(self._floats[1]))
             return
         faulthandler.disable()
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file for the segfault
@@ -290,6 +296,10 @@ def _keyboard_interrupt(loader: ArenaLoader, plan: FaultPlan, persistent: bool
         except KeyboardInterrupt as exc:
             interrupted = describe_error(exc, sent_at, pids)
             interrupted["detect_s"] = interrupted["raised_at"] - sent_at
+            # The slow batch is still loading; the next next() gets it, now without the
+            # rest of its sleep. (The Ctrl-C that propagates below finds its worker
+            # inside the whole of its sample.)
+            plan.release()
             continue
         delivered.append(batch_idx_of(batch))
         del batch
