@@ -60,7 +60,6 @@ LONGEST_FIRST = (
     "test_faults.py::test_ctrl_c_at_any_line_of_next_loses_no_batch_error",
     "test_bench.py::test_every_compared_loader_delivers_the_reference_batches",
     "test_examples.py::test_train_memmap_example_reduces_the_loss",
-    "test_distributed.py::test_two_gloo_ranks_split_the_dataset_and_set_epoch_reshuffles",
     "test_workers.py::test_torch_rng_is_seeded_per_worker_even_under_spawn",
     "test_faults.py::test_ctrl_c_at_any_line_of_a_staged_next_loses_nothing",
     "test_soak.py::test_soak_with_injected_faults_stays_flat",
