@@ -359,23 +359,29 @@ def run_main_killed(num_workers: int, persistent: bool) -> None:
     time.sleep(60)
 
 
+HUGE_ROW = 2**19  # int64s a row: 4 MiB
+HUGE_BATCH = 2**14  # rows a batch: 64 GiB
+
+
 class HugeRows:
-    """2**22 rows of 32 KiB written by ``read_into``: a batch of 2**21 rows needs 64 GiB of
-    shared memory, far more than /dev/shm has, and nothing is ever materialized."""
+    """2**15 rows of 4 MiB written by ``read_into``: a batch of 2**14 rows needs 64 GiB of
+    shared memory, far more than /dev/shm has, and nothing is ever materialized. (Rows of
+    32 KiB made it 2**21 indices a batch, which the worker's error carries back: 1.4 s of
+    CPU to rebuild them in the main process, for the same error.)"""
 
     def __len__(self) -> int:
-        return 2**22
+        return 2 * HUGE_BATCH
 
     def __getitem__(self, index: int) -> np.ndarray:
-        return np.zeros(4096, np.int64)
+        return np.zeros(HUGE_ROW, np.int64)
 
     def read_into(self, indices: np.ndarray, out: np.ndarray) -> None:
         out[...] = 0
 
 
 def run_capacity_case(num_workers: int) -> dict[str, Any]:
-    """Batches far larger than /dev/shm: 2**21 rows of 32 KiB samples (64 GiB) each."""
-    loader = ArenaLoader(HugeRows(), batch_size=2**21, num_workers=num_workers)
+    """Batches far larger than /dev/shm: 2**14 rows of 4 MiB samples (64 GiB) each."""
+    loader = ArenaLoader(HugeRows(), batch_size=HUGE_BATCH, num_workers=num_workers)
     iterator = iter(loader)
     outcomes = []
     for _ in range(2):
