@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import errno
 import faulthandler
+import mmap
 import os
 import signal
 import sys
@@ -62,17 +63,55 @@ class NestedDataset:
         }
 
 
+class Release:
+    """A sleep that the test can end early: a flag in an anonymous shared mapping, which
+    forked workers (and threads) share. A test whose slow sample only has to outlast what it
+    checks (a timeout, a close() from another thread) sets it once it has checked: the
+    worker then returns from the sample and a close() need not wait its join timeout
+    (``JOIN_TIMEOUT_S``, 2 s) to kill it. Unpickled (a spawned worker): a flag of its own,
+    never set."""
+
+    def __init__(self) -> None:
+        self._flag = mmap.mmap(-1, 1)
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._flag = mmap.mmap(-1, 1)
+
+    def set(self) -> None:
+        self._flag[0] = 1
+
+    def clear(self) -> None:
+        self._flag[0] = 0
+
+    def sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self._flag[0]:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.01))
+
+
 class SlowDataset(ImageDataset):
-    """Sleeps ``delay_s`` before returning any sample whose index is in ``slow_indices``."""
+    """Sleeps ``delay_s`` before returning any sample whose index is in ``slow_indices``, or
+    until ``release()``."""
 
     def __init__(self, n: int, slow_indices, delay_s: float, **kwargs: Any):
         super().__init__(n, **kwargs)
         self.slow_indices, self.delay_s = frozenset(slow_indices), delay_s
+        self.released = Release()
 
     def __getitem__(self, index: int) -> np.ndarray:
         if index in self.slow_indices:
-            time.sleep(self.delay_s)
+            self.released.sleep(self.delay_s)
         return super().__getitem__(index)
+
+    def release(self) -> None:
+        """Every slow sample, now and later, returns at once."""
+        self.released.set()
 
 
 class RaisingDataset(ImageDataset):

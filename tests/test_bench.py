@@ -63,9 +63,13 @@ from arena_loader.bench.workloads import (
 from . import zygote
 
 ROOT = Path(__file__).parent.parent
+# One worker per loader (two for torch's wide row): what the CLI's tests check (every case's
+# row, metric, table, chart) is the same with any count, and each case's workers are its
+# cost (Grain spawns each one: ~1 s of CPU). Every loader with two workers:
+# test_every_compared_loader_delivers_the_reference_batches.
 TINY = ["--quick", "--scale", "0.02", "--image-shape", "3,8,8", "--large-batch-mb", "0.25",
         "--jpeg-side", "16", "--rounds", "1", "--min-seconds", "0", "--min-batches", "1",
-        "--worker-threads", "2", "--wide-workers", "3"]
+        "--workers", "1", "--worker-threads", "2", "--wide-workers", "2"]
 
 
 def as_numpy(batch):

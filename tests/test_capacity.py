@@ -11,11 +11,12 @@ from arena_loader import ShmCapacityError, _slab
 from arena_loader._slab import NAME_PREFIX, SHM_DIR, Slab
 
 from . import zygote
+from .fault_driver import HUGE_BATCH, HUGE_ROW
 from .test_fault_matrix import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(60)
 
-BATCH_NBYTES = 2**21 * 4096 * 8  # 2**21 rows of int64[4096]: 64 GiB
+BATCH_NBYTES = HUGE_BATCH * HUGE_ROW * 8  # 2**14 rows of int64[2**19]: 64 GiB
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

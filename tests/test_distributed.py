@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from . import zygote
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,6 +52,37 @@ RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
+# Both ranks from one interpreter forked from the warm one with torch (tests/zygote.py): it
+# forks rank 1, and each rank writes its line to a file of its own. (Two cold interpreters
+# importing torch took ~7 s of CPU.) Rank 1 dies with rank 0 (PR_SET_PDEATHSIG), so a rank 0
+# killed at the timeout leaves no orphan.
+LAUNCH = textwrap.dedent("""
+    import ctypes, os, signal, sys, traceback
+    script, out = sys.argv[1:]
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+    rank = "0" if pid else "1"
+    os.environ["RANK"] = rank
+    sys.stdout = open(os.path.join(out, "rank" + rank), "w")
+    try:
+        exec(compile(open(script).read(), script, "exec"), {"__name__": "__main__"})
+        sys.stdout.flush()
+    except BaseException:
+        if pid:
+            raise
+        traceback.print_exc()
+        os._exit(1)
+    if pid == 0:
+        os._exit(0)
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    assert status == 0, f"rank 1 exited with {status}"
+""")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -59,24 +90,17 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def ranks() -> list[dict]:
+def ranks(tmp_path) -> list[dict]:
     """RANK_SCRIPT's results from two gloo ranks (one run for the tests below)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": "2"}
-    processes = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT],
-                                  env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for r in range(2)]
-    results = []
-    try:
-        for process in processes:
-            out, err = process.communicate(timeout=90)
-            assert process.returncode == 0, err
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for process in processes:
-            process.kill()
-            process.wait()
-    return results
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    result = zygote.run(["-c", LAUNCH, str(script), str(tmp_path)], timeout=90, env=env,
+                        preload="torch")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{r}").read_text().strip().splitlines()[-1])
+            for r in range(2)]
 
 
 def test_two_gloo_ranks_split_the_dataset_and_set_epoch_reshuffles(ranks):

@@ -354,9 +354,9 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("worker_mode", ["process", "thread"])
 def test_timeout_raises_runtime_error_naming_seconds(worker_mode):
     """timeout=: a batch slower than the limit raises LoaderTimeoutError (a RuntimeError)."""
-    delay_s = 5 if worker_mode == "process" else 1.5  # a thread cannot be killed at close()
-    with ArenaLoader(SlowDataset(8, range(2, 8), delay_s), batch_size=2, num_workers=1,
-                     timeout=0.3, worker_mode=worker_mode) as loader:
+    dataset = SlowDataset(8, range(2, 8), 5)
+    with ArenaLoader(dataset, batch_size=2, num_workers=1, timeout=0.3,
+                     worker_mode=worker_mode) as loader:
         iterator = iter(loader)
         next(iterator)
         start = time.monotonic()
@@ -364,6 +364,7 @@ def test_timeout_raises_runtime_error_naming_seconds(worker_mode):
             next(iterator)
         assert isinstance(info.value, LoaderTimeoutError)
         assert time.monotonic() - start < 2.0
+        dataset.release()  # (close() then need not wait for the stuck worker)
         del iterator
 
 
@@ -410,13 +411,15 @@ def test_an_error_that_does_not_pickle_keeps_its_type_as_with_torch(worker_mode)
 
 def test_timeout_message_names_the_worker_and_pid():
     """The timeout error says which batch, worker and pid it was waiting for."""
-    with ArenaLoader(SlowDataset(6, {2}, 5), batch_size=2, num_workers=1, timeout=0.2) as loader:
+    dataset = SlowDataset(6, {2}, 5)
+    with ArenaLoader(dataset, batch_size=2, num_workers=1, timeout=0.2) as loader:
         iterator = iter(loader)
         next(iterator)
         pid = iterator.worker_pids[0]
         with pytest.raises(LoaderTimeoutError, match=rf"idx=1 \(indices \[2, 3\]\) from worker 0 "
                                                      rf"\(pid {pid}\)"):
             next(iterator)
+        dataset.release()
         del iterator
 
 
@@ -424,8 +427,8 @@ def test_timeout_message_names_the_worker_and_pid():
 def test_timeout_message_names_only_the_batch_next_waits_for():
     """Several batches in flight, two workers stuck: in order, next() waits for one batch,
     and the timeout error names that one alone (not every batch in flight)."""
-    with ArenaLoader(SlowDataset(8, {2, 4}, 2), batch_size=2, num_workers=2,
-                     timeout=0.3) as loader:
+    dataset = SlowDataset(8, {2, 4}, 5)
+    with ArenaLoader(dataset, batch_size=2, num_workers=2, timeout=0.3) as loader:
         iterator = iter(loader)
         next(iterator)
         pid = iterator.worker_pids[1]
@@ -433,6 +436,7 @@ def test_timeout_message_names_only_the_batch_next_waits_for():
                                                      rf"\[2, 3\]\) from worker 1 \(pid {pid}\), "
                                                      r"which is still running"):
             next(iterator)
+        dataset.release()
         del iterator
 
 

@@ -24,21 +24,23 @@ from arena_loader import ArenaLoader, LoaderClosedError, WorkerCrashedError
 
 from . import zygote
 from .conftest import live_children, our_slab_mappings, wait_until
-from .datasets import ImageDataset, SlowDataset, SuicidalDataset, reference_epoch
+from .datasets import ImageDataset, Release, SlowDataset, SuicidalDataset, reference_epoch
 
 pytestmark = pytest.mark.timeout(60)
 
 
 class SlowSampler:
-    """Yields 0..n-1, sleeping ``delay_s`` before index ``slow_at``."""
+    """Yields 0..n-1, sleeping ``delay_s`` (or until ``released.set()``) before index
+    ``slow_at``."""
 
     def __init__(self, n: int, slow_at: int, delay_s: float):
         self.n, self.slow_at, self.delay_s = n, slow_at, delay_s
+        self.released = Release()
 
     def __iter__(self):
         for i in range(self.n):
             if i == self.slow_at:
-                time.sleep(self.delay_s)
+                self.released.sleep(self.delay_s)
             yield i
 
     def __len__(self):
@@ -59,8 +61,8 @@ def test_slow_sampler_stalls_next_as_torch_and_close_from_another_thread_returns
     close() from another thread still returns at once, and the stuck next() then raises
     LoaderClosedError instead of using the closed workers."""
     dataset = ImageDataset(40)
-    loader = ArenaLoader(dataset, batch_size=2, num_workers=1, timeout=0.3,
-                         sampler=SlowSampler(40, slow_at=12, delay_s=2.0))
+    sampler = SlowSampler(40, slow_at=12, delay_s=2.0)
+    loader = ArenaLoader(dataset, batch_size=2, num_workers=1, timeout=0.3, sampler=sampler)
     iterator = iter(loader)
     outcome: list = []
 
@@ -79,6 +81,7 @@ def test_slow_sampler_stalls_next_as_torch_and_close_from_another_thread_returns
     loader.close()
     assert time.monotonic() - start < 1.0
     assert not live_children()  # close() stopped the worker while next() was stuck
+    sampler.released.set()  # the sampler returns (sooner than its 2 s): next() goes on
     consumer.join(timeout=5)
     assert not consumer.is_alive()
     assert len(outcome) == 1 and isinstance(outcome[0], LoaderClosedError), outcome
@@ -369,8 +372,9 @@ def test_close_from_another_thread_wakes_a_waiting_next(request, pin):
     thread (``Tensor.pin_memory`` a copy here)."""
     if pin:
         request.getfixturevalue("fake_pinning")
-    loader = ArenaLoader(SlowDataset(10, range(2, 10), 5), batch_size=2, num_workers=1,
-                         pin_memory=pin, output="torch" if pin else None)
+    dataset = SlowDataset(10, range(2, 10), 5)
+    loader = ArenaLoader(dataset, batch_size=2, num_workers=1, pin_memory=pin,
+                         output="torch" if pin else None)
     iterator = iter(loader)
     next(iterator)
     closer = threading.Timer(0.3, loader.close)
@@ -379,6 +383,7 @@ def test_close_from_another_thread_wakes_a_waiting_next(request, pin):
     with pytest.raises(LoaderClosedError):
         next(iterator)
     assert time.monotonic() - start < 1.0
+    dataset.release()  # (the close() still joining the stuck worker returns sooner)
     closer.join()
     del iterator
 
@@ -1271,6 +1276,7 @@ def test_a_worker_that_dies_while_next_waits_on_another_is_reported_at_once():
         next(iterator)
     assert time.monotonic() - start < 5.0
     killer.join()
+    dataset.release()  # (close() then need not wait for worker 0's join timeout)
     loader.close()
     del iterator
     assert not live_children() and not our_slab_mappings()

@@ -35,6 +35,7 @@ from .conftest import (
 from .datasets import (
     CountedBatches,
     RaisingDataset,
+    Release,
     SuicidalDataset,
     assert_batches_equal,
     draws_per_next,
@@ -203,6 +204,7 @@ class SlowAt(TensorPairs):
     def __init__(self, n: int, slow: int, seconds: float):
         super().__init__(n)
         self.slow, self.seconds = slow, seconds
+        self.released = Release()  # (release() ends the wait at once)
 
     def __getitem__(self, index):
         if index == self.slow:
@@ -210,7 +212,10 @@ class SlowAt(TensorPairs):
         return super().__getitem__(index)
 
     def wait(self) -> None:
-        time.sleep(self.seconds)
+        self.released.sleep(self.seconds)
+
+    def release(self) -> None:
+        self.released.set()
 
 
 def test_timeout_and_a_dead_worker_are_raised_by_next_through_the_pin_thread(fake_pinning):
@@ -219,13 +224,15 @@ def test_timeout_and_a_dead_worker_are_raised_by_next_through_the_pin_thread(fak
     by every later next(); after close(), next() is a LoaderClosedError."""
     import torch
 
-    with ArenaLoader(SlowAt(16, 9, 3), batch_size=4, num_workers=2, pin_memory=True,
+    slow = SlowAt(16, 9, 3)
+    with ArenaLoader(slow, batch_size=4, num_workers=2, pin_memory=True,
                      timeout=0.5) as loader:
         iterator = iter(loader)
         assert next(iterator)[1].tolist() == [0, 1, 2, 3]
         assert next(iterator)[1].tolist() == [4, 5, 6, 7]
         with pytest.raises(LoaderTimeoutError, match="idx=2"):
             next(iterator)
+        slow.release()  # (close() then need not wait for the stuck worker)
 
     dataset = SuicidalDataset(32, fatal_index=10)
     with ArenaLoader(dataset, batch_size=2, num_workers=2, pin_memory=True,

@@ -148,8 +148,8 @@ def test_close_gives_up_on_a_thread_stuck_in_user_code_within_bounds(monkeypatch
     """A thread cannot be killed: close() waits a bounded time, names it, and returns;
     the thread exits by itself once the dataset returns, touching nothing else."""
     monkeypatch.setattr("arena_loader._threads.JOIN_TIMEOUT_S", 0.2)
-    loader = ArenaLoader(SlowDataset(8, {2}, 2.0), batch_size=2, num_workers=1,
-                         worker_mode="thread")
+    dataset = SlowDataset(8, {2}, 2.0)
+    loader = ArenaLoader(dataset, batch_size=2, num_workers=1, worker_mode="thread")
     iterator = iter(loader)
     next(iterator)
     time.sleep(0.2)  # the thread is now inside the slow sample
@@ -159,6 +159,7 @@ def test_close_gives_up_on_a_thread_stuck_in_user_code_within_bounds(monkeypatch
     assert time.monotonic() - start < 1.5
     assert [record.getMessage() for record in caplog.records if "still in user code" in
             record.getMessage()] == [_STUCK_MESSAGE.format("arena_loader-worker-0")]
+    dataset.release()  # the sample returns: the thread exits by itself (conftest checks)
     del iterator
 
 

@@ -239,6 +239,7 @@ def test_timeout_names_the_batch_a_thread_is_stuck_on():
         with pytest.raises(LoaderTimeoutError, match=r"idx=0"):
             next(iter(loader))
         assert time.monotonic() - start < 3.0  # before the slow sample returns
+        dataset.release()  # (close() then need not wait for the stuck worker)
 
 
 def test_worker_killed_in_an_extra_thread_raises_worker_crashed():
