@@ -36,18 +36,23 @@ def stacked(dataset, indices):
     return np.stack([np.asarray(dataset[i]) for i in indices])
 
 
+@pytest.mark.parametrize("odd, named", [
+    ({27: 5}, "sample 27: field sample has shape \\[5\\]"),
+    # 7 + 5 values: as many as two rows of 6, so only each row's own length tells them apart
+    ({26: 7, 27: 5}, "sample 26: field sample has shape \\[7\\]")])
 @pytest.mark.parametrize("num_workers, worker_mode", MODES)
-def test_a_row_of_another_shape_late_in_the_epoch_names_the_sample(num_workers, worker_mode):
-    """Sample 27 (batch 6: every worker has written batches before it) has 5 values: torch's
-    RuntimeError naming the sample, for that batch only; the next batch loads."""
-    dataset = Rows(40, {27: np.zeros(5, np.float32)})
+def test_a_row_of_another_shape_late_in_the_epoch_names_the_sample(num_workers, worker_mode,
+                                                                    odd, named):
+    """Sample 27 (batch 6: every worker has written batches before it) has 5 values, or
+    sample 26 has 7 and 27 has 5: torch's RuntimeError naming the first, for that batch only;
+    the next batch loads."""
+    dataset = Rows(40, {i: np.zeros(n, np.float32) for i, n in odd.items()})
     with ArenaLoader(dataset, batch_size=4, num_workers=num_workers,
                      worker_mode=worker_mode) as loader:
         iterator = iter(loader)
         for b in range(6):
             np.testing.assert_array_equal(next(iterator), stacked(dataset, range(4 * b, 4 * b + 4)))
-        with pytest.raises(SampleShapeError, match=r"sample 27: field sample has shape \[5\] "
-                                                   r"but sample 24 has \[6\]"):
+        with pytest.raises(SampleShapeError, match=named + r" but sample 24 has \[6\]"):
             next(iterator)
         for b in range(7, 10):
             np.testing.assert_array_equal(next(iterator), stacked(dataset, range(4 * b, 4 * b + 4)))
