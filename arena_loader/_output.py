@@ -89,10 +89,21 @@ def _to_torch(torch: Any, value: Any, collated: bool, converted: bool = False,
     that torch's default_convert passes through as it is (its structure kept)."""
     if kept and id(value) in kept:
         return value
-    if isinstance(value, np.ndarray):
+    kind = type(value)
+    if kind is np.ndarray or (kind is not dict and isinstance(value, np.ndarray)):
         # Strings and other dtypes torch has no tensor type for stay numpy arrays.
         return torch.from_numpy(value) if value.dtype.kind in "biufc" else value
     walk = (collated, converted, kept, forced)
+    if kind is dict or kind is list or (kind is tuple and (collated or converted)):
+        # (the commonest containers first, without the ABC checks below: what they give;
+        # their numeric arrays at once, the commonest leaves)
+        if kind is dict:
+            return {key: torch.from_numpy(item) if type(item) is np.ndarray and not kept
+                    and item.dtype.kind in "biufc" else _to_torch(torch, item, *walk)
+                    for key, item in value.items()}
+        return [torch.from_numpy(item) if type(item) is np.ndarray and not kept
+                and item.dtype.kind in "biufc" else _to_torch(torch, item, *walk)
+                for item in value]
     if isinstance(value, Mapping):
         return _same_mapping(value, {key: _to_torch(torch, item, *walk)
                                      for key, item in value.items()})

@@ -122,21 +122,28 @@ def as_torch(value):
     return value
 
 
-def assert_same(ours, theirs, where="batch"):
-    ours = as_torch(ours)
+def assert_same(ours, theirs, where="batch", strict=False):
+    """The same values, dtypes and shapes, numpy leaves taken as tensors; ``strict``: the
+    same types too (containers, leaves, dict keys: 1 is not True) and requires_grad."""
+    if strict:
+        assert type(ours) is type(theirs), f"{where}: {type(ours)} is not {type(theirs)}"
+    else:
+        ours = as_torch(ours)
     if isinstance(theirs, torch.Tensor):
         assert isinstance(ours, torch.Tensor), f"{where}: {type(ours)} is not a tensor"
         assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (
             f"{where}: {ours.dtype}{list(ours.shape)} != {theirs.dtype}{list(theirs.shape)}")
+        assert not strict or ours.requires_grad == theirs.requires_grad, where
         assert torch.equal(ours, theirs), where
     elif isinstance(theirs, dict):
         assert list(ours) == list(theirs), where
+        assert not strict or list(map(type, ours)) == list(map(type, theirs)), where
         for key in theirs:
-            assert_same(ours[key], theirs[key], f"{where}[{key!r}]")
+            assert_same(ours[key], theirs[key], f"{where}[{key!r}]", strict)
     elif isinstance(theirs, (list, tuple)):
         assert len(ours) == len(theirs), where
         for i, (a, b) in enumerate(zip(ours, theirs)):
-            assert_same(a, b, f"{where}[{i}]")
+            assert_same(a, b, f"{where}[{i}]", strict)
     elif isinstance(theirs, np.ndarray):
         np.testing.assert_array_equal(ours, theirs)
     else:
@@ -550,3 +557,111 @@ def test_num_workers_0_iterator_read_from_two_threads_delivers_each_batch_once()
         for thread in threads:
             thread.join(timeout=30)
     assert sorted(seen) == list(range(0, 256, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor samples: flat samples of fields typed by the layout earlier batches learned
+# (_layout/learned.py), and by the general path when a batch differs from the last.
+
+class Drifting:
+    """(float32[3] tensor, 0-d int64 tensor, int) samples, 4 to a batch, whose batches 2 to 5
+    each differ from the one before in one way: an int32 label, a float32[5] feature, a
+    Python float among the ints, a dict key True where the others have 1 (``as_dict``); the
+    last batch has 2 rows."""
+
+    def __init__(self, as_dict: bool = False) -> None:
+        self.as_dict = as_dict
+
+    def __len__(self):
+        return 26
+
+    def __getitem__(self, i):
+        batch = i // 4
+        x = torch.arange(5 if batch == 3 else 3, dtype=torch.float32) + i
+        y = torch.tensor(i % 7, dtype=torch.int32 if batch == 2 else torch.int64)
+        n = i + 0.5 if batch == 4 and i % 4 == 2 else i
+        if self.as_dict:
+            return {True if batch == 5 else 1: x, "y": y, "n": n}
+        return x, y, n
+
+
+def tensor_datasets():
+    """torch's TensorDataset (0-d labels), (tensor, int) tuples, {"x": tensor, "y": int}
+    dicts, and the drifting samples above as tuples and as dicts."""
+    features, labels = torch.randn(26, 4), torch.randint(0, 10, (26,))
+    return {"TensorDataset": torch.utils.data.TensorDataset(features, labels),
+            "tuple": ListOf(lambda i: (features[i], int(labels[i]))),
+            "dict": ListOf(lambda i: {"x": features[i], "y": i}),
+            "drifting": Drifting(), "drifting dict": Drifting(as_dict=True)}
+
+
+class ListOf:
+    def __init__(self, make) -> None:
+        self.make = make
+
+    def __len__(self):
+        return 26
+
+    def __getitem__(self, i):
+        return self.make(i)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("options", [dict(num_workers=0), dict(num_workers=2),
+                                     dict(num_workers=2, worker_mode="thread")],
+                         ids=["inprocess", "processes", "threads"])
+def test_tensor_samples_batch_as_torchs_dataloader_batches_them(options):
+    """Every batch of two epochs of tensor samples is torch's, leaf for leaf (type, dtype,
+    shape, values), batches that differ from the one before included."""
+    for name, dataset in tensor_datasets().items():
+        expected = list(DataLoader(dataset, batch_size=4))
+        with ArenaLoader(dataset, batch_size=4, **options) as loader:
+            for epoch in range(2):
+                got = list(loader)
+                assert len(got) == len(expected) == 7, name
+                for i, (ours, theirs) in enumerate(zip(got, expected)):
+                    assert_same(ours, theirs, f"{name} epoch {epoch} batch {i}", strict=True)
+
+
+class GradFirst:
+    """float32[2] tensor rows; in batch 1 (of 2 rows) the first row needs grad."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        row = torch.full((2,), float(i))
+        return (row.requires_grad_(True) if i == 2 else row), i
+
+
+def test_a_first_row_that_needs_grad_after_learned_batches_is_stacked_as_torch_stacks_it():
+    """A batch whose first tensor needs grad after batches of plain ones: torch stacks it,
+    grad and all (torch's workers refuse it: compared in the main process only)."""
+    expected = list(DataLoader(GradFirst(), batch_size=2))
+    with ArenaLoader(GradFirst(), batch_size=2) as loader:
+        got = list(loader)
+    assert got[1][0].requires_grad and not got[0][0].requires_grad
+    for i, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
+        assert_same(ours, theirs, f"batch {i}", strict=True)
+
+
+class BigIntLater:
+    """(tensor, int) samples; sample 9 is 2**63, which int64 cannot hold."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.zeros(2), 2**63 if i == 9 else i
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_an_int_past_int64_after_learned_batches_names_its_sample(num_workers):
+    from arena_loader.errors import LayoutError
+
+    with ArenaLoader(BigIntLater(), batch_size=4, num_workers=num_workers) as loader:
+        iterator = iter(loader)
+        assert next(iterator)[1].tolist() == [0, 1, 2, 3]
+        assert next(iterator)[1].tolist() == [4, 5, 6, 7]
+        with pytest.raises(LayoutError, match=r"sample 9: field sample\[1\] is 9\d{18}, outside"):
+            next(iterator)

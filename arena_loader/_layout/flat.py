@@ -9,6 +9,7 @@ leaf's column is one comprehension over the samples instead. Anything else is wa
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ def take_flat(spec: Any, samples: Sequence[Any], fields: list, objects: list) ->
         if set(map(type, samples)) != {dict} or set(map(len, samples)) != {len(spec.keys)}:
             return False
         try:  # (the same length and every key: the same keys)
-            columns = [[sample[key] for sample in samples] for key in spec.keys]
+            columns = [list(map(operator.itemgetter(key), samples)) for key in spec.keys]
         except KeyError:
             return False
     elif kind is SequenceNode:
@@ -46,3 +47,14 @@ def take_flat(spec: Any, samples: Sequence[Any], fields: list, objects: list) ->
     for child, column in zip(spec.children, columns):
         (fields if type(child) is FieldLeaf else objects)[child.index].extend(column)
     return True
+
+
+def flat_leaves(sample: Any) -> tuple[type, Any, Any] | None:
+    """(container type, keys or length, leaves) of a plain dict, tuple or list sample with at
+    least one leaf; None for any other."""
+    kind = type(sample)
+    if kind is dict:
+        return (kind, tuple(sample), sample.values()) if sample else None
+    if kind is tuple or kind is list:
+        return (kind, len(sample), sample) if sample else None
+    return None

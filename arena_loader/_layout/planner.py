@@ -4,30 +4,19 @@ assigned, object leaves pickled."""
 
 from __future__ import annotations
 
-import functools
-import operator
 import pickle
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ..errors import LayoutError, SampleShapeError, SampleTypeError
-from .flat import take_flat
-from .numbers import (
-    AS_TENSOR_DTYPES,
-    as_tensor_list,
-    floats_after_a_float,
-    number_dtype,
-    numbers_of_tensors,
-    numeric_list,
-    promote,
-)
+from ..errors import LayoutError
+from .columns import column, reject_none
+from .flat import flat_leaves, take_flat
+from .learned import FlatLayout
 from .plan import (
     FIELD_ALIGNMENT,
     KIND_NUMBER,
-    KIND_NUMPY,
     KIND_NUMPY_SCALAR,
     KIND_TORCH,
     KIND_TORCH_RAW,
@@ -35,160 +24,21 @@ from .plan import (
     FieldPlacement,
     Plan,
     Prepared,
-    TensorRows,
     align,
-    promote_to,
 )
 from .spec import (
     PYTHON_NUMBER_DTYPES,
-    TORCH_COLLATE_TYPE_ERROR,
     FieldLeaf,
     ObjectLeaf,
     SpecBuilder,
     collate_extensions,
     collate_objects,
-    describe,
     flatten,
+    is_field,
     is_tensor,
-    object_array_error,
-    outside_int64,
     registered_collate,
     tensor_array,
 )
-
-_SHAPE = operator.attrgetter("shape")
-_DTYPE = operator.attrgetter("dtype")
-
-
-def reject_none(value: Any, subject: str, collated: bool = False) -> None:
-    """``collated``: default collation, where torch raises TypeError for a None sample too."""
-    if value is None:
-        message = (f"{subject} returned None; every sample must be an array, a number or a "
-                   "nested dict/tuple/list of them (filter missing samples in the dataset or "
-                   "the sampler)")
-        if collated:
-            raise SampleTypeError(f"{TORCH_COLLATE_TYPE_ERROR.format(type(None))} ({message})")
-        raise LayoutError(message)
-
-
-def _column(values: list, path: str, indices: Sequence[Any],
-            fast: bool = True) -> tuple[list, FieldPlacement]:
-    """The rows of one field as numpy values, and its dtype, shape and kind (offset 0)."""
-    first = values[0]
-    # The hottest path: arrays of at least one dimension whose dtypes promote to the first
-    # one's (numpy's promotion then agrees with torch's); every row's shape is checked by the
-    # write itself (write_equal_rows), in C, and a row that fails it gets the full walk.
-    if (fast and type(first) is np.ndarray and first.ndim and not first.dtype.hasobject
-            and promote_to(values, first.dtype)):
-        rows = EqualRows(values, lambda: _column(values, path, indices, fast=False))
-        return rows, FieldPlacement(first.dtype, (len(values), *first.shape), 0)
-    # Plain tensors: of one dtype, written by one torch.stack (TensorRows); else viewed as
-    # numpy, as arrays. ``numpy()`` refuses what needs the walk (a grad, a conjugate or
-    # negative bit, another device, a dtype numpy lacks): the walk cost ~4 us more a row
-    # (trial23, num_workers=0), and numpy() itself 2.2 us a row.
-    torch = sys.modules.get("torch")
-    if fast and torch is not None and type(first) is torch.Tensor and set(
-            map(type, values)) == {torch.Tensor}:
-        if first.dim() and len({value.dtype for value in values}) == 1:
-            try:
-                dtype = first.numpy().dtype
-            except (RuntimeError, TypeError):
-                dtype = None
-            if dtype is not None:
-                rows = TensorRows(values, lambda: _column(values, path, indices, fast=False)[0])
-                return rows, FieldPlacement(dtype, (len(values), *first.shape), 0, KIND_TORCH)
-        try:
-            arrays = [value.numpy() for value in values]
-        except (RuntimeError, TypeError):
-            arrays = None
-        if arrays is not None and arrays[0].ndim and promote_to(arrays, arrays[0].dtype):
-            rows = EqualRows(arrays, lambda: _column(values, path, indices, fast=False))
-            return rows, FieldPlacement(arrays[0].dtype, (len(arrays), *arrays[0].shape), 0,
-                                        KIND_TORCH)
-    # The hot path: every row an ndarray of one dtype and shape, checked by C-level maps.
-    if type(first) is np.ndarray and set(map(type, values)) == {np.ndarray}:
-        shapes, dtypes = set(map(_SHAPE, values)), set(map(_DTYPE, values))
-        if len(shapes) == 1 and len(dtypes) == 1:
-            _check_dtype(first.dtype, path, indices[0])
-            return values, FieldPlacement(first.dtype, (len(values), *first.shape), 0)
-    if type(first) in PYTHON_NUMBER_DTYPES:
-        kind, types = KIND_NUMPY, set(map(type, values))
-        others = types.difference(PYTHON_NUMBER_DTYPES)
-        if others and type(first) is float:
-            values = floats_after_a_float(values, others)
-            types = set(map(type, values))
-            others = types.difference(PYTHON_NUMBER_DTYPES)
-        if others and any(is_tensor(v) for v in values if type(v) in others):
-            values, kind = numbers_of_tensors(values), KIND_TORCH
-            types = set(map(type, values))
-        dtype = number_dtype(values, path, indices, types)
-        # (min and max in C first: a value per call cost 0.5 us a row)
-        if dtype.kind == "i" and not -(2**63) <= min(values) <= max(values) < 2**63:
-            for value, index in zip(values, indices):
-                if outside_int64(value):
-                    raise LayoutError(f"sample {index!r}: field {path} is {value}, outside the "
-                                      "int64 range it is stored in; store it as a float or a "
-                                      "string instead")
-        return values, FieldPlacement(dtype, (len(values),), 0, kind)
-    kind, raw_name, rows, raw_names = KIND_NUMPY, "", [], set()
-    for value, index in zip(values, indices):
-        row_raw = ""  # the row's torch dtype numpy lacks, stored as its bits
-        if is_tensor(value):
-            array, kind, raw_name = tensor_array(value)
-            row_raw = raw_name
-        elif isinstance(value, (np.ndarray, np.generic)):
-            array = value
-        elif type(value) in PYTHON_NUMBER_DTYPES:
-            # after an array or a numpy scalar: the dtype torch's as_tensor gives the number
-            # (a float is float32, torch's default), promoted with the others below
-            array = np.asarray(value, dtype=AS_TENSOR_DTYPES[type(value)])
-        elif type(first) is np.ndarray and type(value) in (list, tuple) and numeric_list(value):
-            array = as_tensor_list(value)  # torch's as_tensor, for each row after an array
-        elif value is None and type(first) is not type(None) and path == "sample":
-            reject_none(value, f"dataset[{index!r}]", collated=True)
-        else:
-            raise SampleTypeError(f"sample {index!r}: field {path} is {describe(value)} where "
-                                  f"sample {indices[0]!r} has {describe(first)}; return the "
-                                  "same type for every sample, or pass a collate_fn")
-        raw_names.add(row_raw)
-        rows.append(array)
-    shape = rows[0].shape
-    for entry, (array, index) in enumerate(zip(rows, indices)):
-        if array.shape != shape:
-            if is_tensor(first) and not is_tensor(values[entry]):  # torch.stack's TypeError
-                raise SampleTypeError(
-                    f"expected Tensor as element {entry} in argument 0 (torch's words). sample "
-                    f"{index!r}: field {path} is {describe(values[entry])} where sample "
-                    f"{indices[0]!r} has {describe(first)}; return the same type for every "
-                    "sample, or pass a collate_fn")
-            raise SampleShapeError(
-                f"stack expects each tensor to be equal size, but got {list(shape)} at entry 0 "
-                f"and {list(array.shape)} at entry {entry} (torch's words). "
-                f"sample {index!r}: field {path} has shape {list(array.shape)} but sample "
-                f"{indices[0]!r} has {list(shape)}; default collation stacks samples, so they "
-                "must have equal shapes (torch.stack raises here too): pad or crop them, or "
-                "pass a collate_fn (e.g. one that pads to the longest with pad_sequence)")
-    dtypes = {a.dtype for a in rows}
-    dtype = rows[0].dtype if len(dtypes) == 1 else promote(list(dtypes))
-    if dtype.hasobject:  # name the sample that brought the object dtype in
-        index = next(i for a, i in zip(rows, indices) if a.dtype.hasobject)
-        _check_dtype(dtype, path, index)
-    if len(raw_names) > 1 and any(raw_names):  # a dtype stored as its bits beside others
-        if all(map(is_tensor, values)):  # torch promotes them (bfloat16 + bool -> bfloat16)
-            torch = sys.modules["torch"]
-            target = functools.reduce(torch.promote_types, (value.dtype for value in values))
-            return _column([value.to(target) for value in values], path, indices, fast=False)
-        # beside numpy rows: torch raises too
-        raise LayoutError(f"sample {indices[0]!r}: field {path} mixes {max(raw_names)} with "
-                          "other dtypes; convert every sample to one dtype in the dataset")
-    _check_dtype(dtype, path, indices[0])
-    return rows, FieldPlacement(dtype, (len(rows), *shape), 0, kind, raw_name)
-
-
-def _check_dtype(dtype: np.dtype, path: str, index: Any) -> None:
-    if dtype.hasobject:
-        where = f"sample {index!r}" if path == "sample" else f"field {path} of sample {index!r}"
-        raise object_array_error(dtype, where)
 
 
 def _leaf_placement(value: Any, path: str, label: str,
@@ -282,12 +132,16 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any],
     # the commonest sample: one array (no structure to walk), collated as torch's arrays
     # are unless a collate function of a library's is registered for it
     if type(first) is np.ndarray and not (extensions and registered_collate(first, extensions)):
-        rows, placement = _column(samples, "sample", indices)
+        rows, placement = column(samples, "sample", indices)
         if type(rows) is EqualRows:
             return Prepared(_equal_rows_plan(placement), [rows], None)
         return _finish(_SAMPLE_LEAF, [rows], [placement], None, collated=True)
     if first is None:
         reject_none(first, f"dataset[{indices[0]!r}]", collated=True)
+    if not extensions:
+        prepared = _prepare_flat(samples, indices)
+        if prepared is not None:
+            return prepared
     builder = SpecBuilder(extensions=extensions)
     spec = builder.build(first, "sample")
     if type(spec) is FieldLeaf:  # samples that are one array or number: no walk
@@ -308,13 +162,57 @@ def prepare_samples(samples: Sequence[Any], indices: Sequence[Any],
                    for values, path, in_sequence, collate in zip(
                        objects, builder.object_paths, builder.object_in_sequence,
                        builder.object_collates)]
-    columns, placements = [], []
-    for values, path in zip(raw_columns, builder.field_paths):
-        rows, placement = _column(values, path, indices)
-        columns.append(rows)
-        placements.append(placement)
+    columns, placements = _columns(raw_columns, builder.field_paths, indices)
     return _finish(spec, columns, placements, objects, collated=True,
                    object_paths=builder.object_paths, live=live)
+
+
+def _columns(raw_columns: list, paths: list[str], indices: Sequence[Any]) -> tuple[list, list]:
+    columns, placements = [], []
+    for values, path in zip(raw_columns, paths):
+        rows, placement = column(values, path, indices)
+        columns.append(rows)
+        placements.append(placement)
+    return columns, placements
+
+
+# The layout learned from the last batch of flat samples of fields only (learned.py);
+# replaced whole in one assignment (thread workers share it).
+_last_flat: FlatLayout | None = None
+
+
+def _prepare_flat(samples: Sequence[Any], indices: Sequence[Any]) -> Prepared | None:
+    """A batch of flat samples of fields only, by the layout an earlier batch learned: typed
+    by its column recipes where each column is what it was, else walked by ``take_flat`` and
+    ``column`` (its plan again where the fields' dtypes and shapes are the same); None for any
+    other batch, or samples that differ in structure (the general path then names the one at
+    fault). Default collation with no collate function registered."""
+    global _last_flat
+    found = flat_leaves(samples[0])
+    if found is None:
+        return None
+    kind, keys, leaves = found
+    layout = _last_flat
+    if layout is not None and layout.fits(kind, keys):
+        columns = layout.take(samples, indices)
+        if columns is not None:
+            return Prepared(layout.plan, columns, None)
+    if not all(map(is_field, leaves)):
+        return None
+    if layout is None or not layout.fits(kind, keys):
+        builder = SpecBuilder(extensions={})
+        spec = builder.build(samples[0], "sample")  # (fields only: no object leaf)
+        layout = FlatLayout(kind, keys, spec, builder.field_paths)
+    raw_columns = [[leaf] for leaf in leaves]
+    if not take_flat(layout.spec, samples[1:], raw_columns, []):
+        return None
+    columns, placements = _columns(raw_columns, layout.paths, indices)
+    plan = layout.plan_for(placements)
+    if plan is None:
+        plan = _finish(layout.spec, columns, placements, None, collated=True).plan
+    if plan is not layout.plan or layout.recipes is None:
+        _last_flat = layout.learned(plan, columns)
+    return Prepared(plan, columns, None)
 
 
 def prepare_batch(batch: Any, label: str, converted: bool = False,

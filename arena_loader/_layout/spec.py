@@ -55,7 +55,7 @@ def _stacks_as_subclass(tensor: Any) -> bool:
             and cls.__torch_function__ is not torch.nn.Parameter.__torch_function__)
 
 
-def _slab_holds(tensor: Any) -> bool:
+def slab_holds(tensor: Any) -> bool:
     """A tensor whose values are one dense block numpy can view: strided, neither nested nor
     quantized, and not part of an autograd graph. Any other kind (nested, sparse, quantized,
     mkldnn, ``requires_grad``) travels pickled, as torch's workers send it (which keeps a leaf's
@@ -69,7 +69,7 @@ def outside_int64(value: Any) -> bool:
     return type(value) is int and not -(2**63) <= value < 2**63
 
 
-def _is_field(value: Any) -> bool:
+def is_field(value: Any) -> bool:
     """A leaf stored as an array in the slab: numpy arrays but object ones, numeric numpy
     scalars (a ``np.str_`` is a str to torch's ``default_collate``, so an object leaf), Python
     numbers, dense tensors (but subclasses that stack as themselves)."""
@@ -79,7 +79,7 @@ def _is_field(value: Any) -> bool:
         return not value.dtype.hasobject
     if isinstance(value, np.generic):
         return not isinstance(value, np.character)
-    return is_tensor(value) and _slab_holds(value) and not _stacks_as_subclass(value)
+    return is_tensor(value) and slab_holds(value) and not _stacks_as_subclass(value)
 
 
 def _kept_subclass(value: Any, converted: bool | None) -> bool:
@@ -121,6 +121,7 @@ def tensor_array(value: Any) -> tuple[np.ndarray, int, str]:
 
 
 _TORCH_COLLATE = "torch.utils.data._utils.collate"
+_TORCHS_OWN = [()]  # the functions of the last default_collate_fn_map found to be torch's own
 
 
 def collate_extensions() -> dict:
@@ -129,8 +130,10 @@ def collate_extensions() -> dict:
     an empty dict. Read per batch: the map may change at any time, in a worker too."""
     collate = sys.modules.get(_TORCH_COLLATE)
     table = getattr(collate, "default_collate_fn_map", None)
-    if not table or all(getattr(fn, "__module__", None) == _TORCH_COLLATE
-                        for fn in table.values()):
+    functions = tuple(table.values()) if table else ()
+    if functions == _TORCHS_OWN[0] or all(  # (the first test: one C pass, by identity)
+            getattr(fn, "__module__", None) == _TORCH_COLLATE for fn in functions):
+        _TORCHS_OWN[0] = functions
         return {}
     return table
 
@@ -178,7 +181,7 @@ class SpecBuilder:
             if collate is not None:
                 return self._object(value, path, in_sequence, collate)
         # (In a collate_fn's batch an int past int64 is handed out as it is, as by torch.)
-        if _is_field(value) and not (self.keep_state and (
+        if is_field(value) and not (self.keep_state and (
                 _kept_subclass(value, self.converted)
                 or outside_int64(value))):
             self.field_paths.append(path)
@@ -189,9 +192,11 @@ class SpecBuilder:
             children = tuple(self.build(value[k], f"{path}[{k!r}]") for k in keys)
             shell = _emptied_copy(value) if type(value) is not dict else None
             if shell is None:
-                return MappingNode(type(value), keys, children, path)
+                return MappingNode(type(value), keys, children, path,
+                                   key_types=tuple(map(type, keys)))
             leaf = self._object(shell, path, False, _first_shell)
-            return MappingNode(type(value), keys, children, path, leaf.index)
+            return MappingNode(type(value), keys, children, path, leaf.index,
+                               key_types=tuple(map(type, keys)))
         if isinstance(value, (tuple, list)):
             if _is_namedtuple(value):
                 names = type(value)._fields
