@@ -161,6 +161,30 @@ def compare(dataset, num_workers, **options):
     return got
 
 
+class MemmapRows:
+    """Rows of an ``np.memmap`` file (a dataset reading a large array from disk): each
+    sample an ``np.memmap``, an ndarray subclass, and a label."""
+
+    def __init__(self, path):
+        rows = np.memmap(path, dtype=np.float32, mode="w+", shape=(24, 5))
+        rows[:] = np.arange(120, dtype=np.float32).reshape(24, 5)
+        rows.flush()
+        self.rows = np.memmap(path, dtype=np.float32, mode="r", shape=(24, 5))
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, index):
+        return self.rows[index], index
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_memmap_rows_batch_as_torch_batches_them(num_workers, tmp_path):
+    """np.memmap rows (an ndarray subclass) take the general path: stacked as arrays (once
+    written as if they were numbers, which failed every batch)."""
+    compare(MemmapRows(tmp_path / "rows.f32"), num_workers, batch_size=8)
+
+
 @pytest.mark.parametrize("num_workers", WORKERS)
 def test_pad_to_longest_batch_first(num_workers):
     got = compare(Tokens(), num_workers, batch_size=5, collate_fn=pad_collate)
