@@ -142,7 +142,8 @@ class BatchFiller:
         is (a batched read may return one structure for the whole batch, not one sample per
         index), and the lanes' calls could not be put together into it."""
         started = self.begin(indices, threads, storage_for) if threads is not None else None
-        return started() if started is not None else self._translated(self._fetch, indices)
+        return started() if started is not None else self._translated(indices, self._fetch,
+                                                                       indices)
 
     def begin(self, indices: Any, threads: SampleThreads,
               storage_for: Callable[[int], np.ndarray] | None) -> Callable[..., Fetched] | None:
@@ -157,14 +158,14 @@ class BatchFiller:
         except Exception as exc:
             error = exc
 
-            def finish(_indices: Any, _between: Callable[[], None] | None = None) -> Fetched:
+            def finish(_between: Callable[[], None] | None = None) -> Fetched:
                 raise error
-        return lambda between=None: self._translated(
-            lambda batch_indices: finish(batch_indices, between), indices)
+        return lambda between=None: self._translated(indices, finish, between)
 
-    def _translated(self, fetch: Callable[..., Fetched], indices: Any) -> Fetched:
+    def _translated(self, indices: Any, fetch: Callable[..., Fetched], *args: Any) -> Fetched:
+        """``fetch(*args)``, the batch of ``indices``, with its errors made to say so."""
         try:
-            return fetch(indices)
+            return fetch(*args)
         except StopIteration as exc:  # escaping from __next__ it would end the epoch silently
             raise RuntimeError(f"the dataset or collate_fn raised StopIteration while loading "
                                f"indices {indices!r}; raise IndexError or another error "
@@ -254,7 +255,7 @@ class BatchFiller:
 
         job = threads.submit(load_share)
 
-        def finish(_indices: Any, between: Callable[[], None] | None = None) -> Fetched:
+        def finish(between: Callable[[], None] | None = None) -> Fetched:
             threads.finish(job, between)
             failure.raise_if_any()
             if writer is not None and writer.done():

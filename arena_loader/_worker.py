@@ -365,8 +365,9 @@ class _NextEntry:
             return
         try:
             entry = self._reader.next_entry_now()
-        except Exception:  # EOFError, or a payload that does not unpickle: not taken, so
-            return  # the loop's next read meets it again, as without threads
+        except Exception:  # EOFError, or indices that do not unpickle: not taken, so the
+            return  # loop's own read meets them (a piped payload, gone by then, ends the
+            # worker there, as an undecodable one does without threads)
         if entry is not None:  # a new slab (ATTACH) is mapped before a later batch begins
             self.taken = entry, (None if entry.kind is EntryKind.STOP or entry.kind is
                                  EntryKind.ATTACH else self._state.begin(entry))
